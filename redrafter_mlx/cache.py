@@ -1,0 +1,80 @@
+"""Pre-allocated KV cache with compaction of an accepted tree path.
+
+Legend: S cached (committed) tokens, T tokens written by one forward, L beam length,
+K KV heads, D head dim.
+
+A verify forward writes the K/V of its ``T`` tree nodes into a *scratch* area right after
+the committed prefix (``[offset, offset + T)``) without committing them. ``compact(path)``
+then moves the accepted root-to-leaf path to ``[offset, offset + L)``; the host commits only
+the accepted count with ``commit`` once it knows it (after the step's single sync). Slots past
+``offset`` are dead and get overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+GROW_STEP = 256
+
+
+class KVCache:
+    """K/V for every layer of one sequence; the caller owns it and passes it to ``llm.forward``.
+
+    ``ids`` mirrors the committed token ids on the host so a chat can reuse a shared prefix.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        self.shape = (1, num_kv_heads, 0, head_dim)
+        self.dtype = dtype
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+        self.capacity = 0
+        self.offset = 0
+        self.ids: list[int] = []
+
+    def reserve(self, num_new: int) -> None:
+        """Make room for ``num_new`` tokens after ``offset`` (grows in steps of 256)."""
+        needed = self.offset + num_new
+        if needed <= self.capacity:
+            return
+        new_capacity = -(-needed // GROW_STEP) * GROW_STEP
+        b, h, _, d = self.shape
+        extra = (b, h, new_capacity - self.capacity, d)
+        # Fresh arrays per slot: slice assignment mutates the array object in place.
+        for cache in (self.keys, self.values):
+            for i, old in enumerate(cache):
+                new = mx.zeros(extra, self.dtype)
+                cache[i] = new if old is None else mx.concatenate([old, new], axis=2)
+        self.capacity = new_capacity
+
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``(1, K, T, D)`` K/V at ``[offset, offset + T)``; return K/V ``(1, K, S + T, D)``."""
+        end = self.offset + keys.shape[2]
+        self.keys[layer][..., self.offset : end, :] = keys.astype(self.dtype)
+        self.values[layer][..., self.offset : end, :] = values.astype(self.dtype)
+        return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
+
+    def compact(self, path: mx.array) -> None:
+        """Move scratch nodes ``path (L,)`` (indices relative to ``offset``) to ``[offset, offset+L)``.
+
+        Lazy: ``path`` may be an unevaluated device array; nothing is committed here.
+        """
+        src = self.offset + path
+        end = self.offset + path.shape[0]
+        for i in range(len(self.keys)):
+            self.keys[i][..., self.offset : end, :] = mx.take(self.keys[i], src, axis=2)
+            self.values[i][..., self.offset : end, :] = mx.take(self.values[i], src, axis=2)
+
+    def commit(self, ids: list[int]) -> None:
+        """Mark the next ``len(ids)`` written slots (token ids ``ids``) as part of the prefix."""
+        self.offset += len(ids)
+        self.ids.extend(ids)
+
+    def rewind(self, length: int) -> None:
+        """Drop everything after the first ``length`` committed tokens."""
+        self.offset = min(length, self.offset)
+        del self.ids[self.offset :]
+
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate to materialise the cache."""
+        return [a for a in self.keys + self.values if a is not None]

@@ -1,0 +1,80 @@
+"""`redrafter-mlx <command>`: dispatch to one module per command.
+
+On Linux the CPU backend's matmul speed depends on BLAS: when Debian's OpenBLAS is installed and
+not yet preloaded, the process re-executes itself with it in ``LD_PRELOAD`` (set
+``REDRAFTER_NO_OPENBLAS=1`` to opt out). This must happen before MLX is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+COMMANDS = {
+    "generate": ("redrafter_mlx.generate_cli", "generate text (ReDrafter by default)"),
+    "chat": ("redrafter_mlx.chat", "terminal chat with ReDrafter"),
+    "convert": ("redrafter_mlx.convert", "convert a HF folder/hub id, .bin, GGUF or drafter"),
+    "train": ("redrafter_mlx.train", "distil a drafter for a target model"),
+    "eval-drafter": ("redrafter_mlx.eval_drafter", "mean tokens/step of a drafter per (W, L)"),
+    "bench": ("redrafter_mlx.bench", "speed benchmark against mlx-lm"),
+    "autotune": ("redrafter_mlx.autotune", "find the fastest beam shape for this chip"),
+}
+
+USAGE = """usage: redrafter-mlx <command> [options]
+
+commands:
+{commands}
+
+examples:
+  redrafter-mlx chat
+  redrafter-mlx generate --prompt "What is the capital of France?"
+  redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
+  redrafter-mlx convert --src lmsys/vicuna-7b-v1.3 --out models/vicuna-7b --dtype float16
+  redrafter-mlx bench --beam-width 1,2,3 --beam-length 3,4,5
+
+`redrafter-mlx <command> --help` shows each command's options.
+"""
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process runs with (Linux CPU backend); 'Accelerate' on macOS."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    if "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return "OpenBLAS (LD_PRELOAD)"
+    return "mlx built-in (no OpenBLAS)"
+
+
+def maybe_reexec_with_openblas() -> None:
+    """Re-exec this process with OpenBLAS preloaded on Linux, when it is installed."""
+    if not sys.platform.startswith("linux") or os.environ.get("REDRAFTER_NO_OPENBLAS"):
+        return
+    if "openblas" in os.environ.get("LD_PRELOAD", "") or not os.path.exists(OPENBLAS):
+        return
+    if "mlx" in sys.modules:  # too late: MLX already loaded its BLAS
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (OPENBLAS, env.get("LD_PRELOAD")) if p)
+    os.execve(sys.executable, [sys.executable, "-m", "redrafter_mlx", *sys.argv[1:]], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        maybe_reexec_with_openblas()
+        argv = sys.argv[1:]
+    listing = "\n".join(f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items())
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE.format(commands=listing))
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"redrafter-mlx: unknown command {name!r}\n", file=sys.stderr)
+        print(USAGE.format(commands=listing), file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = module.setup_arg_parser()
+    parser.prog = f"redrafter-mlx {name}"
+    module.main(parser.parse_args(rest))

@@ -1,0 +1,179 @@
+"""The decode loops: prefill, then per step draft -> pack -> verify -> accept -> compact.
+
+Legend: W beam width, L beam length, T tree nodes, S cached tokens, H hidden, V vocab.
+
+State between steps: the cache holds the accepted prefix; ``pending`` is the target's next token
+(emitted, not yet in the cache); ``context`` is the hidden state that predicted it; ``beams`` were
+drafted from the two. Each step makes exactly one host read: the accepted beam, its accepted
+count, the next pending token and the *next* step's beams, all in one array. Everything between
+two reads is one lazy graph.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from redrafter_mlx import llm
+from redrafter_mlx.accept import Sampler, accept
+from redrafter_mlx.cache import KVCache
+from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.tree import pack_beams, tree_mask
+
+PREFILL_CHUNK = 512
+PHASES = ("draft", "pack", "verify", "accept", "compact")
+
+
+class ContextFull(RuntimeError):
+    """The next step would not fit in the model's context window."""
+
+
+@dataclass(frozen=True)
+class BeamShape:
+    width: int = 1
+    length: int = 4
+
+    def __post_init__(self):
+        if self.width < 1 or self.length < 2:
+            raise ValueError(f"beam shape W={self.width} L={self.length}: need W >= 1 and L >= 2")
+
+
+@dataclass
+class Step:
+    """What one decode step emitted, with its counters."""
+
+    tokens: list[int]  # emitted tokens (accepted drafts + the target's own next token)
+    tree_size: int = 1  # nodes verified (1 for an autoregressive step)
+    syncs: int = 1  # host reads this step made (excluding timing evals)
+
+
+class PhaseTimer:
+    """Per-phase wall time. When enabled it *evaluates* at phase boundaries (extra syncs) so
+    that each phase's work is attributed to it; when disabled it costs nothing."""
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self.enabled:
+            self._t = time.perf_counter()
+
+    def mark(self, phase: str, *arrays) -> None:
+        if self.enabled:
+            mx.eval(*arrays)
+            now = time.perf_counter()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._t
+            self._t = now
+
+
+@dataclass
+class Decoder:
+    """A target model (plus optional drafter) and the knobs of one generation."""
+
+    model: nn.Module
+    sampler: Sampler
+    drafter: BeamDrafter | None = None
+    shape: BeamShape = field(default_factory=BeamShape)
+    max_context: int | None = None
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+
+    def new_cache(self) -> KVCache:
+        return llm.make_cache(self.model)
+
+    def _check_room(self, cache: KVCache, needed: int) -> None:
+        if self.max_context is not None and cache.offset + needed > self.max_context:
+            raise ContextFull(
+                f"context full: {cache.offset} cached + {needed} new tokens exceed the "
+                f"model's {self.max_context}-token context"
+            )
+
+    def prefill(self, cache: KVCache, prompt: list[int]) -> tuple[mx.array, mx.array]:
+        """Feed ``prompt`` after the cache; return the next token ``()`` and its context ``(H,)``."""
+        if not prompt:
+            raise ValueError("empty prompt: nothing to condition on")
+        self._check_room(cache, len(prompt) + 1)
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            chunk = prompt[start : start + PREFILL_CHUNK]
+            positions = mx.arange(cache.offset, cache.offset + len(chunk))
+            hidden = llm.forward(
+                self.model, mx.array(chunk), positions, llm.chain_mask(cache.offset, len(chunk)),
+                cache,
+            )
+            mx.eval(hidden, *cache.state())  # bound the graph per chunk
+            cache.commit(chunk)
+        logits = llm.lm_head(self.model, hidden[-1:])
+        token = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+        return token.astype(mx.int32), hidden[-1]
+
+    def autoregressive(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
+        """Plain decoding with the same forward: one target pass, one token, one sync per step."""
+        token, _ = self.prefill(cache, prompt)
+        token = token.item()  # host read: the first token
+        yield Step([token])
+        while True:
+            self._check_room(cache, 1)
+            hidden = llm.forward(
+                self.model, mx.array([token]), mx.array([cache.offset]), None, cache
+            )
+            logits = llm.lm_head(self.model, hidden)
+            choice = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            cache.commit([token])
+            token = choice.item()  # host read: the next token
+            yield Step([token])
+
+    def speculative(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
+        """ReDrafter decoding: each step emits 1..L tokens with one target pass and one sync."""
+        if self.drafter is None:
+            raise ValueError("speculative decoding needs a drafter")
+        width, length = self.shape.width, self.shape.length
+        pending, context = self.prefill(cache, prompt)
+        beams = self.drafter(context, pending, width=width, length=length)[0]
+        read = _host_read(mx.concatenate([pending[None], beams.reshape(-1)]))
+        yield Step([int(read[0])])
+        beams = read[1:].reshape(width, length)
+        while True:
+            beams, step = self._step(cache, beams)
+            yield step
+
+    def _step(self, cache: KVCache, beams: np.ndarray) -> tuple[np.ndarray, Step]:
+        """One pack -> verify -> accept -> compact -> draft step from host ``beams (W, L)``."""
+        timer = self.timer
+        timer.start()
+        tree = pack_beams(beams)
+        self._check_room(cache, tree.size + 1)
+        mask = tree_mask(tree, cache.offset)
+        positions = mx.array(cache.offset + tree.depths)
+        timer.mark("pack", mask)
+        hidden = llm.forward(self.model, mx.array(tree.tokens), positions, mask, cache)
+        logits = llm.lm_head(self.model, hidden)
+        timer.mark("verify", logits)
+        result = accept(mx.array(beams), mx.array(tree.unpack), logits, self.sampler)
+        timer.mark("accept", result.num_accepted, result.next_token)
+        cache.compact(result.path)
+        timer.mark("compact", *cache.state())
+        next_beams = self.drafter(
+            hidden[result.last_node], result.next_token,
+            width=self.shape.width, length=self.shape.length,
+        )[0]
+        read = _host_read(  # the step's one host read
+            mx.concatenate([mx.stack([result.best, result.num_accepted, result.next_token]),
+                            next_beams.reshape(-1)])
+        )
+        timer.mark("draft")
+        best, num_accepted, next_token = (int(x) for x in read[:3])
+        root_and_accepted = beams[best, : num_accepted + 1].tolist()
+        cache.commit(root_and_accepted)
+        emitted = root_and_accepted[1:] + [next_token]
+        return read[3:].reshape(beams.shape), Step(emitted, tree_size=tree.size)
+
+
+def _host_read(values: mx.array) -> np.ndarray:
+    """The one place a decode step reads device values back to the host."""
+    return np.array(values)

@@ -1,0 +1,58 @@
+"""Dynamic tree attention: pack beams that share prefixes into one tree of unique nodes.
+
+Legend: W beam width, L beam length, T packed tree nodes, S cached tokens.
+
+All beams have the same length, so dedup is tensor work (REDRAFTER.md section 3):
+``same_prefix[i, j, k]`` says beams i and j agree on tokens ``0..k``; ``first[i, k]`` is the
+smallest such j. Token ``(i, k)`` is a node iff ``first[i, k] == i``. Nodes are numbered in
+row-major order of the kept ``(i, k)``; ``unpack (W, L)`` maps every beam position to its node.
+
+Packing runs on the host in numpy: the beams are already there after the step's single sync,
+and the number of nodes T must be known on the host to shape the verify forward anyway.
+
+Example: beams ``[[91,92,93,95],[91,92,94,96],[91,92,93,97]]`` pack to nodes
+``[91,92,93,95,94,96,97]`` with unpack ``[[0,1,2,3],[0,1,4,5],[0,1,2,6]]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tree:
+    tokens: np.ndarray  # (T,) token ids of the nodes
+    depths: np.ndarray  # (T,) 0 for the root; a node's position is cache length + depth
+    parents: np.ndarray  # (T,) parent node, -1 for the root
+    unpack: np.ndarray  # (W, L) node of each beam position
+    ancestors: np.ndarray  # (T, T) bool, [t, a]: a is t or an ancestor of t
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+
+def pack_beams(beams: np.ndarray) -> Tree:
+    """Deduplicate shared beam prefixes. ``beams (W, L)`` -> ``Tree`` with T nodes."""
+    width, length = beams.shape
+    eq = beams[:, None, :] == beams[None, :, :]  # (W, W, L)
+    same_prefix = np.cumsum(eq, axis=2) == np.arange(1, length + 1)
+    first = np.argmax(same_prefix, axis=1)  # (W, L) smallest beam sharing the prefix
+    keep = first == np.arange(width)[:, None]
+    node_of = np.cumsum(keep.reshape(-1)).reshape(width, length) - 1  # valid where keep
+    unpack = node_of[first, np.arange(length)[None, :]]
+    rows, cols = np.nonzero(keep)  # row-major, so in node order
+    parents = np.where(cols > 0, unpack[rows, np.maximum(cols - 1, 0)], -1)
+    ancestors = np.zeros((len(rows), len(rows)), dtype=bool)
+    for k in range(length):
+        ancestors[unpack[:, k, None], unpack[:, : k + 1]] = True
+    return Tree(beams[rows, cols], cols, parents, unpack, ancestors)
+
+
+def tree_mask(tree: Tree, cached: int) -> mx.array:
+    """Boolean attention mask (T, S + T): the whole cache plus each node's own ancestors."""
+    prefix = np.ones((tree.size, cached), dtype=bool)
+    return mx.array(np.concatenate([prefix, tree.ancestors], axis=1))

@@ -1,0 +1,158 @@
+"""The ReDrafter loop: lossless greedy output, oracle acceptance, one sync, exact sampling."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.sample_utils import apply_top_p, make_sampler
+from scipy.stats import chisquare
+
+from redrafter_mlx import decode, llm
+from redrafter_mlx.decode import BeamShape, Decoder
+from redrafter_mlx.draft import BeamDrafter, beam_search
+from redrafter_mlx.drafter import random_drafter
+
+GREEDY = make_sampler(0.0)
+PROMPT = [5, 17, 33, 2, 41]
+
+
+def take(steps, n):
+    """First ``n`` tokens of a step generator, and the number of decode steps used."""
+    out, count = [], -1  # the prefill's step is not a decode step
+    for step in steps:
+        out += step.tokens
+        count += 1
+        if len(out) >= n:
+            return out[:n], count
+
+
+def autoregressive(model, prompt, n):
+    decoder = Decoder(model, GREEDY)
+    return take(decoder.autoregressive(decoder.new_cache(), prompt), n)[0]
+
+
+def speculative(model, drafter, prompt, n, width, length, sampler=GREEDY):
+    decoder = Decoder(model, sampler, drafter, BeamShape(width, length))
+    return take(decoder.speculative(decoder.new_cache(), prompt), n)
+
+
+@pytest.fixture(scope="module")
+def beam_drafter(target, drafter):
+    return BeamDrafter(drafter, target.model.embed_tokens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(width=st.integers(1, 16), length=st.integers(2, 6), seed=st.integers(0, 3))
+def test_greedy_equals_autoregressive(target, beam_drafter, width, length, seed):
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=6)]
+    expected = autoregressive(target, prompt, 48)
+    assert speculative(target, beam_drafter, prompt, 48, width, length)[0] == expected
+
+
+def test_greedy_exact_with_a_drafter_that_often_agrees():
+    """A target with small vocab makes random drafts often right: exercises long accepts."""
+    model = tiny_llama(seed=3, vocab=8)
+    bd = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
+    expected = autoregressive(model, [1, 2, 3], 64)
+    for width, length in [(1, 6), (4, 4), (8, 6)]:
+        got, steps = speculative(model, bd, [1, 2, 3], 64, width, length)
+        assert got == expected
+        assert steps < 63  # some drafts were accepted
+
+
+class OracleDrafter:
+    """Proposes the target's own continuation in one beam (at a varying row), junk elsewhere."""
+
+    def __init__(self, continuation, vocab):
+        self.continuation, self.vocab, self.calls = continuation, vocab, 0
+
+    def __call__(self, context, pending, *, width, length):
+        start = self.calls * length
+        beams = np.random.default_rng(self.calls).integers(0, self.vocab, (width, length))
+        beams[:, 0] = self.continuation[start]
+        beams[self.calls % width] = self.continuation[start : start + length]
+        self.calls += 1
+        return mx.array(beams), None
+
+
+@pytest.mark.parametrize("width,length", [(1, 2), (3, 4), (5, 6), (16, 5)])
+def test_oracle_drafter_gets_full_beams(target, width, length):
+    expected = autoregressive(target, PROMPT, 200)
+    oracle = OracleDrafter(expected, target.args.vocab_size)
+    n = 1 + 10 * length
+    got, steps = speculative(target, oracle, PROMPT, n, width, length)
+    assert got == expected[:n]
+    assert steps == 10  # every step emitted L tokens
+
+
+def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
+    reads = []
+    real = decode._host_read
+    monkeypatch.setattr(decode, "_host_read", lambda x: reads.append(1) or real(x))
+    _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4)
+    assert len(reads) == steps + 1  # one per step, plus the one after prefill
+
+
+def test_compiled_and_eager_beam_search_agree(target, drafter):
+    context = mx.random.normal((target.args.hidden_size,))
+    pending = mx.array(7)
+    for width, length in [(1, 3), (4, 5), (3, 2)]:
+        eager = beam_search(drafter, target.model.embed_tokens, context, pending,
+                            width=width, length=length)
+        compiled = BeamDrafter(drafter, target.model.embed_tokens)(
+            context, pending, width=width, length=length)
+        assert (eager[0] == compiled[0]).all()
+        np.testing.assert_allclose(eager[1], compiled[1], atol=1e-5)
+        assert eager[0].shape == (width, length) and (eager[0][:, 0] == 7).all()
+
+
+def test_beam_search_keeps_best_scores_first(target, drafter):
+    beams, logprobs = beam_search(drafter, target.model.embed_tokens,
+                                  mx.random.normal((64,)), mx.array(3), width=6, length=4)
+    scores = np.array(logprobs.sum(axis=1))
+    assert (np.diff(scores) <= 1e-6).all()
+    assert len({tuple(b) for b in np.array(beams).tolist()}) == 6  # no duplicate beams
+
+
+# --- sampling is exact: chi-square against the target's own distribution -------------------
+
+VOCAB = 8
+
+
+def _target_probs(model, sampler_filter, temp, prefix):
+    cache = llm.make_cache(model)
+    n = len(prefix)
+    hidden = llm.forward(model, mx.array(prefix), mx.arange(n), llm.chain_mask(0, n), cache)
+    logits = llm.lm_head(model, hidden[-1])
+    logprobs = sampler_filter(logits - mx.logsumexp(logits))
+    return np.array(mx.softmax(logprobs / temp), dtype=np.float64)
+
+
+@pytest.mark.parametrize("temp,top_p", [(0.7, 0.0), (1.5, 0.0), (1.0, 0.8)])
+def test_sampling_matches_target_distribution(temp, top_p):
+    model = tiny_llama(seed=6, vocab=VOCAB, scale=1.5)
+    bd = BeamDrafter(random_drafter(64, VOCAB, seed=7), model.model.embed_tokens)
+    sampler = make_sampler(temp, top_p=top_p)
+    filt = (lambda x: apply_top_p(x, top_p)) if top_p else (lambda x: x)
+    prompt = [1, 2, 3]
+    p1 = _target_probs(model, filt, temp, prompt)
+    p2 = sum(p1[x] * _target_probs(model, filt, temp, prompt + [x]) for x in range(VOCAB))
+    mx.random.seed(11)
+    runs = 1500
+    firsts, seconds = np.zeros(VOCAB), np.zeros(VOCAB)
+    for _ in range(runs):
+        tokens, _ = speculative(model, bd, prompt, 3, 3, 3, sampler)
+        firsts[tokens[0]] += 1
+        seconds[tokens[1]] += 1
+    for observed, probs in ((firsts, p1), (seconds, p2)):
+        keep = probs * runs >= 5  # pool rare cells so the chi-square approximation holds
+        obs = np.append(observed[keep], observed[~keep].sum())
+        exp = np.append(probs[keep], probs[~keep].sum()) * runs
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        exp = exp / exp.sum() * obs.sum()  # float rounding of the probabilities
+        assert observed[probs == 0].sum() == 0  # top-p never lets a filtered token through
+        assert chisquare(obs, exp).pvalue > 1e-3

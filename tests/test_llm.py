@@ -1,0 +1,93 @@
+"""The verify forward and the KV cache against plain sequential decoding."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import tiny_llama
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from redrafter_mlx import llm
+from redrafter_mlx.decode import Decoder
+from redrafter_mlx.tree import pack_beams, tree_mask
+
+PREFIX = [3, 14, 15, 9, 2, 6]
+
+
+def _sequential(model, tokens):
+    """Hidden states and logits of a fresh causal forward over ``tokens``."""
+    cache = llm.make_cache(model)
+    n = len(tokens)
+    hidden = llm.forward(model, mx.array(tokens), mx.arange(n), llm.chain_mask(0, n), cache)
+    return hidden, llm.lm_head(model, hidden), cache
+
+
+def _verify_tree(model, beams):
+    """Prefill PREFIX, then verify the packed tree of ``beams`` in one forward."""
+    tree = pack_beams(beams)
+    _, _, cache = _sequential(model, PREFIX)
+    cache.commit(PREFIX)
+    positions = mx.array(len(PREFIX) + tree.depths)
+    hidden = llm.forward(model, mx.array(tree.tokens), positions, tree_mask(tree, cache.offset),
+                         cache)
+    return tree, hidden, llm.lm_head(model, hidden), cache
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_forward_equals_sequential_paths(seed):
+    model = tiny_llama(seed=seed, tie=bool(seed % 2))
+    rng = np.random.default_rng(seed)
+    beams = rng.integers(0, 4, size=(6, 5))  # small alphabet: many shared prefixes
+    tree, hidden, logits, _ = _verify_tree(model, beams)
+    assert tree.size < beams.size
+    for w in range(beams.shape[0]):
+        ref_hidden, ref_logits, _ = _sequential(model, PREFIX + beams[w].tolist())
+        nodes = mx.array(tree.unpack[w])
+        np.testing.assert_allclose(hidden[nodes], ref_hidden[len(PREFIX):], atol=1e-4)
+        np.testing.assert_allclose(logits[nodes], ref_logits[len(PREFIX):], atol=1e-4)
+
+
+def test_compaction_equals_recomputed_kv():
+    model = tiny_llama(seed=5)
+    beams = np.array([[7, 1, 2, 3], [7, 1, 4, 5], [7, 6, 2, 3]])
+    tree, _, _, cache = _verify_tree(model, beams)
+    keep = 3  # root + 2 accepted drafts of beam 1
+    cache.compact(mx.array(tree.unpack[1]))
+    cache.commit(beams[1, :keep].tolist())
+    _, _, ref = _sequential(model, PREFIX + beams[1, :keep].tolist())
+    n = len(PREFIX) + keep
+    assert cache.offset == n and cache.ids == PREFIX + beams[1, :keep].tolist()
+    for got, want in zip(cache.keys + cache.values, ref.keys + ref.values):
+        np.testing.assert_allclose(got[..., :n, :], want[..., :n, :], atol=1e-5)
+
+
+def _mlx_lm_greedy(model, prompt, n):
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=make_sampler(0.0))
+    return [int(token) for token, _ in steps]
+
+
+def _ours_greedy(model, prompt, n):
+    decoder = Decoder(model, make_sampler(0.0))
+    out = []
+    for step in decoder.autoregressive(decoder.new_cache(), prompt):
+        out += step.tokens
+        if len(out) >= n:
+            return out[:n]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_autoregressive_equals_mlx_lm(seed):
+    model = tiny_llama(seed=seed, tie=seed == 1)
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=7)]
+    assert _ours_greedy(model, prompt, 32) == _mlx_lm_greedy(model, prompt, 32)
+
+
+def test_quantized_target_gets_float_cache_and_same_tokens():
+    model = tiny_llama(seed=2)
+    nn.quantize(model, group_size=32, bits=8)
+    cache = llm.make_cache(model)
+    assert cache.dtype == mx.float32
+    assert _ours_greedy(model, PREFIX, 24) == _mlx_lm_greedy(model, PREFIX, 24)
