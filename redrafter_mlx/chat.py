@@ -1,0 +1,541 @@
+"""`redrafter-mlx chat`: a terminal chat with ReDrafter that reuses the conversation's KV cache.
+
+One ``KVCache`` lives for the whole session. Each turn templates the full conversation, keeps the
+longest prefix the cache already holds (``cache.ids``), rewinds to it and feeds only the rest.
+When the conversation outgrows the model's context the oldest turns are dropped (the cache then
+re-prefills from the first differing token). Ctrl-C stops an answer and keeps what was shown.
+
+With a pipe on stdin it is a plain line-by-line session: one answer per input line on stdout,
+notices and stats on stderr, no colours or prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+from rich.console import Console
+from rich.markup import escape
+
+from redrafter_mlx import llm
+from redrafter_mlx import runtime as rt
+from redrafter_mlx.decode import BeamShape, ContextFull, Decoder
+from redrafter_mlx.generate import GenerationResponse, GenerationStats, stream_generate
+
+EXAMPLES = """examples:
+  redrafter-mlx chat
+  redrafter-mlx chat --system "Answer in one sentence." --beam-width 2 --beam-length 4
+  redrafter-mlx chat --autoregressive --max-tokens 128
+  printf 'My name is Ada.\\nWhat is my name?\\n' | redrafter-mlx chat
+"""
+
+COMMANDS = {
+    "help": "this list",
+    "reset": "forget the conversation (keeps the system prompt)",
+    "stats": "session totals: tokens, tokens/step histogram, speedup estimate",
+    "beam": "W L: beam width and length for the next answers",
+    "temp": "T: sampling temperature (0 = greedy)",
+    "system": "TEXT: set the system prompt (no text: show it)",
+    "save": "PATH: write the conversation as JSON",
+    "quit": "leave (also Ctrl-D, or Ctrl-C at the prompt)",
+}
+
+Encode = Callable[[list[dict]], list[int]]
+
+
+# ---------------------------------------------------------------- parsing (pure)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    arg: str = ""
+
+
+def parse_command(line: str) -> Command | None:
+    """``"/beam 2 4"`` -> ``Command("beam", "2 4")``; ``None`` for a plain message."""
+    if not line.startswith("/"):
+        return None
+    name, _, arg = line[1:].strip().partition(" ")
+    return Command(name.lower(), arg.strip())
+
+
+def parse_beam(arg: str) -> BeamShape:
+    """``"W L"`` -> BeamShape; ValueError with a usage message otherwise."""
+    parts = arg.split()
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError("usage: /beam W L  (two integers, e.g. /beam 2 4)")
+    return BeamShape(int(parts[0]), int(parts[1]))
+
+
+def parse_temp(arg: str) -> float:
+    """``"0.7"`` -> 0.7; ValueError unless a number >= 0."""
+    try:
+        value = float(arg)
+    except ValueError:
+        raise ValueError("usage: /temp T  (a number >= 0, 0 = greedy)") from None
+    if not value >= 0:  # also rejects nan
+        raise ValueError("usage: /temp T  (a number >= 0, 0 = greedy)")
+    return value
+
+
+def unknown_hint(name: str) -> str:
+    """A one-line hint for an unknown command, suggesting the closest known one."""
+    close = difflib.get_close_matches(name, COMMANDS, n=1)
+    guess = f" did you mean /{close[0]}?" if close else ""
+    return f"unknown command /{name}.{guess} /help lists the commands"
+
+
+# ---------------------------------------------------------------- history + cache (pure)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
+    """``messages`` without its oldest turn (a user message and the replies up to the next user
+    message); ``None`` when only the last turn is left. A leading system message stays."""
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    users = [i for i, m in enumerate(messages) if i >= head and m["role"] == "user"]
+    if len(users) < 2:
+        return None
+    return messages[:head] + messages[users[1]:]
+
+
+def fit_history(
+    messages: list[dict], encode: Encode, limit: int | None
+) -> tuple[list[dict], list[int], int]:
+    """Drop oldest turns until the templated conversation has at most ``limit`` tokens.
+
+    Returns ``(messages, ids, dropped_turns)``; raises ContextFull when the last turn alone is
+    too long.
+    """
+    ids = encode(messages)
+    dropped = 0
+    while limit is not None and len(ids) > limit:
+        shorter = drop_oldest_turn(messages)
+        if shorter is None:
+            raise ContextFull(
+                f"this message needs {len(ids)} tokens with the system prompt; the room left "
+                f"for it in the model's context is {limit}"
+            )
+        messages, dropped = shorter, dropped + 1
+        ids = encode(messages)
+    return messages, ids, dropped
+
+
+# ---------------------------------------------------------------- session (no printing)
+
+
+@dataclass
+class Totals:
+    """Counters over every answer of the session."""
+
+    answers: int = 0
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0  # decode seconds after each answer's first token
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    histogram: Counter = field(default_factory=Counter)
+
+    def add(self, stats: GenerationStats, reused: int) -> None:
+        self.answers += 1
+        self.tokens += stats.generation_tokens
+        self.steps += stats.steps
+        self.seconds += stats.generation_seconds
+        self.prompt_tokens += stats.prompt_tokens
+        self.reused_tokens += reused
+        self.histogram.update(stats.accept_histogram)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(k * n for k, n in self.histogram.items()) / max(self.steps, 1)
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+
+@dataclass
+class Turn:
+    """What one answer did: its stats, how the cache was reused, and how it ended."""
+
+    prompt_tokens: int = 0  # tokens fed this turn (after the reused prefix)
+    reused_tokens: int = 0  # tokens of the conversation already in the cache
+    dropped_turns: int = 0  # oldest turns dropped to fit the context
+    stats: GenerationStats | None = None
+    finish_reason: str | None = None  # None when interrupted
+
+
+class ChatSession:
+    """A conversation, its KV cache and the decoder; generation is a generator of responses."""
+
+    def __init__(
+        self, decoder: Decoder, tokenizer, encode: Encode, *, max_tokens: int = 256,
+        autoregressive: bool = False, system: str | None = None,
+    ):
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.encode = encode
+        self.max_tokens = max_tokens
+        self.autoregressive = autoregressive
+        self.system = system
+        self.messages: list[dict] = []  # user / assistant turns, no system message
+        self.cache = decoder.new_cache()
+        self.totals = Totals()
+        self.last: Turn | None = None
+
+    def conversation(self) -> list[dict]:
+        """The messages as the template sees them (system prompt first, when set)."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def reset(self) -> None:
+        """Forget the conversation and the cache (the system prompt stays)."""
+        self.messages = []
+        self.cache.rewind(0)
+
+    def room(self) -> int | None:
+        """Most tokens a templated conversation may have so that an answer still fits."""
+        context = self.decoder.max_context
+        if context is None:
+            return None
+        shape = self.decoder.shape
+        slack = 1 if self.autoregressive else shape.width * shape.length + 1
+        return max(context - min(self.max_tokens, context // 2) - slack, 1)
+
+    def prepare(self, user_text: str) -> tuple[list[int], Turn]:
+        """Append the user message (trimming old turns to fit), rewind the cache to the prefix it
+        shares with the new conversation; return the tokens to feed. ContextFull if it can't fit
+        (the conversation is then unchanged)."""
+        asked = self.conversation() + [{"role": "user", "content": user_text}]
+        kept, ids, dropped = fit_history(asked, self.encode, self.room())
+        self.messages = [m for m in kept if m["role"] != "system"]
+        reused = min(common_prefix(self.cache.ids, ids), len(ids) - 1)
+        self.cache.rewind(reused)
+        prompt = ids[reused:]
+        return prompt, Turn(len(prompt), reused, dropped)
+
+    def reply(self, user_text: str) -> Iterator[GenerationResponse]:
+        """Answer ``user_text``, streaming responses. Closing the generator early (Ctrl-C) keeps
+        the partial answer in the conversation. ``self.last`` describes the turn."""
+        prompt, turn = self.prepare(user_text)
+        self.last = turn
+        parts: list[str] = []
+        try:
+            for response in stream_generate(
+                self.decoder, self.tokenizer, prompt, max_tokens=self.max_tokens,
+                autoregressive=self.autoregressive, cache=self.cache,
+            ):
+                parts.append(response.text)
+                turn.stats, turn.finish_reason = response.stats, response.finish_reason
+                yield response
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(parts)})
+            # An interrupt may land between a commit's two updates: keep ids and offset equal.
+            self.cache.rewind(len(self.cache.ids))
+            if turn.stats is not None:
+                self.totals.add(turn.stats, turn.reused_tokens)
+
+    def set_temperature(self, temp: float, top_p: float = 0.0, top_k: int = 0) -> None:
+        self.decoder.sampler = make_sampler(temp, top_p=top_p, top_k=top_k)
+
+
+def time_autoregressive_step(decoder: Decoder, cache, reps: int = 4) -> float:
+    """Seconds of one plain one-token target step at the cache's current length.
+
+    Writes scratch K/V after ``cache.offset`` and commits nothing, so the conversation is intact.
+    """
+    token = mx.array([cache.ids[-1] if cache.ids else 0])
+    position = mx.array([cache.offset])
+
+    def one() -> None:
+        hidden = llm.forward(decoder.model, token, position, None, cache)
+        mx.eval(mx.argmax(llm.lm_head(decoder.model, hidden), axis=-1))
+
+    one()  # warm-up
+    tic = time.perf_counter()
+    for _ in range(reps):
+        one()
+    return (time.perf_counter() - tic) / reps
+
+
+def save_conversation(path: Path, record: dict) -> None:
+    """Write ``record`` as JSON atomically: a temp file in the same folder, then rename."""
+    path = path.expanduser()
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------- terminal UI (prints)
+
+
+class ChatUI:
+    """Reads lines, runs commands, streams answers. ``interactive`` False = piped stdin."""
+
+    def __init__(self, session: ChatSession, runtime: rt.Runtime, args: argparse.Namespace,
+                 shape_source: str, *, interactive: bool):
+        self.session = session
+        self.runtime = runtime
+        self.args = args
+        self.shape_source = shape_source
+        self.interactive = interactive
+        plain = {} if interactive else {"no_color": True, "force_terminal": False}
+        self.out = Console(highlight=False, soft_wrap=True, **plain)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True, **plain)
+        self.info = self.out if interactive else self.err  # notices: stderr when piped
+
+    # -- small helpers
+
+    def note(self, text: str, style: str = "dim") -> None:
+        self.info.print(escape(text), style=style)
+
+    def mode(self) -> str:
+        if self.session.autoregressive:
+            return "autoregressive (no drafter)"
+        shape = self.session.decoder.shape
+        return f"ReDrafter W={shape.width} L={shape.length} ({self.shape_source})"
+
+    # -- main loop
+
+    def run(self) -> None:
+        if self.interactive:
+            self.banner()
+        while True:
+            line = self.read_line()
+            if line is None:
+                return
+            line = line.strip()
+            if not line:
+                continue
+            command = parse_command(line)
+            if command is None:
+                self.answer(line)
+            elif not self.run_command(command):
+                return
+
+    def banner(self) -> None:
+        drafter = self.runtime.drafter_id or "none"
+        self.out.print(f"[bold]redrafter-mlx chat[/] · model {escape(self.runtime.model_id)}")
+        self.note(f"drafter {drafter} · {self.mode()} · /help for commands, Ctrl-D to quit")
+
+    def read_line(self) -> str | None:
+        """The next input line; None at end of input or Ctrl-C / Ctrl-D at the prompt."""
+        if not self.interactive:
+            line = sys.stdin.readline()
+            return line if line else None
+        try:
+            return self.out.input("[bold green]>>> [/]")
+        except (EOFError, KeyboardInterrupt):
+            self.out.print()
+            return None
+
+    def answer(self, text: str) -> None:
+        """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text."""
+        responses = self.session.reply(text)
+        try:
+            for response in responses:
+                self.show(response.text)
+        except ContextFull as e:
+            self.note(f"cannot answer: {e}. Shorten the message or lower --max-tokens.", "bold red")
+            return
+        except KeyboardInterrupt:
+            responses.close()
+            self.end_answer()
+            self.note("[interrupted: the partial answer stays in the conversation]", "yellow")
+        else:
+            self.end_answer()
+        self.report(self.session.last)
+
+    def show(self, text: str) -> None:
+        if self.interactive:
+            self.out.print(text, end="", markup=False)
+        else:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def end_answer(self) -> None:
+        if self.interactive:
+            self.out.print()
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    def report(self, turn: Turn | None) -> None:
+        """The dim line after an answer: speed, tokens/step, beam shape, cache reuse."""
+        if turn is None or turn.stats is None:
+            return
+        stats = turn.stats
+        if turn.dropped_turns:
+            self.note(f"context full: dropped the {turn.dropped_turns} oldest turn(s)", "yellow")
+        if turn.finish_reason == "context":
+            self.note("context full: the answer was cut; older turns are dropped next time",
+                      "yellow")
+        self.note(
+            f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
+            f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
+            f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
+        )
+
+    # -- commands
+
+    def run_command(self, command: Command) -> bool:
+        """Run a /command; False means quit."""
+        if command.name in ("quit", "exit", "q"):
+            return False
+        handler = getattr(self, f"cmd_{command.name}", None)
+        if command.name not in COMMANDS or handler is None:
+            self.note(unknown_hint(command.name), "yellow")
+            return True
+        try:
+            handler(command.arg)
+        except ValueError as e:
+            self.note(str(e), "yellow")
+        return True
+
+    def cmd_help(self, arg: str) -> None:
+        for name, text in COMMANDS.items():
+            self.info.print(f"  [bold]/{name:<7}[/] {escape(text)}")
+        self.info.print("  Ctrl-C stops an answer (it stays in the conversation)")
+
+    def cmd_reset(self, arg: str) -> None:
+        self.session.reset()
+        self.note("conversation cleared")
+
+    def cmd_beam(self, arg: str) -> None:
+        shape = parse_beam(arg)
+        self.session.decoder.shape = shape
+        self.shape_source = "/beam"
+        extra = " (ignored: --autoregressive)" if self.session.autoregressive else ""
+        self.note(f"beam shape W={shape.width} L={shape.length}{extra}")
+
+    def cmd_temp(self, arg: str) -> None:
+        temp = parse_temp(arg)
+        self.session.set_temperature(temp, self.args.top_p, self.args.top_k)
+        self.note(f"temperature {temp:g}" + (" (greedy)" if temp == 0 else ""))
+
+    def cmd_system(self, arg: str) -> None:
+        if not arg:
+            self.note(f"system prompt: {self.session.system or '(none: the template default)'}")
+            return
+        self.session.system = arg
+        self.note("system prompt set (the next answer re-reads the conversation after it)")
+
+    def cmd_save(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("usage: /save PATH")
+        record = {
+            "model": self.runtime.model_id,
+            "drafter": None if self.session.autoregressive else self.runtime.drafter_id,
+            "mode": self.mode(),
+            "messages": self.session.conversation(),
+        }
+        try:
+            save_conversation(Path(arg), record)
+        except OSError as e:
+            raise ValueError(f"cannot save to {arg}: {e.strerror or e}") from None
+        self.note(f"saved {len(record['messages'])} messages to {arg}")
+
+    def cmd_stats(self, arg: str) -> None:
+        totals = self.session.totals
+        lines = [
+            f"answers {totals.answers} · tokens {totals.tokens} · decode steps {totals.steps} · "
+            f"prompt tokens fed {totals.prompt_tokens} (+ {totals.reused_tokens} reused from "
+            f"the cache)",
+            f"tokens/step {totals.tokens_per_step:.2f} · histogram (tokens per step: steps) "
+            + (", ".join(f"{k}: {n}" for k, n in sorted(totals.histogram.items())) or "none"),
+        ]
+        lines.append(self.speedup_line(totals))
+        for line in lines:
+            self.info.print(escape(line))
+
+    def speedup_line(self, totals: Totals) -> str:
+        """Speedup estimate = tokens/step ÷ (ReDrafter step time / one-token step time)."""
+        if self.session.autoregressive:
+            return "speedup: none (autoregressive mode, 1 token per step)"
+        if totals.steps == 0:
+            return "speedup: no decode steps yet"
+        single = time_autoregressive_step(self.session.decoder, self.session.cache)
+        ratio = totals.seconds_per_step / single
+        return (
+            f"speedup estimate {totals.tokens_per_step / ratio:.2f}x = tokens/step "
+            f"{totals.tokens_per_step:.2f} ÷ step cost ratio {ratio:.2f} (a ReDrafter step "
+            f"{totals.seconds_per_step * 1e3:.1f} ms vs a one-token step {single * 1e3:.1f} ms "
+            f"measured now)"
+        )
+
+
+# ---------------------------------------------------------------- command entry
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Chat in the terminal with ReDrafter speculative decoding (lossless).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rt.add_model_args(parser)
+    parser.add_argument("--system", help="system prompt")
+    rt.add_decode_args(parser, max_tokens=256)
+    parser.add_argument("--autoregressive", action="store_true",
+                        help="plain one-token-per-step decoding, no drafter (baseline)")
+    return parser
+
+
+def encoder(runtime: rt.Runtime) -> Encode:
+    """messages -> token ids with the model's chat template and a generation prompt."""
+    def encode(messages: list[dict]) -> list[int]:
+        return list(rt.encode_chat(runtime, messages))
+    return encode
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        rt.fail("--max-tokens must be at least 1")
+    if args.temp < 0:
+        rt.fail("--temp must be >= 0")
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
+    shape, source = rt.resolve_shape(args, runtime)
+    decoder = rt.make_decoder(runtime, shape, temp=args.temp, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed)
+    session = ChatSession(decoder, runtime.tokenizer, encoder(runtime),
+                          max_tokens=args.max_tokens, autoregressive=args.autoregressive,
+                          system=args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    try:
+        ChatUI(session, runtime, args, source, interactive=interactive).run()
+    except KeyboardInterrupt:  # Ctrl-C outside an answer (e.g. in a piped session)
+        print(file=sys.stderr)

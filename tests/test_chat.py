@@ -1,0 +1,374 @@
+"""`redrafter-mlx chat`: command parsing, history trimming, KV-cache reuse, and the real command
+driven in a pseudo-terminal (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from redrafter_mlx.chat import (
+    ChatSession,
+    Command,
+    common_prefix,
+    drop_oldest_turn,
+    fit_history,
+    parse_beam,
+    parse_command,
+    parse_temp,
+    save_conversation,
+    unknown_hint,
+)
+from redrafter_mlx.decode import BeamShape, ContextFull, Decoder
+from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.generate import stream_generate
+
+ROOT = Path(__file__).resolve().parent.parent
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+# ---------------------------------------------------------------- a toy tokenizer + template
+
+EOS, USER, ASSISTANT, SYSTEM = 1, 2, 3, 4
+ROLE = {"user": USER, "assistant": ASSISTANT, "system": SYSTEM}
+BASE = 0x100  # token id t <-> character chr(BASE + t): exact round trip for generated text
+
+
+def encode_text(text: str) -> list[int]:
+    return [ord(c) - BASE if BASE <= ord(c) < BASE + 64 else ord(c) % 59 + 5 for c in text]
+
+
+def toy_template(messages: list[dict]) -> list[int]:
+    """<role> text <eos> per message, then the generation prompt <assistant>."""
+    ids = []
+    for m in messages:
+        ids += [ROLE[m["role"]], *encode_text(m["content"]), EOS]
+    return ids + [ASSISTANT]
+
+
+class ToyDetokenizer:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.tokens, self.seen = [], 0
+
+    def add_token(self, token):
+        self.tokens.append(token)
+
+    def finalize(self):
+        pass
+
+    @property
+    def text(self):
+        return "".join(chr(BASE + t) for t in self.tokens)
+
+    @property
+    def last_segment(self):
+        segment = self.text[self.seen:]
+        self.seen = len(self.text)
+        return segment
+
+
+class ToyTokenizer:
+    eos_token_ids = [EOS]
+
+    def __init__(self):
+        self.detokenizer = ToyDetokenizer()
+
+
+GREEDY = make_sampler(0.0)
+
+
+def session(target, drafter=None, **kwargs) -> ChatSession:
+    shape = BeamShape(2, 3)
+    decoder = Decoder(target, GREEDY, drafter, shape, kwargs.pop("max_context", None))
+    return ChatSession(decoder, ToyTokenizer(), toy_template,
+                       autoregressive=drafter is None, **kwargs)
+
+
+def ask(chat: ChatSession, text: str) -> str:
+    return "".join(r.text for r in chat.reply(text))
+
+
+def fresh_answer(target, messages: list[dict], max_tokens: int) -> str:
+    """The autoregressive answer for ``messages`` from an empty cache (no reuse)."""
+    decoder = Decoder(target, GREEDY)
+    ids = toy_template(messages)
+    responses = stream_generate(decoder, ToyTokenizer(), ids, max_tokens=max_tokens,
+                                autoregressive=True)
+    return "".join(r.text for r in responses)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def test_parse_command():
+    assert parse_command("hello /beam") is None
+    assert parse_command("/beam 2 4") == Command("beam", "2 4")
+    assert parse_command("/SYSTEM  Be brief. ") == Command("system", "Be brief.")
+    assert parse_command("/quit") == Command("quit", "")
+
+
+def test_parse_beam_and_temp():
+    assert parse_beam("2 4") == BeamShape(2, 4)
+    for bad in ("", "2", "2 x", "2 4 5", "-1 4"):
+        with pytest.raises(ValueError, match="usage"):
+            parse_beam(bad)
+    with pytest.raises(ValueError):
+        parse_beam("0 4")  # BeamShape's own check
+    assert parse_temp("0.7") == 0.7
+    for bad in ("", "hot", "-1", "nan"):
+        with pytest.raises(ValueError, match="usage"):
+            parse_temp(bad)
+
+
+def test_unknown_command_hint():
+    assert "/beam" in unknown_hint("beams")
+    assert "/help" in unknown_hint("zzz")
+
+
+# ---------------------------------------------------------------- history
+
+
+def turns(n: int, system: bool = True) -> list[dict]:
+    msgs = [{"role": "system", "content": "sys"}] if system else []
+    for i in range(n):
+        msgs += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    return msgs
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_drop_oldest_turn_keeps_system_and_last_turn():
+    msgs = turns(2) + [{"role": "user", "content": "now"}]
+    shorter = drop_oldest_turn(msgs)
+    assert [m["content"] for m in shorter] == ["sys", "q1", "a1", "now"]
+    last = drop_oldest_turn(drop_oldest_turn(shorter))
+    assert last is None or last == [msgs[0], msgs[-1]]
+    assert drop_oldest_turn([msgs[0], msgs[-1]]) is None
+    assert [m["content"] for m in drop_oldest_turn(turns(2, system=False))] == ["q1", "a1"]
+
+
+def test_fit_history_drops_oldest_turns_then_refuses():
+    msgs = turns(3) + [{"role": "user", "content": "now"}]
+    full = toy_template(msgs)
+    kept, ids, dropped = fit_history(msgs, toy_template, len(full))
+    assert (kept, ids, dropped) == (msgs, full, 0)
+    kept, ids, dropped = fit_history(msgs, toy_template, len(full) - 1)
+    assert dropped == 1 and [m["content"] for m in kept][:2] == ["sys", "q1"]
+    assert len(ids) <= len(full) - 1 and ids == toy_template(kept)
+    kept, _, dropped = fit_history(msgs, toy_template, len(toy_template([msgs[0], msgs[-1]])))
+    assert dropped == 3 and kept == [msgs[0], msgs[-1]]
+    with pytest.raises(ContextFull, match="needs"):
+        fit_history(msgs, toy_template, 3)
+
+
+def test_save_conversation_is_atomic(tmp_path):
+    path = tmp_path / "chat.json"
+    save_conversation(path, {"messages": turns(1)})
+    save_conversation(path, {"messages": turns(2)})
+    assert json.loads(path.read_text())["messages"] == turns(2)
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]  # no temp file left
+
+
+# ---------------------------------------------------------------- cache reuse (tiny model)
+
+
+def test_second_turn_prefills_only_new_tokens(target):
+    chat = session(target, max_tokens=8)
+    first = ask(chat, "hello there")
+    assert chat.last.prompt_tokens == len(toy_template(chat.messages[:1]))
+    assert chat.last.reused_tokens == 0
+    before = list(chat.cache.ids)
+    second = ask(chat, "and again")
+    conversation = [{"role": "user", "content": "hello there"},
+                    {"role": "assistant", "content": first},
+                    {"role": "user", "content": "and again"}]
+    full = toy_template(conversation)
+    reused = common_prefix(before, full)
+    assert reused >= len(toy_template(conversation[:1])) + len(first) - 1
+    assert chat.last.reused_tokens == reused
+    assert chat.last.prompt_tokens == chat.last.stats.prompt_tokens == len(full) - reused
+    # at most: the last answer token, <eos> <user> "and again" <eos> <assistant>
+    assert chat.last.prompt_tokens <= 1 + 2 + len(encode_text("and again")) + 2
+    assert second == fresh_answer(target, conversation, 8)
+    assert chat.totals.answers == 2 and chat.totals.tokens == 16
+
+
+def test_redrafter_chat_equals_autoregressive(target, drafter):
+    beam = BeamDrafter(drafter, target.model.embed_tokens)
+    fast, slow = session(target, beam, max_tokens=10), session(target, max_tokens=10)
+    for question in ("abc", "defg", "hi"):
+        assert ask(fast, question) == ask(slow, question)
+    fast.decoder.shape = BeamShape(3, 2)  # /beam mid-conversation
+    assert ask(fast, "more") == ask(slow, "more")
+    assert fast.messages == slow.messages
+
+
+def test_interrupted_answer_stays_in_history(target):
+    chat = session(target, max_tokens=20)
+    responses = chat.reply("tell me a long story")
+    shown = next(responses).text + next(responses).text
+    responses.close()  # what Ctrl-C does
+    assert chat.messages[-1] == {"role": "assistant", "content": shown}
+    assert chat.cache.offset == len(chat.cache.ids)
+    ask(chat, "next")
+    assert chat.last.reused_tokens > 0 and len(chat.messages) == 4
+
+
+def test_context_full_trims_then_refuses(target):
+    chat = session(target, max_tokens=4, max_context=48)
+    dropped = []
+    for question in ("one two three", "four five six", "seven eight nine"):
+        ask(chat, question)
+        dropped.append(chat.last.dropped_turns)
+        assert len(toy_template(chat.conversation())) <= 48
+    assert dropped[0] == 0 and sum(dropped) > 0  # oldest turns dropped to make room
+    assert chat.messages[0]["content"] != "one two three"
+    assert chat.last.stats.prompt_tokens + chat.last.reused_tokens == len(
+        toy_template(chat.conversation()[:-1]))
+    before = list(chat.messages)
+    with pytest.raises(ContextFull):
+        ask(chat, "x" * 60)
+    assert chat.messages == before  # refused, conversation unchanged
+    ask(chat, "ok")  # and it still works
+
+
+def test_reset_and_system_prompt(target):
+    chat = session(target, max_tokens=4)
+    ask(chat, "hi")
+    chat.system = "be brief"
+    ask(chat, "again")
+    assert chat.last.reused_tokens == 0  # the system prompt comes first: nothing shared
+    assert chat.conversation()[0] == {"role": "system", "content": "be brief"}
+    chat.reset()
+    assert chat.messages == [] and chat.cache.offset == 0
+    ask(chat, "hi")
+    assert chat.last.prompt_tokens == len(toy_template(chat.conversation()[:2]))
+
+
+# ---------------------------------------------------------------- the real command (slow)
+
+EXPECTED_SCRIPT = """
+import json, sys
+from redrafter_mlx import runtime as rt
+from redrafter_mlx.chat import encoder
+from redrafter_mlx.generate import stream_generate
+record = json.load(open(sys.argv[1]))
+runtime = rt.load_runtime(None, None, need_drafter=False)
+decoder = rt.make_decoder(runtime, rt.DEFAULT_SHAPE)
+encode, messages, out = encoder(runtime), record["messages"], []
+for i, m in enumerate(messages):
+    if m["role"] == "assistant":
+        ids = encode(messages[:i])
+        out.append("".join(r.text for r in stream_generate(
+            decoder, runtime.tokenizer, ids, max_tokens=int(sys.argv[2]), autoregressive=True)))
+print(json.dumps(out))
+"""
+
+
+def env() -> dict:
+    e = dict(os.environ, NO_COLOR="1", TERM="dumb", COLUMNS="200")
+    if os.path.exists(OPENBLAS):
+        e["LD_PRELOAD"] = OPENBLAS
+    return e
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> str:
+    """The shipped drafter if present, else random weights (greedy output is exact anyway)."""
+    shipped = ROOT / "weights" / "smollm2-135m-instruct-drafter"
+    if (shipped / "config.json").is_file():
+        return str(shipped)
+    from redrafter_mlx.drafter import random_drafter, save_drafter
+
+    out = tmp_path_factory.mktemp("drafter")
+    save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), out)
+    return str(out)
+
+
+def autoregressive_answers(saved: Path, max_tokens: int) -> list[str]:
+    """Greedy autoregressive answers, each from an empty cache, for a saved conversation."""
+    done = subprocess.run([sys.executable, "-c", EXPECTED_SCRIPT, str(saved), str(max_tokens)],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_chat_in_a_terminal(tmp_path, drafter_dir):
+    pexpect = pytest.importorskip("pexpect")
+    saved, max_tokens = tmp_path / "chat.json", 24
+    child = pexpect.spawn(
+        sys.executable, ["-m", "redrafter_mlx", "chat", "--drafter", drafter_dir,
+                         "--max-tokens", str(max_tokens)],
+        cwd=str(ROOT), env=env(), encoding="utf-8", timeout=120, dimensions=(40, 200),
+    )
+    prompt = ">>> "
+    child.expect(prompt)
+    for line in ("My name is Ada.", "What is my name?"):
+        child.sendline(line)
+        child.expect("tokens/step")
+        child.expect(prompt)
+    child.sendline("/stats")
+    child.expect("speedup estimate")
+    child.expect(prompt)
+    child.sendline("/beam 2 4")
+    child.expect("W=2 L=4")
+    child.expect(prompt)
+    child.sendline("/nope")
+    child.expect("/help")
+    child.expect(prompt)
+    child.sendline("Write a long story about a dragon who learns to cook.")
+    child.expect_exact("cook.")  # the echo of the line
+    child.expect(r"\w\w")  # the first streamed text
+    child.sendintr()
+    child.expect("interrupted")
+    child.expect(prompt)
+    child.sendline("What was the story about?")
+    child.expect("tokens/step")
+    child.expect(prompt)
+    child.sendline(f"/save {saved}")
+    child.expect("saved")
+    child.expect(prompt)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+    messages = json.loads(saved.read_text())["messages"]
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert [m["content"] for m in messages if m["role"] == "user"][:2] == [
+        "My name is Ada.", "What is my name?"]
+    assert len(answers) == 4
+    expected = autoregressive_answers(saved, max_tokens)
+    assert answers[:2] == expected[:2]
+    assert answers[3] == expected[3]  # after the interrupted answer, with it in the history
+    assert expected[2].startswith(answers[2]) and answers[2] != expected[2]
+
+
+@pytest.mark.slow
+def test_chat_piped_stdin(drafter_dir):
+    lines = "My name is Ada.\n/stats\n\nWhat is my name?\n"
+    runs = [
+        subprocess.run([sys.executable, "-m", "redrafter_mlx", "chat", *flags, "--max-tokens",
+                        "16"], input=lines, capture_output=True, text=True, env=env(), cwd=ROOT,
+                       timeout=300)
+        for flags in (["--drafter", drafter_dir], ["--autoregressive"])
+    ]
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+        assert "\x1b[" not in done.stdout and ">>>" not in done.stdout
+        assert done.stderr.count("tokens/step") >= 2
+    fast, slow = (done.stdout for done in runs)
+    assert fast == slow
+    assert "answers 1" in runs[0].stderr  # piped: notices and /stats go to stderr
