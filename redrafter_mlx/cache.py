@@ -48,14 +48,14 @@ class KVCache:
         self.capacity = new_capacity
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write ``(1, K, T, D)`` K/V at ``[offset, offset + T)``; return K/V ``(1, K, S + T, D)``."""
+        """Write K/V ``(1, K, T, D)`` at ``[offset, offset + T)``; return ``(1, K, S + T, D)``."""
         end = self.offset + keys.shape[2]
         self.keys[layer][..., self.offset : end, :] = keys.astype(self.dtype)
         self.values[layer][..., self.offset : end, :] = values.astype(self.dtype)
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
 
     def compact(self, path: mx.array) -> None:
-        """Move scratch nodes ``path (L,)`` (indices relative to ``offset``) to ``[offset, offset+L)``.
+        """Move scratch nodes ``path (L,)`` (relative to ``offset``) to ``[offset, offset + L)``.
 
         Lazy: ``path`` may be an unevaluated device array; nothing is committed here.
         """

@@ -95,7 +95,7 @@ class Decoder:
             )
 
     def prefill(self, cache: KVCache, prompt: list[int]) -> tuple[mx.array, mx.array]:
-        """Feed ``prompt`` after the cache; return the next token ``()`` and its context ``(H,)``."""
+        """Feed ``prompt`` after the cache; return the next token ``()`` and its context (H,)."""
         if not prompt:
             raise ValueError("empty prompt: nothing to condition on")
         self._check_room(cache, len(prompt) + 1)
@@ -103,7 +103,10 @@ class Decoder:
             chunk = prompt[start : start + PREFILL_CHUNK]
             positions = mx.arange(cache.offset, cache.offset + len(chunk))
             hidden = llm.forward(
-                self.model, mx.array(chunk), positions, llm.chain_mask(cache.offset, len(chunk)),
+                self.model,
+                mx.array(chunk),
+                positions,
+                llm.chain_mask(cache.offset, len(chunk)),
                 cache,
             )
             mx.eval(hidden, *cache.state())  # bound the graph per chunk
@@ -159,12 +162,18 @@ class Decoder:
         cache.compact(result.path)
         timer.mark("compact", *cache.state())
         next_beams = self.drafter(
-            hidden[result.last_node], result.next_token,
-            width=self.shape.width, length=self.shape.length,
+            hidden[result.last_node],
+            result.next_token,
+            width=self.shape.width,
+            length=self.shape.length,
         )[0]
         read = _host_read(  # the step's one host read
-            mx.concatenate([mx.stack([result.best, result.num_accepted, result.next_token]),
-                            next_beams.reshape(-1)])
+            mx.concatenate(
+                [
+                    mx.stack([result.best, result.num_accepted, result.next_token]),
+                    next_beams.reshape(-1),
+                ]
+            )
         )
         timer.mark("draft")
         best, num_accepted, next_token = (int(x) for x in read[:3])

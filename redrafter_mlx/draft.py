@@ -67,7 +67,9 @@ class BeamDrafter:
     after changing them.
     """
 
-    def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array], compile: bool = True):
+    def __init__(
+        self, drafter: Drafter, embed: Callable[[mx.array], mx.array], compile: bool = True
+    ):
         self.drafter = drafter
         self.embed = embed
         self.compile = compile

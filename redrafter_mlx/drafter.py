@@ -146,7 +146,9 @@ def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:
     config_file, weights_file = path / "config.json", path / "model.safetensors"
     for f in (config_file, weights_file):
         if not f.exists():
-            raise DrafterError(f"{f}: missing (a drafter folder has config.json + model.safetensors)")
+            raise DrafterError(
+                f"{f}: missing (a drafter folder has config.json + model.safetensors)"
+            )
     try:
         config = json.loads(config_file.read_text())
         args = DrafterArgs.from_dict(config)

@@ -84,7 +84,8 @@ def main(args: argparse.Namespace) -> None:
     mode = "autoregressive" if args.autoregressive else "redrafter"
     if not args.json:
         note = "" if args.autoregressive else f" W={shape.width} L={shape.length} ({source})"
-        print(f"[{mode}{note}]", file=sys.stderr)
+        timing = " (timing on: evaluates at phase boundaries, adds syncs)" if args.timing else ""
+        print(f"[{mode}{note}]{timing}", file=sys.stderr)
     text, tokens = [], []
     for response in stream_generate(
         decoder,
@@ -107,6 +108,8 @@ def main(args: argparse.Namespace) -> None:
         "finish_reason": response.finish_reason,
         **stats_dict(stats, phases),
     }
+    if args.timing:
+        result["timing_note"] = "phase timing evaluates at phase boundaries (extra syncs)"
     if not args.autoregressive:
         result |= {"beam_width": shape.width, "beam_length": shape.length, "shape_source": source}
     if args.json:

@@ -10,14 +10,26 @@ from mlx_lm.models import llama
 from redrafter_mlx.drafter import random_drafter
 
 
-def tiny_llama(seed: int = 0, vocab: int = 64, hidden: int = 64, layers: int = 2,
-               tie: bool = False, scale: float = 4.0) -> llama.Model:
+def tiny_llama(
+    seed: int = 0,
+    vocab: int = 64,
+    hidden: int = 64,
+    layers: int = 2,
+    tie: bool = False,
+    scale: float = 4.0,
+) -> llama.Model:
     """A random Llama whose greedy continuations vary (weights scaled up from the init)."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-        intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-5, vocab_size=vocab, tie_word_embeddings=tie,
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
         max_position_embeddings=4096,
     )
     model = llama.Model(args)

@@ -101,18 +101,21 @@ def test_compiled_and_eager_beam_search_agree(target, drafter):
     context = mx.random.normal((target.args.hidden_size,))
     pending = mx.array(7)
     for width, length in [(1, 3), (4, 5), (3, 2)]:
-        eager = beam_search(drafter, target.model.embed_tokens, context, pending,
-                            width=width, length=length)
+        eager = beam_search(
+            drafter, target.model.embed_tokens, context, pending, width=width, length=length
+        )
         compiled = BeamDrafter(drafter, target.model.embed_tokens)(
-            context, pending, width=width, length=length)
+            context, pending, width=width, length=length
+        )
         assert (eager[0] == compiled[0]).all()
         np.testing.assert_allclose(eager[1], compiled[1], atol=1e-5)
         assert eager[0].shape == (width, length) and (eager[0][:, 0] == 7).all()
 
 
 def test_beam_search_keeps_best_scores_first(target, drafter):
-    beams, logprobs = beam_search(drafter, target.model.embed_tokens,
-                                  mx.random.normal((64,)), mx.array(3), width=6, length=4)
+    beams, logprobs = beam_search(
+        drafter, target.model.embed_tokens, mx.random.normal((64,)), mx.array(3), width=6, length=4
+    )
     scores = np.array(logprobs.sum(axis=1))
     assert (np.diff(scores) <= 1e-6).all()
     assert len({tuple(b) for b in np.array(beams).tolist()}) == 6  # no duplicate beams
@@ -140,15 +143,21 @@ def test_sampling_matches_target_distribution(temp, top_p):
     filt = (lambda x: apply_top_p(x, top_p)) if top_p else (lambda x: x)
     prompt = [1, 2, 3]
     p1 = _target_probs(model, filt, temp, prompt)
-    p2 = sum(p1[x] * _target_probs(model, filt, temp, prompt + [x]) for x in range(VOCAB))
+    p2_given = [_target_probs(model, filt, temp, prompt + [x]) for x in range(VOCAB)]
+    p2 = sum(p1[x] * p2_given[x] for x in range(VOCAB))
+    p3 = sum(
+        p1[x] * p2_given[x][y] * _target_probs(model, filt, temp, prompt + [x, y])
+        for x in range(VOCAB)
+        for y in range(VOCAB)
+        if p1[x] * p2_given[x][y] > 0
+    )
     mx.random.seed(11)
     runs = 1500
-    firsts, seconds = np.zeros(VOCAB), np.zeros(VOCAB)
+    counts = np.zeros((3, VOCAB))
     for _ in range(runs):
         tokens, _ = speculative(model, bd, prompt, 3, 3, 3, sampler)
-        firsts[tokens[0]] += 1
-        seconds[tokens[1]] += 1
-    for observed, probs in ((firsts, p1), (seconds, p2)):
+        counts[np.arange(3), tokens] += 1
+    for observed, probs in zip(counts, (p1, p2, p3), strict=True):
         keep = probs * runs >= 5  # pool rare cells so the chi-square approximation holds
         obs = np.append(observed[keep], observed[~keep].sum())
         exp = np.append(probs[keep], probs[~keep].sum()) * runs

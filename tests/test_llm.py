@@ -31,8 +31,9 @@ def _verify_tree(model, beams):
     _, _, cache = _sequential(model, PREFIX)
     cache.commit(PREFIX)
     positions = mx.array(len(PREFIX) + tree.depths)
-    hidden = llm.forward(model, mx.array(tree.tokens), positions, tree_mask(tree, cache.offset),
-                         cache)
+    hidden = llm.forward(
+        model, mx.array(tree.tokens), positions, tree_mask(tree, cache.offset), cache
+    )
     return tree, hidden, llm.lm_head(model, hidden), cache
 
 
@@ -46,8 +47,8 @@ def test_tree_forward_equals_sequential_paths(seed):
     for w in range(beams.shape[0]):
         ref_hidden, ref_logits, _ = _sequential(model, PREFIX + beams[w].tolist())
         nodes = mx.array(tree.unpack[w])
-        np.testing.assert_allclose(hidden[nodes], ref_hidden[len(PREFIX):], atol=1e-4)
-        np.testing.assert_allclose(logits[nodes], ref_logits[len(PREFIX):], atol=1e-4)
+        np.testing.assert_allclose(hidden[nodes], ref_hidden[len(PREFIX) :], atol=1e-4)
+        np.testing.assert_allclose(logits[nodes], ref_logits[len(PREFIX) :], atol=1e-4)
 
 
 def test_compaction_equals_recomputed_kv():
@@ -60,7 +61,7 @@ def test_compaction_equals_recomputed_kv():
     _, _, ref = _sequential(model, PREFIX + beams[1, :keep].tolist())
     n = len(PREFIX) + keep
     assert cache.offset == n and cache.ids == PREFIX + beams[1, :keep].tolist()
-    for got, want in zip(cache.keys + cache.values, ref.keys + ref.values):
+    for got, want in zip(cache.keys + cache.values, ref.keys + ref.values, strict=True):
         np.testing.assert_allclose(got[..., :n, :], want[..., :n, :], atol=1e-5)
 
 

@@ -37,9 +37,11 @@ def test_pack_matches_brute_force(beams):
     # one node per distinct prefix
     prefixes = {tuple(beams[w, : k + 1]) for w in range(width) for k in range(length)}
     assert tree.size == len(prefixes)
+
     # node prefix: follow parents to the root
     def path(node):
         return path(tree.parents[node]) + [tree.tokens[node]] if node >= 0 else []
+
     node_prefix = [tuple(path(t)) for t in range(tree.size)]
     assert len(set(node_prefix)) == tree.size
     # ancestor mask: a is an ancestor-or-self of t iff a's prefix is a prefix of t's
