@@ -1,0 +1,393 @@
+"""`redrafter-mlx eval-drafter`: mean tokens per step of a drafter in the real greedy decode loop.
+
+For each beam shape (W, L) of the grid, every prompt is decoded greedily with ReDrafter for
+``--max-tokens`` new tokens (or until end of sequence); tokens/step is the number of tokens the
+speculative steps emitted divided by the number of steps (the prefill's first token is not
+counted). The reported mean is pooled over prompts (total tokens / total steps). No timing.
+
+``--simulate`` is the cheap variant for sweeps: each prompt is decoded once by the real loop (at
+W 2, L 5) to get its greedy path; every (W, L) is then replayed along that path from the drafter's
+beams at each position, with no further target passes. Greedy decoding is exact, so the counts
+equal the real loop's up to floating-point near-ties.
+
+Default prompts: the MT-Bench first turns. MT-Bench is for final reports only; choose drafters and
+hyper-parameters on held-out training-distribution prompts (``train`` writes
+``heldout_prompts.jsonl`` into its cache folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for --simulate
+MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mt_bench.jsonl"
+
+EPILOG = """examples:
+  # the shipped SmolLM2 drafter on 10 MT-Bench first turns, W 1-4 x L 3-5 (real decode loop)
+  redrafter-mlx eval-drafter --num-prompts 10
+
+  # 40 MT-Bench first turns (every 2nd: 5 per category), replayed along greedy paths
+  redrafter-mlx eval-drafter --num-prompts 40 --every 2 --simulate --paths-cache runs/mtb.json
+
+  # one shape, held-out ShareGPT prompts written by `train`, JSON output
+  redrafter-mlx eval-drafter --drafter runs/drafter --prompts runs/cache/heldout_prompts.jsonl \\
+      --beam-width 2 --beam-length 5 --json
+"""
+
+
+def parse_ints(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def read_prompts(path: Path | str, limit: int) -> list[str]:
+    """First turns of a JSONL prompt file (``turns`` list, or ``prompt`` / ``text``)."""
+    prompts = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        text = rec["turns"][0] if "turns" in rec else rec.get("prompt", rec.get("text"))
+        if isinstance(text, str) and text.strip():
+            prompts.append(text)
+        if len(prompts) >= limit:
+            break
+    return prompts
+
+
+def decode_one(decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
+    """Greedy ReDrafter decode of one prompt -> ``{"tokens", "steps", "ids"}`` (first token
+    from the prefill excluded from tokens and steps, included in ids)."""
+    steps = decoder.speculative(decoder.new_cache(), prompt_ids)
+    first = next(steps).tokens
+    ids, tokens, count = list(first), 0, 0
+    if first[0] in eos:
+        return {"tokens": 0, "steps": 0, "ids": ids}
+    for step in steps:
+        emitted = step.tokens
+        for j, tok in enumerate(emitted):
+            if tok in eos:
+                emitted = emitted[: j + 1]
+                break
+        ids += emitted
+        tokens += len(emitted)
+        count += 1
+        if emitted[-1] in eos or len(ids) >= max_tokens:
+            break
+    return {"tokens": tokens, "steps": count, "ids": ids}
+
+
+def evaluate(model, tokenizer, drafter, prompts: list[str], widths: list[int],
+             lengths: list[int], max_tokens: int, progress=None) -> list[dict]:
+    """Tokens/step per (W, L) over ``prompts``: one row per shape."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from redrafter_mlx.decode import BeamShape, Decoder
+    from redrafter_mlx.draft import BeamDrafter
+
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    encoded = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                  add_generation_prompt=True)) for p in prompts]
+    beams = BeamDrafter(drafter, embed=model.model.embed_tokens)
+    rows = []
+    for w in widths:
+        for length in lengths:
+            dec = Decoder(model, make_sampler(0.0), drafter=beams, shape=BeamShape(w, length))
+            runs = []
+            for ids in encoded:
+                runs.append(decode_one(dec, ids, max_tokens, eos))
+                if progress:
+                    progress()
+            rows.append(summarize(w, length, runs))
+    return rows
+
+
+def summarize(width: int, length: int, runs: list[dict]) -> dict:
+    tokens, steps = sum(r["tokens"] for r in runs), sum(r["steps"] for r in runs)
+    per_prompt = [round(r["tokens"] / r["steps"], 3) if r["steps"] else None for r in runs]
+    digest = hashlib.sha1(json.dumps([r["ids"] for r in runs]).encode()).hexdigest()[:12]
+    return {"width": width, "length": length, "tokens": tokens, "steps": steps,
+            "tokens_per_step": round(tokens / steps, 3) if steps else None,
+            "per_prompt": per_prompt, "output_digest": digest}
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Mean tokens/step of a drafter with the real greedy ReDrafter decode loop, "
+        "per beam shape (W, L).", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="target model (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", help="drafter folder (default: the shipped SmolLM2 drafter)")
+    p.add_argument("--prompts", default=str(MT_BENCH),
+                   help="JSONL prompts: first of 'turns', or 'prompt'/'text' (default: MT-Bench)")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--every", type=int, default=1,
+                   help="use every k-th prompt of the file (spread over MT-Bench categories)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    p.add_argument("--beam-width", type=parse_ints, default=[1, 2, 3, 4])
+    p.add_argument("--beam-length", type=parse_ints, default=[3, 4, 5])
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--simulate", action="store_true",
+                   help="replay steps along each prompt's greedy path instead of running the "
+                   "decode loop (same counts up to float near-ties, far cheaper: for sweeps)")
+    p.add_argument("--paths-cache", help="with --simulate: JSON file caching greedy paths")
+    return p
+
+
+def main(args: argparse.Namespace) -> None:
+    from redrafter_mlx.drafter import load_drafter
+    from redrafter_mlx.load import load_target
+
+    if args.model is None:
+        from redrafter_mlx.embedded import default_drafter_path, default_model_path
+
+        args.model = default_model_path()
+        args.drafter = args.drafter or default_drafter_path()
+    if args.drafter is None:
+        raise SystemExit("error: --drafter is required with --model")
+    model, tokenizer, _ = load_target(args.model)
+    drafter = load_drafter(args.drafter, model)
+    prompts = [p for p in read_prompts(args.prompts, 10**9)[:: args.every]
+               if len(tokenizer.encode(p)) <= args.max_prompt_tokens][: args.num_prompts]
+    if not prompts:
+        raise SystemExit(f"error: {args.prompts}: no usable prompts")
+    rows = run_with_progress(model, tokenizer, drafter, prompts, args)
+    report = {"model": str(args.model), "drafter": str(args.drafter), "prompts": args.prompts,
+              "num_prompts": len(prompts), "every": args.every, "max_tokens": args.max_tokens,
+              "simulated": args.simulate, "results": rows}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+
+
+def run_with_progress(model, tokenizer, drafter, prompts, args) -> list[dict]:
+    from rich.progress import Progress
+
+    total = len(prompts) * len(args.beam_width) * len(args.beam_length)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("decoding", total=total)
+        if args.simulate:
+            return simulate_grid(model, tokenizer, drafter, prompts, args.beam_width,
+                                 args.beam_length, args.max_tokens, args.paths_cache,
+                                 progress=lambda n: bar.advance(task, n))
+        return evaluate(model, tokenizer, drafter, prompts, args.beam_width, args.beam_length,
+                        args.max_tokens, progress=lambda: bar.advance(task))
+
+
+def print_table(report: dict) -> None:
+    """Tokens/step as a W x L grid (rich table)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = report["results"]
+    widths = sorted({r["width"] for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    cell = {(r["width"], r["length"]): r["tokens_per_step"] for r in rows}
+    mode = "simulated" if report.get("simulated") else "greedy decode loop"
+    table = Table(title="mean tokens/step", caption=f"{report['num_prompts']} prompts x "
+                  f"{report['max_tokens']} new tokens, {mode}")
+    table.add_column("W \\ L")
+    for length in lengths:
+        table.add_column(f"L={length}", justify="right")
+    for w in widths:
+        table.add_row(f"W={w}", *(f"{cell.get((w, n)) or 0:.2f}" for n in lengths))
+    Console().print(table)
+    for r in rows:
+        if r.get("real_tokens_per_step") is not None:
+            Console().print(f"W={r['width']} L={r['length']}: real decode loop "
+                            f"{r['real_tokens_per_step']:.3f} tokens/step, simulated "
+                            f"{r['tokens_per_step']:.3f}")
+    digests = {r["output_digest"] for r in rows}
+    note = "identical" if len(digests) == 1 else "DIFFER (near-tie argmax flips?)"
+    Console().print(f"greedy outputs across shapes: {note}")
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+def greedy_path(model, prompt_ids: list[int], max_tokens: int, eos: set[int], drafter=None,
+                count_until: int | None = None):
+    """The target's greedy continuation of ``prompt_ids`` (``max_tokens`` new tokens or up to
+    end of sequence) -> ``(ids (N,) prompt + continuation, hidden (N, H), real)`` where
+    ``hidden[j]`` is the teacher-forced final-norm hidden state after ``ids[: j + 1]``.
+
+    With a :class:`BeamDrafter` the path is decoded by the real speculative loop at
+    :data:`PATH_SHAPE` (same tokens, fewer passes) and ``real`` holds that loop's own
+    ``{"tokens", "steps"}`` counted like :func:`decode_one` up to ``count_until`` new tokens;
+    otherwise ``real`` is None.
+    """
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from redrafter_mlx import llm
+    from redrafter_mlx.decode import BeamShape, Decoder
+
+    dec = Decoder(model, make_sampler(0.0), drafter=drafter, shape=BeamShape(*PATH_SHAPE))
+    ids, real = list(prompt_ids), None
+    steps = dec.speculative if drafter else dec.autoregressive
+    counted = {"tokens": 0, "steps": 0}
+    for k, step in enumerate(steps(dec.new_cache(), prompt_ids)):
+        ids += step.tokens
+        new = len(ids) - len(prompt_ids)
+        if drafter and real is None and k > 0:
+            emitted = step.tokens
+            hit = [j for j, t in enumerate(emitted) if t in eos]
+            counted["tokens"] += hit[0] + 1 if hit else len(emitted)
+            counted["steps"] += 1
+            if hit or new >= (count_until or max_tokens):
+                real = dict(counted)
+        if any(t in eos for t in step.tokens) or new >= max_tokens:
+            break
+    if drafter and real is None:
+        real = dict(counted)
+    for j in range(len(prompt_ids), len(ids)):
+        if ids[j] in eos:
+            ids = ids[: j + 1]
+            break
+    ids = ids[: len(prompt_ids) + max_tokens]
+    n = len(ids)
+    cache = llm.make_cache(model)
+    hidden = llm.forward(model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n), cache)
+    return ids, hidden, real
+
+
+def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int) -> list:
+    """The drafter's beam search from every position of a path at once.
+
+    ``contexts (T, H)``, ``pendings (T,)`` -> for d = 1..depth, beams ``(T, W, d + 1)`` (numpy):
+    the same search as :func:`redrafter_mlx.draft.beam_search` (first expansion from one live
+    beam, top W by cumulative log-prob, best first), batched over the T positions. Beam search
+    keeps the top W at every depth whatever the final length, so a length-L search is the
+    depth L - 1 slice.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    t, h = contexts.shape
+    vocab = drafter.args.draft_vocab
+    beams = pendings.astype(mx.int32).reshape(t, 1, 1)
+    scores = mx.zeros((t, 1))
+    state = mx.zeros((t, 1, h), contexts.dtype)
+    out = []
+    for _ in range(depth):
+        b = beams.shape[1]
+        state = drafter.rnn_step(state.reshape(t * b, h),
+                                 embed(beams[:, :, -1].reshape(-1))).reshape(t, b, h)
+        ctx = mx.broadcast_to(contexts[:, None], (t, b, h)).reshape(t * b, h)
+        logits = drafter.logits(ctx, state.reshape(t * b, h)).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        flat = (scores[..., None] + logp.reshape(t, b, vocab)).reshape(t, b * vocab)
+        top = mx.argpartition(-flat, kth=width - 1, axis=-1)[:, :width]
+        top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(flat, top, -1), -1), -1)
+        source, index = top // vocab, top % vocab
+        tokens = drafter.draft_ids(index).astype(mx.int32)
+        beams = mx.concatenate(
+            [mx.take_along_axis(beams, source[..., None], axis=1), tokens[..., None]], axis=-1)
+        scores = mx.take_along_axis(flat, top, axis=-1)
+        state = mx.take_along_axis(state, source[..., None], axis=1)
+        mx.eval(beams, scores, state)
+        out.append(np.array(beams))
+    return out
+
+
+def simulate(beams_at, ids: list[int], n_prompt: int, max_tokens: int, length: int) -> dict:
+    """Greedy ReDrafter steps replayed along a known greedy path (see :func:`greedy_path`).
+
+    ``beams_at (T, W, L)`` are the beams drafted from ``(hidden[j - 1], ids[j])`` for
+    ``j = n_prompt + r`` (row r). Each step drafts at the pending position t, accepts the
+    longest beam prefix matching the path and emits it plus the target's next token. Greedy
+    decoding is exact, so this equals the real loop's count up to floating-point near-ties
+    (tree vs chain attention, batched vs single-row drafting), without any target pass.
+    """
+    import numpy as np
+
+    path = np.array(ids)
+    t, tokens, steps = n_prompt, 0, 0
+    while t < len(ids) - 1 and t - n_prompt + 1 < max_tokens:
+        beams = beams_at[t - n_prompt]
+        room = min(length - 1, len(ids) - 2 - t)
+        match = beams[:, 1 : 1 + room] == path[t + 1 : t + 1 + room][None]
+        accepted = int(np.cumprod(match, axis=1).sum(axis=1).max()) if room > 0 else 0
+        tokens += accepted + 1
+        steps += 1
+        t += accepted + 1
+    return {"tokens": tokens, "steps": steps, "ids": ids[n_prompt:]}
+
+
+def simulate_grid(model, tokenizer, drafter, prompts: list[str], widths: list[int],
+                  lengths: list[int], max_tokens: int, paths_file: Path | None = None,
+                  progress=None) -> list[dict]:
+    """Like :func:`evaluate`, replaying steps along greedy paths decoded once by the real loop
+    at :data:`PATH_SHAPE` (cached in ``paths_file``, keyed by prompt, when given). The row of
+    that shape also carries the real loop's own count (``real_tokens_per_step``) when the paths
+    were decoded with this drafter in this call."""
+    import mlx.core as mx
+
+    from redrafter_mlx.draft import BeamDrafter
+
+    embed = model.model.embed_tokens
+    paths = load_paths(model, tokenizer, prompts, max_tokens + max(lengths), paths_file,
+                       BeamDrafter(drafter, embed=embed), count_until=max_tokens)
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for ids, hidden, n_prompt, _ in paths:
+        contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
+        for w in widths:
+            beams = beams_everywhere(drafter, embed, contexts, pendings, w, max(lengths) - 1)
+            for length in lengths:
+                run = simulate(beams[length - 2], ids, n_prompt, max_tokens, length)
+                runs.setdefault((w, length), []).append(run)
+        if progress:
+            progress(len(widths) * len(lengths))
+    rows = []
+    for w in widths:
+        for length in lengths:
+            row = summarize(w, length, runs[(w, length)])
+            real = [p[3] for p in paths]
+            if (w, length) == PATH_SHAPE and all(real):
+                tokens, steps = sum(r["tokens"] for r in real), sum(r["steps"] for r in real)
+                row["real_tokens_per_step"] = round(tokens / steps, 3) if steps else None
+                row["real_tokens"], row["real_steps"] = tokens, steps
+            rows.append(row)
+    return rows
+
+
+def load_paths(model, tokenizer, prompts: list[str], max_tokens: int, paths_file: Path | None,
+               drafter=None, count_until: int | None = None):
+    """Greedy paths per prompt ``[(ids, hidden (N, H), n_prompt, real)]``, from/into
+    ``paths_file`` (``real`` is None for stored paths)."""
+    import mlx.core as mx
+
+    from redrafter_mlx import llm
+
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    stored = json.loads(Path(paths_file).read_text()) if paths_file and Path(
+        paths_file).exists() else {}
+    out = []
+    for p in prompts:
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                        add_generation_prompt=True))
+        key = hashlib.sha1(json.dumps([p, max_tokens]).encode()).hexdigest()
+        if key in stored:
+            ids, real = stored[key], None
+            n = len(ids)
+            hidden = llm.forward(model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n),
+                                 llm.make_cache(model))
+        else:
+            ids, hidden, real = greedy_path(model, prompt_ids, max_tokens, eos, drafter,
+                                            count_until)
+            stored[key] = ids
+            if paths_file:
+                Path(paths_file).write_text(json.dumps(stored))
+        mx.eval(hidden)
+        out.append((ids, hidden, len(prompt_ids), real))
+    return out

