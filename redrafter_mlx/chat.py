@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,6 +28,7 @@ from rich.markup import escape
 
 from redrafter_mlx import llm
 from redrafter_mlx import runtime as rt
+from redrafter_mlx.atomic import write_text
 from redrafter_mlx.decode import BeamShape, ContextFull, Decoder
 from redrafter_mlx.generate import GenerationResponse, GenerationStats, stream_generate
 
@@ -281,19 +280,7 @@ def time_autoregressive_step(decoder: Decoder, cache, reps: int = 4) -> float:
 
 def save_conversation(path: Path, record: dict) -> None:
     """Write ``record`` as JSON atomically: a temp file in the same folder, then rename."""
-    path = path.expanduser()
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------- terminal UI (prints)

@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import pickle
 import shutil
 import sys
-import tempfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .atomic import staged_dir
 from .load import LoadError, check_safetensors, check_structure, looks_like_hub_id, one_line
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -60,20 +59,8 @@ def staged_output(out: str | Path, *, force: bool = False) -> Iterator[Path]:
     out = Path(out).expanduser().absolute()
     if out.exists() and not force and any(out.iterdir() if out.is_dir() else [out]):
         raise ConversionError(f"{out}: output already exists (use --force to overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         yield tmp
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @contextlib.contextmanager

@@ -127,17 +127,13 @@ def random_drafter(target_hidden: int, target_vocab: int, seed: int = 0, **kwarg
 
 def save_drafter(drafter: Drafter, out: Path | str) -> None:
     """Write ``config.json`` + ``model.safetensors`` atomically (temp files, then rename)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     from mlx.utils import tree_flatten
 
+    from redrafter_mlx.atomic import write_text, write_with
+
     weights = dict(tree_flatten(drafter.parameters()))
-    tmp_weights = out / "model.safetensors.tmp.safetensors"
-    mx.save_safetensors(str(tmp_weights), weights)
-    tmp_config = out / "config.json.tmp"
-    tmp_config.write_text(json.dumps(asdict(drafter.args), indent=2) + "\n")
-    tmp_weights.replace(out / "model.safetensors")
-    tmp_config.replace(out / "config.json")
+    write_with(Path(out) / "model.safetensors", lambda tmp: mx.save_safetensors(str(tmp), weights))
+    write_text(Path(out) / "config.json", json.dumps(asdict(drafter.args), indent=2) + "\n")
 
 
 def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from redrafter_mlx.atomic import staged_dir, write_text, write_with
+
 ROLE_NAMES = {
     "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
     "bard": "assistant", "bing": "assistant", "assistant": "assistant", "system": "system",
@@ -202,17 +204,13 @@ class Cache:
 
     def add_shard(self, split: str, arrays: dict[str, np.ndarray], next_conv: int) -> None:
         name = f"{split}-{len(self.manifest['shards']):05d}.npz"
-        tmp = self.root / (name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(self.root / name)
+        write_with(self.root / name, lambda tmp: np.savez(tmp, **arrays))
         self.manifest["shards"].append({
             "file": name, "split": split, "tokens": int(arrays["tokens"].shape[0]),
             "bytes": (self.root / name).stat().st_size,
         })
         self.manifest["next"][split] = next_conv
-        tmp = self.root / "manifest.json.tmp"
-        tmp.write_text(json.dumps(self.manifest, indent=1))
-        tmp.replace(self.root / "manifest.json")
+        write_text(self.root / "manifest.json", json.dumps(self.manifest, indent=1))
 
     def load(self, split: str, budget: int | None = None) -> dict[str, np.ndarray] | None:
         """Shards of ``split`` (up to ``budget`` tokens) concatenated, ``doc`` numbering
@@ -650,25 +648,16 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
 
 def save_checkpoint(trainer: Trainer, folder: Path, state: dict) -> None:
     """Drafter + optimizer + loop state into ``folder`` atomically (write aside, then swap)."""
-    import shutil
-
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from redrafter_mlx.drafter import save_drafter
 
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(trainer.drafter, tmp)
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"),
-                        dict(tree_flatten(trainer.optimizer.state)))
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    old = folder.with_name(folder.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        folder.replace(old)
-    tmp.replace(folder)
-    shutil.rmtree(old, ignore_errors=True)
+    with staged_dir(folder) as tmp:
+        save_drafter(trainer.drafter, tmp)
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"),
+                            dict(tree_flatten(trainer.optimizer.state)))
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
 
 
 def load_checkpoint(trainer: Trainer, folder: Path) -> dict:

@@ -1,0 +1,57 @@
+"""Atomic writes: a failure never leaves a half-written file or folder at the destination."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def write_with(path: Path | str, writer: Callable[[Path], None]) -> None:
+    """Call ``writer(tmp)`` on a temp file beside ``path`` (same suffix), then rename it."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        writer(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path | str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically, flushed to disk before the rename."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_with(path, write)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path | str) -> Iterator[Path]:
+    """Yield a temp folder beside ``out``; on success it replaces ``out``, on failure it goes."""
+    out = Path(out).expanduser().absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists():
+            old.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
