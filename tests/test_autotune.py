@@ -1,0 +1,202 @@
+"""Autotune: the search on a synthetic noisy cost model, profile keys, the store, resolve_shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from redrafter_mlx import autotune
+from redrafter_mlx import runtime as rt
+from redrafter_mlx.autotune import Observation
+from redrafter_mlx.decode import BeamShape
+from redrafter_mlx.draft import BeamDrafter
+
+SHAPES = [BeamShape(w, n) for w in range(1, 9) for n in range(2, 7)]
+
+
+def accepted(shape: BeamShape, acceptance: float) -> float:
+    """Synthetic tokens/step: more beams raise the per-token acceptance, saturating."""
+    p = 1 - (1 - acceptance) ** math.sqrt(shape.width)
+    return sum(p**k for k in range(shape.length))
+
+
+def tree(shape: BeamShape) -> float:
+    return 1 + 0.8 * shape.width * (shape.length - 1)
+
+
+def step_seconds(shape: BeamShape) -> float:
+    """Synthetic cost, deliberately not in the search's model family (power, a jump at 16)."""
+    t = tree(shape)
+    cost = 1.15 + 0.05 * t**1.1 + 0.04 * shape.width * (shape.length - 1)
+    return 0.1 * cost * (1.08 if shape.width * shape.length >= 16 else 1.0)
+
+
+def noisy_measure(acceptance: float, rng: np.random.Generator):
+    """Runs with +-25% uniform timing noise, a slow drift, and per-prompt acceptance."""
+    calls = [0]
+
+    def measure(shape: BeamShape, prompt: int) -> Observation:
+        calls[0] += 1
+        drift = 1 + 0.1 * math.sin(calls[0] / 7)
+        a = accepted(shape, min(acceptance * (1 + 0.2 * math.sin(3 * prompt)), 0.95))
+        seconds = step_seconds(shape) * rng.uniform(0.75, 1.25) * drift
+        return Observation(shape, prompt, a, seconds, tree(shape))
+
+    return measure
+
+
+def true_tps(shape: BeamShape, acceptance: float) -> float:
+    return accepted(shape, acceptance) / step_seconds(shape)
+
+
+@pytest.mark.parametrize("acceptance", [0.1, 0.55, 0.8])
+def test_search_finds_the_optimum_under_noise(acceptance):
+    best = max(true_tps(s, acceptance) for s in SHAPES)
+    hits, runs = 0, []
+    for seed in range(50):
+        rng = np.random.default_rng(1000 + seed)
+        result = autotune.successive_halving(
+            SHAPES, noisy_measure(acceptance, rng), num_prompts=4, seed=seed
+        )
+        hits += true_tps(result.best, acceptance) >= 0.95 * best
+        runs.append(len(result.observations))
+    assert hits >= 45  # >= 90% of 50 seeded trials within 5% of the true optimum
+    assert max(runs) <= 0.4 * len(SHAPES) * 4 * 2  # vs a 4-prompt x 2-repetition grid
+
+
+def test_full_grid_runs_everything_and_picks_the_median_best():
+    rng = np.random.default_rng(0)
+    shapes = SHAPES[:6]
+    result = autotune.full_grid(shapes, noisy_measure(0.5, rng), num_prompts=2, repetitions=2)
+    assert len(result.observations) == 6 * 2 * 2
+    assert result.best == max(shapes, key=lambda s: autotune.grid_tps(result.observations, s))
+
+
+def test_search_with_a_single_shape():
+    rng = np.random.default_rng(0)
+    result = autotune.successive_halving([BeamShape(2, 4)], noisy_measure(0.5, rng), num_prompts=2)
+    assert result.best == BeamShape(2, 4)
+
+
+def chip(name="Apple M2 Ultra", backend="Metal", blas=None):
+    return {"chip": name, "backend": backend} | ({"blas": blas} if blas else {})
+
+
+def test_profile_keys_separate_what_matters():
+    base = autotune.profile_key(chip(), "m", "d", "float16", None)
+    assert base == autotune.profile_key(chip(), "m", "d", "float16", None)
+    others = [
+        autotune.profile_key(chip("Apple M1 Max"), "m", "d", "float16", None),
+        autotune.profile_key(chip(backend="CPU"), "m", "d", "float16", None),
+        autotune.profile_key(chip("AMD EPYC", "CPU", "OpenBLAS"), "m", "d", "float16", None),
+        autotune.profile_key(chip("AMD EPYC", "CPU", "mlx built-in"), "m", "d", "float16", None),
+        autotune.profile_key(chip(), "m2", "d", "float16", None),
+        autotune.profile_key(chip(), "m", "d2", "float16", None),
+        autotune.profile_key(chip(), "m", "d", "float32", None),
+        autotune.profile_key(chip(), "m", "d", "float16", {"bits": 4, "group_size": 64}),
+    ]
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_store_round_trip_and_atomic_write(tmp_path):
+    path = tmp_path / "profiles.json"
+    autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
+    autotune.save_profile("k2", {"shape": [1, 4], "fingerprint": "g"}, path)
+    assert autotune.find_profile("k", "f", path) == BeamShape(3, 5)
+    assert autotune.find_profile("k2", "g", path) == BeamShape(1, 4)
+    assert autotune.find_profile("other", "f", path) is None
+    assert sorted(os.listdir(tmp_path)) == ["profiles.json"]  # no temp files left
+
+
+def test_failed_write_leaves_the_previous_store(tmp_path, monkeypatch):
+    path = tmp_path / "profiles.json"
+    autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
+    before = path.read_text()
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(autotune.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        autotune.save_profile("k", {"shape": [1, 2], "fingerprint": "f"}, path)
+    assert path.read_text() == before
+    assert sorted(os.listdir(tmp_path)) == ["profiles.json"]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"profiles": []}',
+        "[]",
+        '{"version": 1, "profiles": {"k": {"shape": "x"}}}',
+        '{"version": 1, "profiles": {"k": {"shape": [0, 1], "fingerprint": "f"}}}',
+    ],
+)
+def test_corrupt_store_is_ignored_with_a_warning(tmp_path, capsys, content):
+    path = tmp_path / "profiles.json"
+    path.write_text(content)
+    assert autotune.find_profile("k", "f", path) is None
+    assert "warning" in capsys.readouterr().err
+    autotune.save_profile("k", {"shape": [2, 3], "fingerprint": "f"}, path)  # replaces it
+    assert autotune.find_profile("k", "f", path) == BeamShape(2, 3)
+
+
+def test_stale_profile_is_ignored_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "profiles.json"
+    autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "old"}, path)
+    assert autotune.find_profile("k", "new", path) is None
+    assert "stale" in capsys.readouterr().err
+    data = json.loads(path.read_text())
+    data["version"] = 0
+    path.write_text(json.dumps(data))
+    assert autotune.find_profile("k", "old", path) is None
+
+
+@pytest.fixture
+def runtime(target, drafter, tmp_path, monkeypatch):
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"weights")
+    return rt.Runtime(
+        target,
+        None,
+        {},
+        BeamDrafter(drafter, target.model.embed_tokens),
+        str(tmp_path / "model"),
+        str(tmp_path / "drafter"),
+    )
+
+
+def shape_args(width=None, length=None):
+    return argparse.Namespace(beam_width=width, beam_length=length)
+
+
+def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
+    assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
+    key, fp = autotune.runtime_identity(runtime)
+    autotune.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
+    assert (tmp_path / "cache" / "profiles.json").exists()
+    assert rt.resolve_shape(shape_args(), runtime) == (BeamShape(3, 5), "autotune profile")
+    assert rt.resolve_shape(shape_args(1, 2), runtime) == (BeamShape(1, 2), "flags")
+
+
+def test_retrained_drafter_makes_the_profile_stale(runtime, tmp_path, capsys):
+    key, fp = autotune.runtime_identity(runtime)
+    autotune.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
+    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"retrained weights")
+    assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
+    assert "stale" in capsys.readouterr().err
+
+
+def test_corrupt_store_never_breaks_resolve_shape(runtime, tmp_path, capsys):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "profiles.json").write_bytes(b"\xff\x00garbage")
+    assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
+    assert "warning" in capsys.readouterr().err

@@ -1,0 +1,177 @@
+"""The benchmark harness on a tiny random model: files, fields, statistics, prompt loading."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+
+import pytest
+
+from redrafter_mlx import bench
+from redrafter_mlx.bench import BenchConfig, Method, Record, Run
+from redrafter_mlx.decode import BeamShape
+from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.runtime import Runtime
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def toy_tokenizer():
+    """A 64-word HF tokenizer ("w0".."w63", EOS "w63") with a chat template, mlx-lm wrapped."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
+    hf.chat_template = (
+        "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}"
+    )
+    return TokenizerWrapper(hf)
+
+
+@pytest.fixture(scope="module")
+def runtime(target, drafter):
+    return Runtime(
+        target,
+        toy_tokenizer(),
+        {"max_position_embeddings": 4096},
+        BeamDrafter(drafter, target.model.embed_tokens),
+        "tiny-llama",
+        "tiny-drafter",
+    )
+
+
+@pytest.fixture(scope="module")
+def result(runtime):
+    cfg = BenchConfig(
+        [BeamShape(1, 2), BeamShape(2, 3)],
+        [["w5 w6 w7", "w8 w9"], ["w10 w11"]],
+        max_tokens=12,
+        repetitions=2,
+    )
+    return bench.run_bench(runtime, cfg)
+
+
+def test_result_fields(result):
+    env = result["environment"]
+    for key in (
+        "device",
+        "backend",
+        "blas",
+        "dtype",
+        "quantization",
+        "mlx",
+        "mlx_lm",
+        "model",
+        "drafter",
+    ):
+        assert key in env
+    assert env["backend"] in ("CPU", "Metal", "CUDA", "GPU")
+    assert result["settings"]["cases"] == 3  # two turns + one turn
+    rows = {r["method"]: r for r in result["results"]}
+    assert list(rows) == ["mlx-lm", "autoregressive", "W1L2", "W2L3"]
+    for name in ("W1L2", "W2L3"):
+        row = rows[name]
+        assert row["exact"] is True  # greedy ReDrafter == autoregressive, every run
+        assert row["runs"] == 6
+        assert row["generation_tps"] > 0 and row["prompt_tps"] > 0
+        assert row["speedup_vs_mlx-lm"] > 0 and row["speedup_vs_autoregressive"] > 0
+        assert row["speedup_vs_mlx-lm_median_of_ratios"] > 0
+        assert 1 <= row["tokens_per_step"] <= row["beam_length"]
+        assert 0 < row["compression_p1"] <= row["compression_p99"] <= 1
+        assert row["verify_cost_ratio"] > 0 and row["draft_cost_ratio"] > 0
+        assert row["speedup_bound"] == pytest.approx(
+            row["tokens_per_step"] / row["verify_cost_ratio"]
+        )
+        assert set(row["phase_fraction"]) == {"draft", "pack", "verify", "accept", "compact"}
+        assert sum(row["phase_fraction"].values()) == pytest.approx(1.0)
+        assert row["syncs_per_step"] == pytest.approx(1.0)
+        assert row["latency_p95_ms"] >= row["latency_p50_ms"] > 0
+    assert rows["autoregressive"]["tokens_per_step"] == 1.0
+    assert rows["autoregressive"]["speedup_vs_autoregressive"] == pytest.approx(1.0)
+
+
+def test_writes_json_csv_and_plots(result, tmp_path):
+    paths = bench.write_outputs(result, tmp_path / "out")
+    names = {p.name for p in paths}
+    assert {
+        "bench.json",
+        "bench.csv",
+        "speedup_heatmap.png",
+        "phases.png",
+        "tokens_per_step.png",
+    } <= names
+    loaded = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert loaded["results"][2]["method"] == "W1L2"
+    with open(tmp_path / "out" / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["mlx-lm", "autoregressive", "W1L2", "W2L3"]
+    assert float(rows[3]["verify_cost_ratio"]) > 0
+    for p in paths:
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_greedy_runs_match_across_methods(runtime):
+    prompt = runtime.tokenizer.encode("w5 w6 w7")
+    ar = bench.measure(runtime, Method("autoregressive"), prompt, max_tokens=16)
+    rd = bench.measure(runtime, Method("redrafter", BeamShape(3, 4)), prompt, max_tokens=16)
+    ref = bench.measure(runtime, Method("mlx-lm"), prompt, max_tokens=16)
+    assert rd.tokens == ar.tokens
+    assert len(ref.tokens) == len(ar.tokens)
+    assert sum(rd.accept_histogram.values()) == rd.steps
+
+
+def record(method: str, case: int, tps: float) -> Record:
+    return Record(method, case, 0, Run([], "", 1, 1.0, tps, []))
+
+
+def test_speedups_ratio_of_medians_and_median_of_ratios():
+    records = [record("a", c, t) for c, t in enumerate([10, 20, 30])]
+    records += [record("b", c, t) for c, t in enumerate([5, 20, 10])]
+    sp = bench.speedups(records, "a", "b")
+    assert sp["ratio_of_medians"] == pytest.approx(20 / 10)
+    assert sp["median_of_ratios"] == pytest.approx(2.0)  # ratios 2, 1, 3
+
+
+def test_uniform_tokens_per_second():
+    events = [(0.0, [7], ""), (1.0, [1, 2, 3], ""), (2.0, [4], "")]
+    tps, latencies = bench._tps_and_latencies(events)
+    assert tps == pytest.approx(4 / 2.0)
+    assert latencies == pytest.approx([1 / 3] * 3 + [1.0])
+
+
+def test_load_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello"}\n\n{"turns": ["a", "b", "c"]}\n')
+    assert bench.load_prompts(path, None, 2) == [["hello"], ["a", "b"]]
+    assert bench.load_prompts(path, 1, 1) == [["hello"]]
+    path.write_text('{"question": 1}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        bench.load_prompts(path, None, 1)
+
+
+def test_mt_bench_is_the_default():
+    if not bench.MT_BENCH.exists():
+        pytest.skip("shared MT-Bench file not present")
+    convs = bench.load_prompts(None, 3, 2)
+    assert len(convs) == 3 and all(len(c) == 2 for c in convs)
+
+
+def test_grid_flags(runtime):
+    args = bench.setup_arg_parser().parse_args(["--beam-width", "1,2", "--beam-length", "3,4,5"])
+    shapes = bench.shapes_from_args(args, runtime)
+    assert shapes == [BeamShape(w, n) for w in (1, 2) for n in (3, 4, 5)]
+    with pytest.raises(SystemExit):
+        bench.setup_arg_parser().parse_args(["--beam-width", "1,x"])
+
+
+def test_rotation_interleaves():
+    methods = [Method("a"), Method("b"), Method("c")]
+    firsts = Counter(bench.rotated(methods, rep)[0].kind for rep in range(3))
+    assert firsts == Counter("abc")
