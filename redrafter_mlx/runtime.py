@@ -16,9 +16,9 @@ from mlx_lm.sample_utils import make_sampler
 from redrafter_mlx.decode import BeamShape, Decoder, PhaseTimer
 from redrafter_mlx.draft import BeamDrafter
 
-# Without an autotune profile: short single beams, the safe choice for a weak drafter or a
-# CPU where verifying more tokens costs more (run `redrafter-mlx autotune` to measure).
-DEFAULT_SHAPE = BeamShape(width=1, length=3)
+# Without an autotune profile: one short beam, the measured best on the 2-core CPU with the
+# shipped drafter (benchmarks/README.md); `redrafter-mlx autotune` measures each chip.
+DEFAULT_SHAPE = BeamShape(width=1, length=2)
 
 
 @dataclass
