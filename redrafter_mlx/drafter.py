@@ -87,12 +87,7 @@ class Drafter(nn.Module):
         """Copy the target's LM-head rows for the draft vocabulary (``head == "target"`` only)."""
         if self.args.head != "target":
             return
-        from redrafter_mlx.llm import compute_dtype, lm_head
-
-        # The head applied to the identity gives W.T (H, V), tied/untied/quantized alike.
-        basis = mx.eye(self.args.hidden_size, dtype=compute_dtype(target))
-        rows = lm_head(target, basis).T[self.draft_ids(mx.arange(self.args.draft_vocab))]
-        self._target_rows = mx.stop_gradient(rows.astype(mx.float32))
+        self._target_rows = lm_head_rows(target, self.draft_ids(mx.arange(self.args.draft_vocab)))
         mx.eval(self._target_rows)
 
     def draft_ids(self, index: mx.array) -> mx.array:
@@ -107,14 +102,32 @@ class Drafter(nn.Module):
 
     def logits(self, context: mx.array, state: mx.array) -> mx.array:
         """Target hidden (B, H) and RNN state (B, H) -> draft logits (B, K)."""
+        return self.score(self.features(context, state))
+
+    def features(self, context: mx.array, state: mx.array) -> mx.array:
+        """(B, H), (B, H) -> last layer's output (B, D): logits (D = K) for the own head, a
+        predicted target hidden state (D = H) for ``head == "target"``."""
         x = mx.concatenate([context, state], axis=-1)
         if "input_proj" in self:
             x = self.input_proj(x)
         for layer in self.lm_head:
             x = layer(x)
-        if self.args.head == "target":
-            x = x @ self._target_rows.T.astype(x.dtype)
         return x
+
+    def score(self, features: mx.array) -> mx.array:
+        """Last layer's output (..., D) -> draft logits (..., K)."""
+        if self.args.head == "target":
+            return features @ self._target_rows.T.astype(features.dtype)
+        return features
+
+
+def lm_head_rows(target: nn.Module, ids: mx.array) -> mx.array:
+    """The target's (frozen) LM-head rows for token ids ``(K,)`` -> ``(K, H)`` float32."""
+    from redrafter_mlx.llm import compute_dtype, lm_head
+
+    # The head applied to the identity gives W.T (H, V), tied/untied/quantized alike.
+    basis = mx.eye(target.args.hidden_size, dtype=compute_dtype(target))
+    return mx.stop_gradient(lm_head(target, basis).T[ids].astype(mx.float32))
 
 
 def random_drafter(target_hidden: int, target_vocab: int, seed: int = 0, **kwargs) -> Drafter:

@@ -315,7 +315,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-weight", type=float, default=0.0,
                    help="head target: weight of the Huber loss pulling the predicted hidden "
                    "state onto the target's own next hidden state")
-    p.add_argument("--dropout", type=float, default=0.0, help="drafter head dropout (training)")
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evals")
     p.add_argument("--patience", type=int, default=5, help="evals without improvement to stop")
     p.add_argument("--seed", type=int, default=0)
@@ -464,25 +463,11 @@ def identity_init(drafter) -> None:
     mx.eval(drafter.parameters())
 
 
-def target_rows(model, ids) -> object:
-    """The target's LM-head rows for token ids ``(K,)`` -> ``(K, H)`` float32, frozen."""
-    import mlx.core as mx
-
-    from redrafter_mlx import llm
-    from redrafter_mlx.load import target_dims
-
-    basis = mx.eye(target_dims(model)[0], dtype=llm.compute_dtype(model))
-    return mx.stop_gradient(llm.lm_head(model, basis).T[ids].astype(mx.float32))
-
-
-def unrolled_features(drafter, context, embeds, dropout: float = 0.0):
+def unrolled_features(drafter, context, embeds):
     """Teacher-forced drafter: ``context (B, H)``, input embeddings ``(B, P, H)`` -> the last
-    layer's output ``(B, P, D)``: logits (D = K) for ``head == "own"``, a predicted hidden state
-    (D = H) for ``head == "target"`` (see :func:`features_to_logits`). The RNN runs over the P
-    inputs; the head is one batched call, as in ``Drafter.logits``. ``dropout`` (training only)
-    drops head inputs and residual-block outputs."""
+    layer's output ``(B, P, D)`` (``Drafter.features``); the RNN runs over the P inputs and the
+    head is one batched call."""
     import mlx.core as mx
-    import mlx.nn as nn
 
     b, p, h = embeds.shape
     state, states = mx.zeros((b, h), embeds.dtype), []
@@ -491,32 +476,12 @@ def unrolled_features(drafter, context, embeds, dropout: float = 0.0):
         states.append(state)
     states = mx.stack(states, axis=1).reshape(b * p, h)
     ctx = mx.broadcast_to(context[:, None], (b, p, h)).reshape(b * p, h)
-    x = _dropout(mx.concatenate([ctx, states], axis=-1), dropout)
-    if "input_proj" in drafter:
-        x = drafter.input_proj(x)
-    for layer in drafter.lm_head[:-1]:
-        x = x + _dropout(nn.silu(layer.linear(x)), dropout)
-    return drafter.lm_head[-1](x).reshape(b, p, -1)
-
-
-def _dropout(x, p: float):
-    import mlx.core as mx
-
-    if p <= 0:
-        return x
-    return x * (mx.random.uniform(shape=x.shape) >= p) / (1 - p)
-
-
-def features_to_logits(drafter, features):
-    """``(..., D)`` last-layer output -> draft logits ``(..., K)`` (= ``Drafter.logits``)."""
-    if drafter.args.head == "target":
-        return features @ drafter._target_rows.T.astype(features.dtype)
-    return features
+    return drafter.features(ctx, states).reshape(b, p, -1)
 
 
 def unrolled_logits(drafter, context, embeds):
     """Teacher-forced draft logits ``(B, P, K)``."""
-    return features_to_logits(drafter, unrolled_features(drafter, context, embeds))
+    return drafter.score(unrolled_features(drafter, context, embeds))
 
 
 def loss_fn(drafter, context, embeds, labels, weights, soft, next_hidden, args):
@@ -527,8 +492,8 @@ def loss_fn(drafter, context, embeds, labels, weights, soft, next_hidden, args):
     own ``next_hidden (B, P, H)`` (feature distillation, as in EAGLE)."""
     import mlx.core as mx
 
-    features = unrolled_features(drafter, context, embeds, args.dropout)
-    logits = features_to_logits(drafter, features).astype(mx.float32)
+    features = unrolled_features(drafter, context, embeds)
+    logits = drafter.score(features).astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     loss = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if soft is not None and args.soft_weight > 0:
@@ -624,7 +589,7 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from redrafter_mlx.drafter import load_drafter
+    from redrafter_mlx.drafter import lm_head_rows, load_drafter
     from redrafter_mlx.load import target_dims
 
     if args.init:
@@ -638,7 +603,7 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
     lookup = np.full(size, -1, np.int64)
     ids = vocab if vocab is not None else np.arange(size)
     lookup[ids] = np.arange(len(ids))
-    rows = target_rows(model, mx.array(ids)) if args.soft_weight > 0 else None
+    rows = lm_head_rows(model, mx.array(ids)) if args.soft_weight > 0 else None
     schedule = optim.join_schedules(
         [optim.linear_schedule(args.lr * 0.01, args.lr, 100),
          optim.cosine_decay(args.lr, max(args.total_steps, 1), args.lr * 0.05)], [100])
