@@ -29,7 +29,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from redrafter_mlx.atomic import write_text
 from redrafter_mlx.decode import BeamShape
 
 PROFILE_VERSION = 1
@@ -164,20 +164,8 @@ def read_store(path: Path | None = None) -> dict:
 
 
 def write_store(data: dict, path: Path | None = None) -> None:
-    """Write the store atomically: a temp file in the same folder, then ``os.replace``."""
-    path = path or store_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".profiles-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write the store atomically: a temp file in the same folder, then a rename."""
+    write_text(path or store_path(), json.dumps(data, indent=2, default=str) + "\n")
 
 
 def save_profile(key: str, entry: dict, path: Path | None = None) -> None:
