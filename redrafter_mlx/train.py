@@ -6,7 +6,9 @@ Legend: N cached tokens, H target hidden size, V target vocab, K draft vocab, P 
 Two phases, one command:
 
 1. **Extract.** The target is teacher-forced once over each conversation (chat template applied,
-   truncated to ``--max-seq-len`` tokens). Shards in ``--cache-dir`` keep, per token: the token,
+   truncated to ``--max-seq-len`` tokens), or with ``--source self`` it answers each
+   conversation's first user turn itself, greedily (``selfdistill.py``: the drafter then learns
+   from the very text it will see when decoding). Shards in ``--cache-dir`` keep, per token: the token,
    the target's final-norm hidden state (float16), its argmax (the target's own next token), its
    top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the target.
 2. **Train.** At position t the drafter gets ``h_t`` and, for future step i = 1..P, the tokens
@@ -51,6 +53,12 @@ EPILOG = """examples:
   redrafter-mlx train --out runs/smollm2-drafter --max-tokens 183859 \\
       --head target --draft-vocab 8192 --num-draft-layers 0 --positions 4 --batch-size 64 \\
       --hidden-weight 1.0 --epochs 3 --eval-every 600 --patience 4 --seed 0
+
+  # self-distillation: the target answers ShareGPT prompts itself (greedy), then train on
+  # those answers plus an earlier teacher-forced cache
+  redrafter-mlx train --extract-only --source self --cache-dir runs/cache-self --max-tokens 600000
+  redrafter-mlx train --source self --cache-dir runs/cache-self --extra-cache runs/cache \
+      --out runs/self-drafter --init weights/smollm2-135m-instruct-drafter --positions 4
 
   # extract target hidden states only (e.g. in the background), train later from the cache
   redrafter-mlx train --extract-only --cache-dir runs/cache --max-tokens 1000000
@@ -240,44 +248,81 @@ class Cache:
 
 
 def extract(model, tokenizer, convs: list, cache: Cache, split: str, budget: int, args) -> None:
-    """Teacher-force conversations ``convs[next:]`` into shards until ``split`` has ``budget``."""
+    """Record conversations ``convs[next:]`` into shards until ``split`` has ``budget`` tokens:
+    teacher-forced (``--source data``) or answered by the target itself (``--source self``)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     have = cache.tokens(split)
     limit = args.cache_max_gb * 2**30
+    if have >= budget or cache.nbytes() >= limit:
+        return
     buf: list[dict[str, np.ndarray]] = []
     start, done_tokens = time.perf_counter(), 0
     columns = (
-        TextColumn(f"extract {split}"),
+        TextColumn(f"{'generate' if args.source == 'self' else 'extract'} {split}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} tokens {task.fields[rate]}"),
         TimeRemainingColumn(),
     )
+    records = self_records if args.source == "self" else teacher_records
     with Progress(*columns, disable=args.quiet) as bar:
         task = bar.add_task("", total=budget, completed=have, rate="")
-        i = cache.manifest["next"][split]
-        while have < budget and i < len(convs) and cache.nbytes() < limit:
-            ids, mask = encode_conversation(tokenizer, convs[i])
-            i += 1
-            ids, mask = ids[: args.max_seq_len], mask[: args.max_seq_len]
-            if sum(mask[1:]) < 4:
-                continue
-            arrays = teacher_force(model, ids, args.topk)
-            arrays.update(
-                tokens=np.array(ids, np.int32),
-                mask=np.array(mask, bool),
-                doc=np.full(len(ids), len(buf), np.int32),
-            )
+        i = first = cache.manifest["next"][split]
+        for i, arrays, boundary in records(model, tokenizer, convs, first, args):
+            arrays["doc"] = np.full(len(arrays["tokens"]), len(buf), np.int32)
             buf.append(arrays)
-            have += len(ids)
-            done_tokens += len(ids)
+            have += len(arrays["tokens"])
+            done_tokens += len(arrays["tokens"])
             rate = done_tokens / (time.perf_counter() - start)
             bar.update(task, completed=min(have, budget), rate=f"{rate:.0f} tok/s")
+            if not boundary:
+                continue
             if sum(b["tokens"].shape[0] for b in buf) >= SHARD_TOKENS or have >= budget:
                 cache.add_shard(split, _concat(buf), i)
                 buf = []
+            if have >= budget or cache.nbytes() >= limit:
+                break
         if buf:
             cache.add_shard(split, _concat(buf), i)
+
+
+def teacher_records(model, tokenizer, convs: list, first: int, args):
+    """Yield ``(next conversation index, record, True)``, one teacher-forced conversation at a
+    time (every record is a resumable boundary)."""
+    for i in range(first, len(convs)):
+        ids, mask = encode_conversation(tokenizer, convs[i])
+        ids, mask = ids[: args.max_seq_len], mask[: args.max_seq_len]
+        if sum(mask[1:]) < 4:
+            continue
+        arrays = teacher_force(model, ids, args.topk)
+        arrays.update(tokens=np.array(ids, np.int32), mask=np.array(mask, bool))
+        yield i + 1, arrays, True
+
+
+def self_records(model, tokenizer, convs: list, first: int, args):
+    """Yield ``(next conversation index, record, boundary)``: the target's greedy answers to the
+    first user turns of ``convs[first:]``, decoded ``--gen-batch`` conversations at a time. Only
+    a batch's last record is a boundary (shards and budgets close on whole batches, so a resumed
+    run starts at the next batch)."""
+    from redrafter_mlx.selfdistill import greedy_batch
+
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    window = args.gen_batch
+    for w in range(first, len(convs), window):
+        prompts = []
+        for conv in convs[w : w + window]:
+            user = first_user_turns([conv])
+            if not user:
+                continue
+            messages = [{"role": "user", "content": user[0]}]
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            if len(ids) + args.gen_tokens <= args.max_seq_len:
+                prompts.append(ids)
+        records = greedy_batch(model, prompts, args.gen_tokens, eos) if prompts else []
+        records = [r for r in records if r["mask"].sum() >= 4]
+        for k, r in enumerate(records):
+            last = k == len(records) - 1
+            yield (min(w + window, len(convs)) if last else w), r, last
 
 
 def _concat(buf: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -320,6 +365,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="also store the top-k next-token log-probs per token (0: none)",
+    )
+    p.add_argument(
+        "--source",
+        choices=("data", "self"),
+        default="data",
+        help="data: teacher-force the conversations' own answers; self: the target answers "
+        "their first user turns itself (greedy, batched; matches what decoding sees)",
+    )
+    p.add_argument("--gen-tokens", type=int, default=256, help="--source self: answer length cap")
+    p.add_argument("--gen-batch", type=int, default=48, help="--source self: prompts per batch")
+    p.add_argument(
+        "--extra-cache",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also train on every training shard of this cache (same target; repeatable)",
     )
     p.add_argument("--extract-only", action="store_true", help="fill the cache, do not train")
     # drafter shape
@@ -382,6 +443,10 @@ def main(args: argparse.Namespace) -> None:
         from redrafter_mlx.embedded import default_model_path
 
         model_path = default_model_path()
+    if args.source == "self" and args.topk:
+        raise SystemExit("error: --topk is not stored for --source self")
+    if not 4 <= args.gen_tokens < args.max_seq_len:
+        raise SystemExit("error: --gen-tokens must be at least 4 and below --max-seq-len")
     model, tokenizer, _ = load_target(model_path)
     data = Path(args.data) if args.data else default_data_path()
     cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
@@ -410,6 +475,8 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
         "topk": args.topk,
         "fingerprint": _fingerprint(model),
     }
+    if args.source == "self":
+        identity.update(source="self", gen_tokens=args.gen_tokens)
     cache = Cache.open(cache_dir, identity)
     prompts = cache_dir / "heldout_prompts.jsonl"
     if not prompts.exists():
@@ -720,6 +787,7 @@ def train(model, cache: Cache, out: Path, args) -> dict:
     heldout_data = cache.load("heldout")
     if train_data is None or heldout_data is None:
         raise SystemExit(f"error: {cache.root}: no extracted data (run without --extract-only)")
+    train_data = _with_extra_caches(train_data, cache, args.extra_cache)
     examples = Examples.build(train_data, args.positions)
     heldout = Examples.build(heldout_data, args.positions)
     vocab = frequent_tokens(train_data, args.draft_vocab) if args.draft_vocab else None
@@ -730,6 +798,30 @@ def train(model, cache: Cache, out: Path, args) -> dict:
     if args.resume and (out / "checkpoint").exists():
         state = load_checkpoint(trainer, out / "checkpoint")
     return run_loop(trainer, examples, heldout, out, state, args)
+
+
+def _with_extra_caches(data: dict[str, np.ndarray], cache: Cache, extra: list[str]) -> dict:
+    """``data`` plus every training shard of each ``extra`` cache folder (same target)."""
+    parts = [data]
+    for folder in map(Path, extra):
+        path = folder / "manifest.json"
+        if not path.exists():
+            raise SystemExit(f"error: --extra-cache {folder}: no manifest.json (not a cache)")
+        other = Cache(folder, json.loads(path.read_text()))
+        if other.manifest["identity"]["fingerprint"] != cache.manifest["identity"]["fingerprint"]:
+            raise SystemExit(f"error: --extra-cache {folder} was extracted from another target")
+        extra_data = other.load("train")
+        if extra_data is None:
+            raise SystemExit(f"error: --extra-cache {folder}: no training shards")
+        parts.append(extra_data)
+    if len(parts) == 1:
+        return data
+    keys = set.intersection(*(set(p) for p in parts))
+    offset = 0
+    for p in parts:
+        p["doc"] = p["doc"] + offset
+        offset = int(p["doc"].max()) + 1
+    return {k: np.concatenate([p[k] for p in parts]) for k in keys}
 
 
 def run_loop(

@@ -209,3 +209,50 @@ def test_eval_drafter_loop_and_simulation_agree(trained):
     )
     assert all(r["tokens"] >= 23 for r in real)
     assert min(r["tokens_per_step"] for r in real) > 1.5, real
+
+
+def test_self_distillation_records_are_the_targets_greedy_path():
+    """Batched, left-padded greedy answers carry the same hidden states and next tokens as
+    teacher forcing the finished sequence alone, and every answer token is the target's argmax."""
+    from redrafter_mlx.selfdistill import greedy_batch
+
+    model = learnable_target(3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 11, 2, 8)]
+    records = greedy_batch(model, prompts, 20, eos={2})
+    assert len(records) == len(prompts)
+    for prompt, rec in zip(prompts, records, strict=True):
+        n = len(prompt)
+        assert rec["tokens"][:n].tolist() == prompt and not rec["mask"][:n].any()
+        assert rec["mask"][n:].all() and 1 <= len(rec["tokens"]) - n <= 19
+        alone = T.teacher_force(model, rec["tokens"].tolist(), topk=0)
+        np.testing.assert_allclose(rec["hidden"], alone["hidden"], atol=2e-2)
+        assert rec["argmax"][n - 1 :].tolist() == alone["argmax"][n - 1 :].tolist()
+        assert rec["tokens"][n:].tolist() == alone["argmax"][n - 1 : -1].tolist()
+
+
+def test_self_source_fills_and_resumes_the_cache(tmp_path):
+    write_conversations(tmp_path / "data.json", 40)
+    model = learnable_target()
+
+    def fill(budget):
+        args = T.setup_arg_parser().parse_args(
+            ["--source", "self", "--gen-tokens", "16", "--gen-batch", "6", "--heldout", "4"]
+            + ["--heldout-tokens", "50", "--max-tokens", str(budget), "--quiet"]
+        )
+        return T.prepare_cache(
+            model, CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c", args
+        )
+
+    first = fill(300)
+    assert first.manifest["identity"]["source"] == "self"
+    assert first.manifest["next"]["train"] % 6 == 0 and first.tokens("train") >= 300
+    again = fill(600)
+    assert again.tokens("train") >= 600 and again.manifest["next"]["train"] > 6
+    data = again.load("train")
+    assert data["tokens"].shape == data["argmax"].shape == data["doc"].shape
+    assert data["hidden"].shape == (data["tokens"].shape[0], 64)
+    # one record per prompt, in order: docs never repeat a prompt after the resume
+    docs = np.unique(data["doc"])
+    prompts = [tuple(data["tokens"][(data["doc"] == d) & ~data["mask"]]) for d in docs]
+    assert len(set(prompts)) == len(prompts) == len(docs)
