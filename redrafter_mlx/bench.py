@@ -566,8 +566,12 @@ def run_bench(
 
 
 def cost_fields(runtime: rt.Runtime, shape: BeamShape, row: dict) -> dict:
-    """Verify-cost ratio at the mean tree size, draft cost, and the speedup bound they imply."""
+    """Verify-cost ratio at the mean tree size (padded as the decoder pads it), draft cost, and
+    the speedup bound they imply."""
+    from redrafter_mlx.tree import verified_size
+
     size = max(1, round(row["mean_tree_size"] or shape.width * shape.length))
+    size = verified_size(size, rt.tree_sizes())
     verify = forward_cost_ratio(runtime.model, size)
     draft = draft_cost_ratio(runtime, shape)
     return {

@@ -23,9 +23,12 @@ from redrafter_mlx import llm
 from redrafter_mlx.accept import Sampler, accept
 from redrafter_mlx.cache import KVCache
 from redrafter_mlx.draft import BeamDrafter
-from redrafter_mlx.tree import pack_beams, tree_mask
+from redrafter_mlx.tree import pack_beams, pad_tree, tree_mask, verified_size
 
 PREFILL_CHUNK = 512
+# Tree sizes to verify at, per backend: on the CPU (OpenBLAS, x86) a 16-row forward costs less
+# than a 9..15-row one (benchmarks/README.md, "verify cost"); small trees stay unpadded.
+CPU_TREE_SIZES = (*range(1, 9), 16, 32)
 PHASES = ("draft", "pack", "verify", "accept", "compact")
 
 
@@ -83,6 +86,7 @@ class Decoder:
     shape: BeamShape = field(default_factory=BeamShape)
     max_context: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    tree_sizes: tuple[int, ...] = ()  # verify at the smallest that fits (padded); () = exact
 
     def new_cache(self) -> KVCache:
         return llm.make_cache(self.model)
@@ -151,6 +155,8 @@ class Decoder:
         timer.start()
         tree = pack_beams(beams)
         self._check_room(cache, tree.size + 1)
+        size = tree.size
+        tree = pad_tree(tree, verified_size(size, self.tree_sizes))
         mask = tree_mask(tree, cache.offset)
         positions = mx.array(cache.offset + tree.depths)
         timer.mark("pack", mask)
@@ -180,7 +186,7 @@ class Decoder:
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
         cache.commit(root_and_accepted)
         emitted = root_and_accepted[1:] + [next_token]
-        return read[3:].reshape(beams.shape), Step(emitted, tree_size=tree.size)
+        return read[3:].reshape(beams.shape), Step(emitted, tree_size=size)
 
 
 def _host_read(values: mx.array) -> np.ndarray:

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from redrafter_mlx.decode import BeamShape, Decoder, PhaseTimer
+from redrafter_mlx.decode import CPU_TREE_SIZES, BeamShape, Decoder, PhaseTimer
 from redrafter_mlx.draft import BeamDrafter
 
 # Without an autotune profile: one short beam, the measured best on the 2-core CPU with the
@@ -126,8 +126,19 @@ def make_decoder(
         mx.random.seed(seed)
     sampler = make_sampler(temp, top_p=top_p, top_k=top_k)
     return Decoder(
-        runtime.model, sampler, runtime.drafter, shape, runtime.max_context, PhaseTimer(timing)
+        runtime.model,
+        sampler,
+        runtime.drafter,
+        shape,
+        runtime.max_context,
+        PhaseTimer(timing),
+        tree_sizes=tree_sizes(),
     )
+
+
+def tree_sizes() -> tuple[int, ...]:
+    """Tree sizes the decoder pads to on this backend (measured on CPU only; exact elsewhere)."""
+    return CPU_TREE_SIZES if mx.default_device() == mx.cpu else ()
 
 
 def encode_chat(runtime: Runtime, messages: list[dict]) -> list[int]:

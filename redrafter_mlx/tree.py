@@ -52,6 +52,34 @@ def pack_beams(beams: np.ndarray) -> Tree:
     return Tree(beams[rows, cols], cols, parents, unpack, ancestors)
 
 
+def verified_size(size: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds ``size`` nodes (``size`` itself when none does)."""
+    return min((b for b in buckets if b >= size), default=size)
+
+
+def pad_tree(tree: Tree, size: int) -> Tree:
+    """Append ``size - T`` inert nodes: token 0 at depth 0, attending only to the cache and
+    themselves, never an ancestor of a real node and never in ``unpack`` (so never accepted).
+
+    Some BLAS kernels are much slower for some row counts than for a few more (OpenBLAS on
+    this project's x86 CPU: 12 rows cost 1.4x as much as 16); padding picks the cheaper shape.
+    """
+    extra = size - tree.size
+    if extra <= 0:
+        return tree
+    t = tree.size
+    ancestors = np.zeros((size, size), dtype=bool)
+    ancestors[:t, :t] = tree.ancestors
+    ancestors[np.arange(t, size), np.arange(t, size)] = True
+    return Tree(
+        np.concatenate([tree.tokens, np.zeros(extra, tree.tokens.dtype)]),
+        np.concatenate([tree.depths, np.zeros(extra, tree.depths.dtype)]),
+        np.concatenate([tree.parents, np.full(extra, -1, tree.parents.dtype)]),
+        tree.unpack,
+        ancestors,
+    )
+
+
 def tree_mask(tree: Tree, cached: int) -> mx.array:
     """Boolean attention mask (T, S + T): the whole cache plus each node's own ancestors."""
     prefix = np.ones((tree.size, cached), dtype=bool)

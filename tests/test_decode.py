@@ -35,8 +35,11 @@ def autoregressive(model, prompt, n):
     return take(decoder.autoregressive(decoder.new_cache(), prompt), n)[0]
 
 
-def speculative(model, drafter, prompt, n, width, length, sampler=GREEDY):
-    decoder = Decoder(model, sampler, drafter, BeamShape(width, length))
+PADDED = (4, 8, 16, 32, 64, 128)  # pads most trees: exactness must not depend on padding
+
+
+def speculative(model, drafter, prompt, n, width, length, sampler=GREEDY, tree_sizes=()):
+    decoder = Decoder(model, sampler, drafter, BeamShape(width, length), tree_sizes=tree_sizes)
     return take(decoder.speculative(decoder.new_cache(), prompt), n)
 
 
@@ -46,11 +49,17 @@ def beam_drafter(target, drafter):
 
 
 @settings(max_examples=30, deadline=None)
-@given(width=st.integers(1, 16), length=st.integers(2, 6), seed=st.integers(0, 3))
-def test_greedy_equals_autoregressive(target, beam_drafter, width, length, seed):
+@given(
+    width=st.integers(1, 16),
+    length=st.integers(2, 6),
+    seed=st.integers(0, 3),
+    sizes=st.sampled_from([(), PADDED, decode.CPU_TREE_SIZES]),
+)
+def test_greedy_equals_autoregressive(target, beam_drafter, width, length, seed, sizes):
     prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=6)]
     expected = autoregressive(target, prompt, 48)
-    assert speculative(target, beam_drafter, prompt, 48, width, length)[0] == expected
+    got = speculative(target, beam_drafter, prompt, 48, width, length, tree_sizes=sizes)[0]
+    assert got == expected
 
 
 def test_greedy_exact_with_a_drafter_that_often_agrees():
@@ -80,11 +89,12 @@ class OracleDrafter:
 
 
 @pytest.mark.parametrize("width,length", [(1, 2), (3, 4), (5, 6), (16, 5)])
-def test_oracle_drafter_gets_full_beams(target, width, length):
+@pytest.mark.parametrize("sizes", [(), PADDED])
+def test_oracle_drafter_gets_full_beams(target, width, length, sizes):
     expected = autoregressive(target, PROMPT, 200)
     oracle = OracleDrafter(expected, target.args.vocab_size)
     n = 1 + 10 * length
-    got, steps = speculative(target, oracle, PROMPT, n, width, length)
+    got, steps = speculative(target, oracle, PROMPT, n, width, length, tree_sizes=sizes)
     assert got == expected[:n]
     assert steps == 10  # every step emitted L tokens
 

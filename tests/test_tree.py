@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from redrafter_mlx.tree import pack_beams, tree_mask
+from redrafter_mlx.tree import pack_beams, pad_tree, tree_mask, verified_size
 
 
 def test_worked_example():
@@ -51,3 +51,17 @@ def test_pack_matches_brute_force(beams):
             assert tree.ancestors[t, a] == is_prefix
     mask = np.array(tree_mask(tree, cached=3))
     assert mask[:, :3].all() and (mask[:, 3:] == tree.ancestors).all()
+
+
+def test_padding_adds_inert_nodes_only():
+    tree = pack_beams(np.array([[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]]))
+    assert verified_size(tree.size, (1, 2, 4, 8, 16)) == 8 and verified_size(20, (8, 16)) == 20
+    padded = pad_tree(tree, 8)
+    mask = np.array(tree_mask(padded, 3))
+    t = tree.size
+    assert padded.size == 8 and (padded.unpack == tree.unpack).all()
+    assert (mask[:t, : 3 + t] == np.array(tree_mask(tree, 3))).all()
+    assert not mask[:t, 3 + t :].any()  # real nodes never see padding
+    assert (mask[t:, :3]).all() and (mask[t:, 3 + t :] == np.eye(8 - t, dtype=bool)).all()
+    assert not mask[t:, 3 : 3 + t].any()
+    assert pad_tree(tree, t) is tree
