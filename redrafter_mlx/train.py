@@ -8,9 +8,10 @@ Two phases, one command:
 1. **Extract.** The target is teacher-forced once over each conversation (chat template applied,
    truncated to ``--max-seq-len`` tokens), or with ``--source self`` it answers each
    conversation's first user turn itself, greedily (``selfdistill.py``: the drafter then learns
-   from the very text it will see when decoding). Shards in ``--cache-dir`` keep, per token: the token,
-   the target's final-norm hidden state (float16), its argmax (the target's own next token), its
-   top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the target.
+   from the very text it will see when decoding). Shards in ``--cache-dir`` keep, per token:
+   the token, the target's final-norm hidden state (float16), its argmax (the target's own next
+   token), its top-k next-token log-probs (soft targets) and an assistant mask. Epochs never
+   rerun the target. One process extracts into a cache at a time (a lock file).
 2. **Train.** At position t the drafter gets ``h_t`` and, for future step i = 1..P, the tokens
    ``x_{t+1..t+i}`` (teacher forcing; ``x_{t+1}`` plays ``pending``) and is trained against the
    target's prediction for token ``t+i+1`` (the stored argmax at ``t+i``). Only predictions of
@@ -27,6 +28,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +213,25 @@ class Cache:
             manifest = {"identity": identity, "shards": [], "next": {"heldout": 0, "train": 0}}
         return cls(root, manifest)
 
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the folder's extraction lock (one writer at a time; released if the process
+        dies) and re-read the manifest, which another process may have extended."""
+        import fcntl
+
+        with open(self.root / "extract.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SystemExit(
+                    f"error: {self.root} is being extracted by another process; wait for it, "
+                    "or pass a --max-tokens the cache already holds to train on what is there"
+                ) from None
+            path = self.root / "manifest.json"
+            if path.exists():
+                self.manifest = json.loads(path.read_text())
+            yield
+
     def tokens(self, split: str) -> int:
         return sum(s["tokens"] for s in self.manifest["shards"] if s["split"] == split)
 
@@ -251,11 +272,18 @@ class Cache:
 def extract(model, tokenizer, convs: list, cache: Cache, split: str, budget: int, args) -> None:
     """Record conversations ``convs[next:]`` into shards until ``split`` has ``budget`` tokens:
     teacher-forced (``--source data``) or answered by the target itself (``--source self``)."""
+    limit = args.cache_max_gb * 2**30
+    if cache.tokens(split) >= budget or cache.nbytes() >= limit:
+        return
+    with cache.writing():
+        _extract_locked(model, tokenizer, convs, cache, split, budget, limit, args)
+
+
+def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, args) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     have = cache.tokens(split)
-    limit = args.cache_max_gb * 2**30
-    if have >= budget or cache.nbytes() >= limit:
+    if have >= budget:
         return
     buf: list[dict[str, np.ndarray]] = []
     start, done_tokens = time.perf_counter(), 0

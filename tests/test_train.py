@@ -258,3 +258,16 @@ def test_self_source_fills_and_resumes_the_cache(tmp_path):
     docs = np.unique(data["doc"])
     prompts = [tuple(data["tokens"][(data["doc"] == d) & ~data["mask"]]) for d in docs]
     assert len(set(prompts)) == len(prompts) == len(docs)
+
+
+def test_second_writer_is_refused(tmp_path):
+    """Two processes extracting into one cache would overwrite each other's shards."""
+    import fcntl
+
+    cache = T.Cache.open(tmp_path / "c", {"model": "x"})
+    with open(tmp_path / "c" / "extract.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer (flock is per open file)
+        with pytest.raises(SystemExit, match="another process"), cache.writing():
+            pass
+    with cache.writing():  # free again
+        pass
