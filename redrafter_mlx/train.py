@@ -432,7 +432,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="K most frequent target-predicted tokens (0: full vocabulary)",
     )
     p.add_argument("--exit-dim", type=int, default=0, help="drafter width E (0: 2H)")
-    p.add_argument("--num-draft-layers", type=int, default=2)
+    p.add_argument(
+        "--num-draft-layers",
+        type=int,
+        help="residual layers of the head (default 2; with --init: the init's, or more to "
+        "grow it: added layers start as the identity, so training resumes where it was)",
+    )
     p.add_argument("--init", help="start from this drafter folder (same shape)")
     p.add_argument(
         "--identity-init",
@@ -599,7 +604,7 @@ def new_drafter(model, vocab: np.ndarray | None, args):
         args.seed,
         exit_dim=args.exit_dim or None,
         head=args.head,
-        num_draft_layers=args.num_draft_layers,
+        num_draft_layers=2 if args.num_draft_layers is None else args.num_draft_layers,
         draft_vocab_size=int(vocab.shape[0]) if vocab is not None else None,
     )
     if vocab is not None:
@@ -765,6 +770,8 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
 
     if args.init:
         drafter = load_drafter(args.init, model)
+        if (args.num_draft_layers or 0) > drafter.args.num_draft_layers:
+            drafter = grow_layers(drafter, args.num_draft_layers, model)
         vocab = np.array(drafter.draft_vocab) if drafter.args.draft_vocab_size else None
     else:
         drafter = new_drafter(model, vocab, args)
@@ -784,6 +791,33 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
     return Trainer(model, drafter, lookup, rows, optimizer, args)
+
+
+def grow_layers(drafter, layers: int, model):
+    """A copy of ``drafter`` with ``layers`` residual layers: the new ones (first in the stack)
+    have zero weights, and ``x + silu(0) = x``, so it predicts exactly what ``drafter`` did."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from redrafter_mlx.drafter import Drafter
+
+    old = drafter.args
+    grown = Drafter(type(old)(**{**old.__dict__, "num_draft_layers": layers}))
+    added = layers - old.num_draft_layers
+    weights = {}
+    for name, value in tree_flatten(drafter.parameters()):
+        if name.startswith("lm_head."):
+            index, rest = name[len("lm_head.") :].split(".", 1)
+            name = f"lm_head.{int(index) + added}.{rest}"
+        weights[name] = value
+    for i in range(added):
+        block = grown.lm_head[i].linear
+        weights[f"lm_head.{i}.linear.weight"] = mx.zeros_like(block.weight)
+        weights[f"lm_head.{i}.linear.bias"] = mx.zeros_like(block.bias)
+    grown.load_weights(list(weights.items()), strict=True)
+    grown.bind_target(model)
+    mx.eval(grown.parameters())
+    return grown
 
 
 def save_checkpoint(trainer: Trainer, folder: Path, state: dict) -> None:

@@ -271,3 +271,16 @@ def test_second_writer_is_refused(tmp_path):
             pass
     with cache.writing():  # free again
         pass
+
+
+@pytest.mark.parametrize("head,layers", [("target", 0), ("own", 2)])
+def test_grown_drafter_predicts_what_it_grew_from(head, layers):
+    from redrafter_mlx.drafter import random_drafter
+
+    model = learnable_target()
+    small = random_drafter(64, VOCAB, seed=2, head=head, num_draft_layers=layers)
+    small.bind_target(model)
+    grown = T.grow_layers(small, layers + 1, model)
+    assert grown.args.num_draft_layers == layers + 1 and len(grown.lm_head) == layers + 2
+    context, state = mx.random.normal((5, 64)), mx.random.normal((5, 64))
+    assert mx.allclose(grown.logits(context, state), small.logits(context, state), atol=1e-5)
