@@ -81,7 +81,9 @@ def decode_one(decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -
         count += 1
         if emitted[-1] in eos or len(ids) >= max_tokens:
             break
-    return {"tokens": tokens, "steps": count, "ids": ids}
+    # the last step may overshoot max_tokens by up to L - 1 tokens, by how much depends on the
+    # shape: compare outputs over the first max_tokens only
+    return {"tokens": tokens, "steps": count, "ids": ids[:max_tokens]}
 
 
 def evaluate(
