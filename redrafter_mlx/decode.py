@@ -165,8 +165,8 @@ class Decoder:
         timer.mark("verify", logits)
         result = accept(mx.array(beams), mx.array(tree.unpack), logits, self.sampler)
         timer.mark("accept", result.num_accepted, result.next_token)
-        if (tree.unpack != np.arange(tree.unpack.shape[1])).any():
-            cache.compact(result.path)  # else every path is nodes 0..L-1: already in place
+        if not tree.paths_in_place:
+            cache.compact(result.path)
         timer.mark("compact", *cache.state())
         next_beams = self.drafter(
             hidden[result.last_node],

@@ -101,8 +101,9 @@ def evaluate(
 
     from redrafter_mlx.decode import BeamShape, Decoder
     from redrafter_mlx.draft import BeamDrafter
+    from redrafter_mlx.load import eos_ids
 
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    eos = eos_ids(tokenizer)
     encoded = [
         list(
             tokenizer.apply_chat_template(
@@ -461,8 +462,9 @@ def load_paths(
     import mlx.core as mx
 
     from redrafter_mlx import llm
+    from redrafter_mlx.load import eos_ids
 
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    eos = eos_ids(tokenizer)
     stored = (
         json.loads(Path(paths_file).read_text()) if paths_file and Path(paths_file).exists() else {}
     )

@@ -178,6 +178,11 @@ def load_target(path_or_repo: str | Path, *, tokenizer: bool = True):
     return model, tok, config
 
 
+def eos_ids(tokenizer) -> set[int]:
+    """The token ids that end a generation (mlx-lm's wrapper, or a bare tokenizer's one id)."""
+    return set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+
+
 def target_dims(model: nn.Module) -> tuple[int, int]:
     """``(hidden_size, vocab_size)`` of a loaded target model."""
     args = getattr(model, "args", None)

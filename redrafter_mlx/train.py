@@ -263,13 +263,19 @@ class Cache:
             if s["split"] == split and (budget is None or have < budget):
                 parts.append(dict(np.load(self.root / s["file"])))
                 have += s["tokens"]
-        if not parts:
-            return None
-        offset = 0
-        for p in parts:
-            p["doc"] = p["doc"] + offset
-            offset = int(p["doc"].max()) + 1
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return join_docs(parts) if parts else None
+
+
+def join_docs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate token streams (the arrays they all have), renumbering ``doc`` so documents
+    stay distinct across parts."""
+    keys = set.intersection(*(set(p) for p in parts))
+    offset, docs = 0, []
+    for p in parts:
+        docs.append(p["doc"] + offset)
+        offset = int(docs[-1].max()) + 1
+    joined = {k: np.concatenate([p[k] for p in parts]) for k in keys - {"doc"}}
+    return {**joined, "doc": np.concatenate(docs)}
 
 
 def extract(model, tokenizer, convs: list, cache: Cache, split: str, budget: int, args) -> None:
@@ -337,9 +343,10 @@ def self_records(model, tokenizer, convs: list, first: int, args):
     ``--gen-tokens`` tokens). Windows of ``GEN_WINDOW`` batches are sorted by prompt length, so
     a batch pads little; only a window's last record is a boundary (shards and budgets close on
     whole windows, so a resumed run starts at the next window)."""
+    from redrafter_mlx.load import eos_ids
     from redrafter_mlx.selfdistill import greedy_batch
 
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    eos = eos_ids(tokenizer)
     window = GEN_WINDOW * args.gen_batch
     for w in range(first, len(convs), window):
         prompts = []
@@ -885,14 +892,7 @@ def _with_extra_caches(data: dict[str, np.ndarray], cache: Cache, extra: list[st
         if extra_data is None:
             raise SystemExit(f"error: --extra-cache {folder}: no training shards")
         parts.append(extra_data)
-    if len(parts) == 1:
-        return data
-    keys = set.intersection(*(set(p) for p in parts))
-    offset = 0
-    for p in parts:
-        p["doc"] = p["doc"] + offset
-        offset = int(p["doc"].max()) + 1
-    return {k: np.concatenate([p[k] for p in parts]) for k in keys}
+    return join_docs(parts) if len(parts) > 1 else data
 
 
 def run_loop(

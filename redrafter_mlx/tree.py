@@ -34,6 +34,12 @@ class Tree:
     def size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def paths_in_place(self) -> bool:
+        """Every beam is nodes 0..L-1 (one distinct beam): whichever path is accepted, its K/V
+        already sit where compaction would move them."""
+        return bool((self.unpack == np.arange(self.unpack.shape[1])).all())
+
 
 def pack_beams(beams: np.ndarray) -> Tree:
     """Deduplicate shared beam prefixes. ``beams (W, L)`` -> ``Tree`` with T nodes."""
