@@ -20,8 +20,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
 Sampler = Callable[[mx.array], mx.array]
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    """The temperature-0 sampler: argmax of the last axis."""
+    return mx.argmax(logprobs, axis=-1)
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> Sampler:
+    """mlx-lm's sampler for these settings; temperature 0 gives :func:`greedy` (mlx-lm's is
+    the same argmax), which :func:`choose` recognises."""
+    return greedy if temp == 0 else mlx_lm_sampler(temp, top_p=top_p, top_k=top_k)
+
+
+def choose(logits: mx.array, sampler: Sampler) -> mx.array:
+    """The sampler's pick per row of ``logits (..., V)``. Samplers take log-probs; the greedy
+    one reads raw logits (same argmax) and saves an exp pass over every row: about 1 ms of a
+    40 ms step for a 49k vocabulary on the CPU backend."""
+    if sampler is greedy:
+        return greedy(logits)
+    return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
 @dataclass
@@ -35,8 +56,7 @@ class Acceptance:
 
 def accept(beams: mx.array, unpack: mx.array, logits: mx.array, sampler: Sampler) -> Acceptance:
     """``beams (W, L)``, ``unpack (W, L)`` node per beam position, target ``logits (T, V)``."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    choices = sampler(logprobs).astype(mx.int32)[unpack]  # (W, L) target's pick after each pos.
+    choices = choose(logits, sampler).astype(mx.int32)[unpack]  # (W, L) pick after each position
     agree = beams[:, 1:] == choices[:, :-1]  # (W, L - 1)
     accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(axis=1)  # (W,)
     best = mx.argmax(accepted)

@@ -61,6 +61,7 @@ EXAMPLES = """examples:
   redrafter-mlx autotune                          # embedded SmolLM2 + its drafter
   redrafter-mlx autotune --model models/vicuna-7b --drafter models/vicuna-7b-drafter
   redrafter-mlx autotune --beam-width 1,2,3,4 --beam-length 3,4,5 --max-tokens 32
+  redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
   redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
   redrafter-mlx autotune --show                   # stored profiles
 """
@@ -193,8 +194,8 @@ def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | Non
                 "`redrafter-mlx autotune`"
             )
             return None
-        width, length = entry["shape"]
-        return BeamShape(int(width), int(length))
+        width, length, *floor = entry["shape"]  # [W, L] or [W, L, min_prob]
+        return BeamShape(int(width), int(length), float(floor[0]) if floor else 0.0)
     except Exception as e:  # a profile must never break generation
         warn(f"ignoring the autotune profile: {e}")
         return None
@@ -390,6 +391,7 @@ def table(result: SearchResult) -> list[dict]:
             {
                 "beam_width": shape.width,
                 "beam_length": shape.length,
+                "min_prob": shape.min_prob,
                 "runs": len(own),
                 "tokens_per_step": round(statistics.fmean(o.tokens_per_step for o in own), 3),
                 "mean_tree_size": round(statistics.fmean(o.tree_size for o in own), 2),
@@ -407,7 +409,7 @@ def profile_entry(
 
     _, fp = runtime_identity(runtime)
     return {
-        "shape": [result.best.width, result.best.length],
+        "shape": [result.best.width, result.best.length, result.best.min_prob],
         "method": method,
         "fingerprint": fp,
         "chip": chip_info(),
@@ -427,7 +429,7 @@ def profile_entry(
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     from redrafter_mlx import runtime as rt
-    from redrafter_mlx.bench import int_list
+    from redrafter_mlx.bench import float_list, int_list
 
     parser = argparse.ArgumentParser(
         description="Find the fastest ReDrafter beam shape (W, L) on this machine.",
@@ -446,6 +448,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=int_list,
         default=list(DEFAULT_LENGTHS),
         help="lengths to search (default 2..6)",
+    )
+    parser.add_argument(
+        "--min-prob",
+        type=float_list,
+        default=[0.0],
+        help="drafter path-probability floors to search, e.g. 0,0.2,0.3 (default 0: whole trees)",
     )
     parser.add_argument("--max-tokens", type=int, default=48, help="new tokens per run")
     parser.add_argument(
@@ -471,9 +479,9 @@ def show(console) -> None:
     if not data["profiles"]:
         console.print(f"no profiles in {store_path()}")
     for key, entry in data["profiles"].items():
-        shape = entry.get("shape")
+        shape = BeamShape(*entry.get("shape"))
         console.print(
-            f"[bold]{key}[/bold]\n  W={shape[0]} L={shape[1]} "
+            f"[bold]{key}[/bold]\n  {shape.describe()} "
             f"({entry.get('method')}, {entry.get('tokens_per_second')} tok/s, "
             f"{entry.get('created')}, {entry.get('seconds')} s)"
         )
@@ -482,7 +490,17 @@ def show(console) -> None:
 
 def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResult, float]:
     """Warm up, then the search (or grid) with a progress bar; returns the result and seconds."""
-    shapes = [BeamShape(w, n) for w in args.beam_width for n in args.beam_length]
+    try:
+        shapes = [
+            BeamShape(w, n, p)
+            for w in args.beam_width
+            for n in args.beam_length
+            for p in args.min_prob
+        ]
+    except ValueError as e:
+        from redrafter_mlx.runtime import fail
+
+        fail(str(e))
     prompts = heldout_prompt_ids(runtime, args.num_prompts)
     measure = make_measure(runtime, prompts, max_tokens=args.max_tokens)
     task = progress.add_task("warming up", total=len(shapes))
@@ -491,7 +509,7 @@ def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResul
         progress.advance(task)
     total = len(shapes) * len(prompts) * args.repetitions if args.full_grid else None
     task = progress.add_task("searching", total=total)
-    tick = lambda s: progress.update(task, advance=1, description=f"W{s.width}L{s.length}")
+    tick = lambda s: progress.update(task, advance=1, description=s.label)
     tic = time.perf_counter()
     if args.full_grid:
         result = full_grid(
@@ -535,7 +553,7 @@ def main(args: argparse.Namespace) -> None:
         runtime, result, method=method, seconds=seconds, max_tokens=args.max_tokens
     )
     out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
-    for col in ("W", "L", "runs", "tok/step", "tree", "measured tok/s", "estimated tok/s"):
+    for col in ("W", "L", "p", "runs", "tok/step", "tree", "measured tok/s", "estimated tok/s"):
         out.add_column(col, justify="right")
     for row in entry["table"][:12]:
         out.add_row(*(str(v) for v in row.values()))
@@ -543,6 +561,6 @@ def main(args: argparse.Namespace) -> None:
     if not args.no_save:
         save_profile(runtime_identity(runtime)[0], entry)
     Console().print(
-        f"best: W={result.best.width} L={result.best.length} "
+        f"best: {result.best.describe()} "
         f"({'not saved' if args.no_save else f'saved to {store_path()}'})"
     )

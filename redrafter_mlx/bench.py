@@ -38,8 +38,9 @@ DEFAULT_LENGTHS = (2, 3)
 MLX_LM, AUTOREGRESSIVE, REDRAFTER = "mlx-lm", "autoregressive", "redrafter"
 
 EXAMPLES = """examples:
-  redrafter-mlx bench                                   # short: 2 MT-Bench prompts, W 1,2 x L 3,4
+  redrafter-mlx bench                                   # short: 2 MT-Bench prompts, W 1,2 x L 2,3
   redrafter-mlx bench --num-prompts 10 --beam-width 1,2,3,4 --beam-length 2,3,4,5 --out runs/b
+  redrafter-mlx bench --num-prompts 5 --beam-width 1 --beam-length 2,3,4 --min-prob 0,0.3
   redrafter-mlx bench --turns 2 --num-prompts 5 --beam-width 2 --beam-length 4
   redrafter-mlx bench --prompts my_prompts.jsonl --temp 0.7 --seed 0 --repetitions 3
   REDRAFTER_NO_OPENBLAS=1 redrafter-mlx bench --num-prompts 1 --beam-width 1 --beam-length 3
@@ -57,7 +58,7 @@ class Method:
     def name(self) -> str:
         if self.shape is None:
             return self.kind
-        return f"W{self.shape.width}L{self.shape.length}"
+        return self.shape.label
 
 
 @dataclass
@@ -387,6 +388,7 @@ def summarize_method(
         "kind": method.kind,
         "beam_width": method.shape.width if method.shape else None,
         "beam_length": method.shape.length if method.shape else None,
+        "min_prob": method.shape.min_prob if method.shape else None,
         "runs": len(runs),
         "generation_tps": statistics.median(tps) if tps else 0.0,
         "generation_tps_p25": _pct(tps, 25),
@@ -585,7 +587,7 @@ def cost_fields(runtime: rt.Runtime, shape: BeamShape, row: dict) -> dict:
 
 def settings_dict(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     d = asdict(cfg)
-    d["shapes"] = [[s.width, s.length] for s in cfg.shapes]
+    d["shapes"] = [[s.width, s.length, s.min_prob] for s in cfg.shapes]
     d["conversations"] = len(cfg.conversations)
     d["cases"] = len(prompts)
     d["prompt_tokens"] = [len(p) for p in prompts]
@@ -599,6 +601,7 @@ CSV_FIELDS = (
     "method",
     "beam_width",
     "beam_length",
+    "min_prob",
     "generation_tps",
     "generation_tps_p25",
     "generation_tps_p75",
@@ -661,6 +664,8 @@ def plot_all(rows: list[dict], out: Path) -> list[Path]:
 
 
 def _heatmap(plt, rows: list[dict]):
+    floor = min(r.get("min_prob") or 0.0 for r in rows)  # one cell per (W, L): the lowest floor
+    rows = [r for r in rows if (r.get("min_prob") or 0.0) == floor]
     widths = sorted({r["beam_width"] for r in rows})
     lengths = sorted({r["beam_length"] for r in rows})
     grid = np.full((len(widths), len(lengths)), np.nan)
@@ -683,7 +688,8 @@ def _heatmap(plt, rows: list[dict]):
     ax.set_yticks(range(len(widths)), [str(w) for w in widths])
     ax.set_xlabel("beam length L")
     ax.set_ylabel("beam width W")
-    ax.set_title("ReDrafter speedup over mlx-lm", fontsize=10)
+    title = "ReDrafter speedup over mlx-lm" + (f" (min path prob {floor:g})" if floor else "")
+    ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax)
     return fig
 
@@ -737,6 +743,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0,0.3: {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return values
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Benchmark ReDrafter against mlx-lm and autoregressive decoding (same run).",
@@ -749,6 +765,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", type=int, choices=(1, 2), default=1, help="user turns each")
     parser.add_argument("--beam-width", type=int_list, help="W list, e.g. 1,2,3,4")
     parser.add_argument("--beam-length", type=int_list, help="L list, e.g. 2,3,4,5")
+    parser.add_argument(
+        "--min-prob",
+        type=float_list,
+        help="list of drafter path-probability floors for pruning the tree, e.g. 0,0.3 (0 = off)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation")
     parser.add_argument("--repetitions", type=int, default=2, help="measured runs per prompt")
     parser.add_argument(
@@ -762,11 +783,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
     """The grid from flags; without flags the short default grid plus the autotuned shape."""
-    if args.beam_width or args.beam_length:
+    if args.beam_width or args.beam_length or args.min_prob:
         widths = args.beam_width or [rt.DEFAULT_SHAPE.width]
         lengths = args.beam_length or [rt.DEFAULT_SHAPE.length]
+        floors = args.min_prob or [rt.DEFAULT_SHAPE.min_prob]
         try:
-            return [BeamShape(w, n) for w in widths for n in lengths]
+            return [BeamShape(w, n, p) for w in widths for n in lengths for p in floors]
         except ValueError as e:
             rt.fail(str(e))
     shapes = [BeamShape(w, n) for w in DEFAULT_WIDTHS for n in DEFAULT_LENGTHS]

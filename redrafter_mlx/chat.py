@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 from rich.console import Console
 from rich.markup import escape
 
 from redrafter_mlx import llm
 from redrafter_mlx import runtime as rt
+from redrafter_mlx.accept import make_sampler
 from redrafter_mlx.atomic import write_text
 from redrafter_mlx.decode import BeamShape, ContextFull, Decoder
 from redrafter_mlx.generate import GenerationResponse, GenerationStats, stream_generate
@@ -43,7 +43,7 @@ COMMANDS = {
     "help": "this list",
     "reset": "forget the conversation (keeps the system prompt)",
     "stats": "session totals: tokens, tokens/step histogram, speedup estimate",
-    "beam": "W L: beam width and length for the next answers",
+    "beam": "W L [P]: beam width, length (and path-probability floor) for the next answers",
     "temp": "T: sampling temperature (0 = greedy)",
     "system": "TEXT: set the system prompt (no text: show it)",
     "save": "PATH: write the conversation as JSON",
@@ -70,12 +70,18 @@ def parse_command(line: str) -> Command | None:
     return Command(name.lower(), arg.strip())
 
 
-def parse_beam(arg: str) -> BeamShape:
-    """``"W L"`` -> BeamShape; ValueError with a usage message otherwise."""
+def parse_beam(arg: str, min_prob: float = 0.0) -> BeamShape:
+    """``"W L [P]"`` -> BeamShape (``min_prob`` unless P is given); ValueError with a usage
+    message otherwise."""
+    usage = "usage: /beam W L [P]  (two integers, optional path-probability floor: /beam 2 4 0.3)"
     parts = arg.split()
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ValueError("usage: /beam W L  (two integers, e.g. /beam 2 4)")
-    return BeamShape(int(parts[0]), int(parts[1]))
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
+        raise ValueError(usage)
+    try:
+        floor = float(parts[2]) if len(parts) == 3 else min_prob
+    except ValueError:
+        raise ValueError(usage) from None
+    return BeamShape(int(parts[0]), int(parts[1]), floor)
 
 
 def parse_temp(arg: str) -> float:
@@ -327,7 +333,7 @@ class ChatUI:
         if self.session.autoregressive:
             return "autoregressive (no drafter)"
         shape = self.session.decoder.shape
-        return f"ReDrafter W={shape.width} L={shape.length} ({self.shape_source})"
+        return f"ReDrafter {shape.describe()} ({self.shape_source})"
 
     # -- main loop
 
@@ -437,11 +443,11 @@ class ChatUI:
         self.note("conversation cleared")
 
     def cmd_beam(self, arg: str) -> None:
-        shape = parse_beam(arg)
+        shape = parse_beam(arg, self.session.decoder.shape.min_prob)
         self.session.decoder.shape = shape
         self.shape_source = "/beam"
         extra = " (ignored: --autoregressive)" if self.session.autoregressive else ""
-        self.note(f"beam shape W={shape.width} L={shape.length}{extra}")
+        self.note(f"beam shape {shape.describe()}{extra}")
 
     def cmd_temp(self, arg: str) -> None:
         temp = parse_temp(arg)

@@ -20,10 +20,10 @@ import mlx.nn as nn
 import numpy as np
 
 from redrafter_mlx import llm
-from redrafter_mlx.accept import Sampler, accept
+from redrafter_mlx.accept import Sampler, accept, choose
 from redrafter_mlx.cache import KVCache
 from redrafter_mlx.draft import BeamDrafter
-from redrafter_mlx.tree import pack_beams, pad_tree, tree_mask, verified_size
+from redrafter_mlx.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
 
 PREFILL_CHUNK = 512
 # Tree sizes to verify at, per backend: on the CPU (OpenBLAS, x86) a 16-row forward costs less
@@ -38,12 +38,29 @@ class ContextFull(RuntimeError):
 
 @dataclass(frozen=True)
 class BeamShape:
+    """W beams of L tokens; with ``min_prob`` > 0 each step verifies only the tree nodes whose
+    drafter path probability reaches it (:func:`redrafter_mlx.tree.prune`)."""
+
     width: int = 1
     length: int = 4
+    min_prob: float = 0.0
 
     def __post_init__(self):
         if self.width < 1 or self.length < 2:
             raise ValueError(f"beam shape W={self.width} L={self.length}: need W >= 1 and L >= 2")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"min path probability {self.min_prob}: need 0 <= p < 1")
+
+    @property
+    def label(self) -> str:
+        """``W2L4``, or ``W2L4p0.3`` with a probability floor."""
+        floor = f"p{self.min_prob:g}" if self.min_prob else ""
+        return f"W{self.width}L{self.length}{floor}"
+
+    def describe(self) -> str:
+        """``W=2 L=4``, or ``W=2 L=4 min-prob 0.3`` with a probability floor."""
+        floor = f" min-prob {self.min_prob:g}" if self.min_prob else ""
+        return f"W={self.width} L={self.length}{floor}"
 
 
 @dataclass
@@ -116,7 +133,7 @@ class Decoder:
             mx.eval(hidden, *cache.state())  # bound the graph per chunk
             cache.commit(chunk)
         logits = llm.lm_head(self.model, hidden[-1:])
-        token = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+        token = choose(logits, self.sampler)[0]
         return token.astype(mx.int32), hidden[-1]
 
     def autoregressive(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
@@ -130,7 +147,7 @@ class Decoder:
                 self.model, mx.array([token]), mx.array([cache.offset]), None, cache
             )
             logits = llm.lm_head(self.model, hidden)
-            choice = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            choice = choose(logits, self.sampler)
             cache.commit([token])
             token = choice.item()  # host read: the next token
             yield Step([token])
@@ -141,55 +158,74 @@ class Decoder:
             raise ValueError("speculative decoding needs a drafter")
         width, length = self.shape.width, self.shape.length
         pending, context = self.prefill(cache, prompt)
-        beams = self.drafter(context, pending, width=width, length=length)[0]
-        read = _host_read(mx.concatenate([pending[None], beams.reshape(-1)]))
+        beams, logprobs = self.drafter(context, pending, width=width, length=length)
+        read, logprobs = self._read(pending[None], beams, logprobs)
         yield Step([int(read[0])])
-        beams = read[1:].reshape(width, length)
+        draft = (read[1:].reshape(width, length), logprobs)
         while True:
-            beams, step = self._step(cache, beams)
+            draft, step = self._step(cache, *draft)
             yield step
 
-    def _step(self, cache: KVCache, beams: np.ndarray) -> tuple[np.ndarray, Step]:
-        """One pack -> verify -> accept -> compact -> draft step from host ``beams (W, L)``."""
+    def _read(self, values: mx.array, beams: mx.array, logprobs: mx.array | None):
+        """The step's one host read: ``values`` then ``beams`` flattened (int), plus the drafted
+        tokens' log-probs when the tree is pruned by them (None otherwise)."""
+        ints = mx.concatenate([values.astype(mx.int32), beams.reshape(-1)])
+        if not self.shape.min_prob:
+            return _host_read(ints), None
+        return _host_read(ints, logprobs)
+
+    def _step(
+        self, cache: KVCache, beams: np.ndarray, logprobs: np.ndarray | None
+    ) -> tuple[tuple[np.ndarray, np.ndarray | None], Step]:
+        """One pack -> verify -> accept -> compact -> draft step from host ``beams (W, L)``
+        (and their drafted tokens' ``logprobs (W, L - 1)`` when pruning)."""
         timer = self.timer
         timer.start()
         tree = pack_beams(beams)
+        if logprobs is not None:
+            tree = prune(tree, logprobs, self.shape.min_prob, self.tree_sizes)
         self._check_room(cache, tree.size + 1)
         size = tree.size
         tree = pad_tree(tree, verified_size(size, self.tree_sizes))
         mask = tree_mask(tree, cache.offset)
         positions = mx.array(cache.offset + tree.depths)
         timer.mark("pack", mask)
+        cache.reserve(max(tree.size, beams.shape[1]))  # compaction writes L slots
         hidden = llm.forward(self.model, mx.array(tree.tokens), positions, mask, cache)
         logits = llm.lm_head(self.model, hidden)
         timer.mark("verify", logits)
-        result = accept(mx.array(beams), mx.array(tree.unpack), logits, self.sampler)
+        pruned = tree.unpack < 0  # never accepted: a token id no choice can equal
+        result = accept(
+            mx.array(np.where(pruned, -1, beams)),
+            mx.array(np.maximum(tree.unpack, 0)),
+            logits,
+            self.sampler,
+        )
         timer.mark("accept", result.num_accepted, result.next_token)
         if not tree.paths_in_place:
             cache.compact(result.path)
         timer.mark("compact", *cache.state())
-        next_beams = self.drafter(
+        next_beams, next_logprobs = self.drafter(
             hidden[result.last_node],
             result.next_token,
             width=self.shape.width,
             length=self.shape.length,
-        )[0]
-        read = _host_read(  # the step's one host read
-            mx.concatenate(
-                [
-                    mx.stack([result.best, result.num_accepted, result.next_token]),
-                    next_beams.reshape(-1),
-                ]
-            )
+        )
+        read, next_logprobs = self._read(
+            mx.stack([result.best, result.num_accepted, result.next_token]),
+            next_beams,
+            next_logprobs,
         )
         timer.mark("draft")
         best, num_accepted, next_token = (int(x) for x in read[:3])
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
         cache.commit(root_and_accepted)
         emitted = root_and_accepted[1:] + [next_token]
-        return read[3:].reshape(beams.shape), Step(emitted, tree_size=size)
+        return (read[3:].reshape(beams.shape), next_logprobs), Step(emitted, tree_size=size)
 
 
-def _host_read(values: mx.array) -> np.ndarray:
-    """The one place a decode step reads device values back to the host."""
-    return np.array(values)
+def _host_read(*values: mx.array) -> np.ndarray | tuple[np.ndarray, ...]:
+    """The one place a decode step reads device values back to the host (one evaluation)."""
+    mx.eval(*values)
+    arrays = tuple(np.array(v) for v in values)
+    return arrays[0] if len(arrays) == 1 else arrays

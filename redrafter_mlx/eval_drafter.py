@@ -97,8 +97,7 @@ def evaluate(
     progress=None,
 ) -> list[dict]:
     """Tokens/step per (W, L) over ``prompts``: one row per shape."""
-    from mlx_lm.sample_utils import make_sampler
-
+    from redrafter_mlx.accept import greedy
     from redrafter_mlx.decode import BeamShape, Decoder
     from redrafter_mlx.draft import BeamDrafter
     from redrafter_mlx.load import eos_ids
@@ -116,7 +115,7 @@ def evaluate(
     rows = []
     for w in widths:
         for length in lengths:
-            dec = Decoder(model, make_sampler(0.0), drafter=beams, shape=BeamShape(w, length))
+            dec = Decoder(model, greedy, drafter=beams, shape=BeamShape(w, length))
             runs = []
             for ids in encoded:
                 runs.append(decode_one(dec, ids, max_tokens, eos))
@@ -297,12 +296,12 @@ def greedy_path(
     otherwise ``real`` is None.
     """
     import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
 
     from redrafter_mlx import llm
+    from redrafter_mlx.accept import greedy
     from redrafter_mlx.decode import BeamShape, Decoder
 
-    dec = Decoder(model, make_sampler(0.0), drafter=drafter, shape=BeamShape(*PATH_SHAPE))
+    dec = Decoder(model, greedy, drafter=drafter, shape=BeamShape(*PATH_SHAPE))
     ids, real = list(prompt_ids), None
     steps = dec.speculative if drafter else dec.autoregressive
     counted = {"tokens": 0, "steps": 0}

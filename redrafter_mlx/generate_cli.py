@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> None:
         rt.fail(f"prompt is {len(ids)} tokens; the model's context is {runtime.max_context}")
     mode = "autoregressive" if args.autoregressive else "redrafter"
     if not args.json:
-        note = "" if args.autoregressive else f" W={shape.width} L={shape.length} ({source})"
+        note = "" if args.autoregressive else f" {shape.describe()} ({source})"
         timing = " (timing on: evaluates at phase boundaries, adds syncs)" if args.timing else ""
         print(f"[{mode}{note}]{timing}", file=sys.stderr)
     text, tokens = [], []
@@ -111,7 +111,12 @@ def main(args: argparse.Namespace) -> None:
     if args.timing:
         result["timing_note"] = "phase timing evaluates at phase boundaries (extra syncs)"
     if not args.autoregressive:
-        result |= {"beam_width": shape.width, "beam_length": shape.length, "shape_source": source}
+        result |= {
+            "beam_width": shape.width,
+            "beam_length": shape.length,
+            "min_prob": shape.min_prob,
+            "shape_source": source,
+        }
     if args.json:
         print(json.dumps(result))
         return

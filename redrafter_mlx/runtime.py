@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
+from redrafter_mlx.accept import make_sampler
 from redrafter_mlx.decode import CPU_TREE_SIZES, BeamShape, Decoder, PhaseTimer
 from redrafter_mlx.draft import BeamDrafter
 
@@ -52,6 +52,13 @@ def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--beam-width", type=int, default=None, help="beams W (default: profile)")
     parser.add_argument("--beam-length", type=int, default=None, help="tokens per beam L")
+    parser.add_argument(
+        "--min-prob",
+        type=float,
+        default=None,
+        help="verify only draft tokens whose drafter path probability is at least this "
+        "(0 = the whole tree; default: profile)",
+    )
 
 
 def fail(message: str) -> None:
@@ -93,10 +100,11 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
 
 def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape, str]:
     """The beam shape to use and where it came from: flags, the autotune profile, or default."""
-    if args.beam_width is not None or args.beam_length is not None:
+    if any(getattr(args, k) is not None for k in ("beam_width", "beam_length", "min_prob")):
         width = args.beam_width or DEFAULT_SHAPE.width
         length = args.beam_length or DEFAULT_SHAPE.length
-        return _checked_shape(width, length), "flags"
+        floor = DEFAULT_SHAPE.min_prob if args.min_prob is None else args.min_prob
+        return _checked_shape(width, length, floor), "flags"
     try:
         from redrafter_mlx.autotune import lookup_profile
     except ImportError:
@@ -105,9 +113,9 @@ def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape
     return (found, "autotune profile") if found is not None else (DEFAULT_SHAPE, "default")
 
 
-def _checked_shape(width: int, length: int) -> BeamShape:
+def _checked_shape(width: int, length: int, min_prob: float = 0.0) -> BeamShape:
     try:
-        return BeamShape(width, length)
+        return BeamShape(width, length, min_prob)
     except ValueError as e:
         fail(str(e))
 

@@ -12,6 +12,10 @@ and the number of nodes T must be known on the host to shape the verify forward 
 
 Example: beams ``[[91,92,93,95],[91,92,94,96],[91,92,93,97]]`` pack to nodes
 ``[91,92,93,95,94,96,97]`` with unpack ``[[0,1,2,3],[0,1,4,5],[0,1,2,6]]``.
+
+:func:`prune` then drops the nodes the drafter itself gives little chance (path probability below
+a floor), so a step verifies a long beam only when the drafter is confident in it; dropped beam
+positions have ``unpack == -1`` and can never be accepted.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class Tree:
     tokens: np.ndarray  # (T,) token ids of the nodes
     depths: np.ndarray  # (T,) 0 for the root; a node's position is cache length + depth
     parents: np.ndarray  # (T,) parent node, -1 for the root
-    unpack: np.ndarray  # (W, L) node of each beam position
+    unpack: np.ndarray  # (W, L) node of each beam position (-1: pruned, never accepted)
     ancestors: np.ndarray  # (T, T) bool, [t, a]: a is t or an ancestor of t
 
     @property
@@ -38,7 +42,21 @@ class Tree:
     def paths_in_place(self) -> bool:
         """Every beam is nodes 0..L-1 (one distinct beam): whichever path is accepted, its K/V
         already sit where compaction would move them."""
-        return bool((self.unpack == np.arange(self.unpack.shape[1])).all())
+        kept = self.unpack >= 0
+        return bool((self.unpack == np.arange(self.unpack.shape[1]))[kept].all())
+
+    def select(self, keep: np.ndarray) -> Tree:
+        """The sub-tree of nodes ``keep (T,)`` bool (closed under parents), renumbered in order;
+        beam positions of dropped nodes get ``unpack == -1``."""
+        new = np.where(keep, np.cumsum(keep) - 1, -1)
+        parents = self.parents[keep]
+        return Tree(
+            self.tokens[keep],
+            self.depths[keep],
+            np.where(parents >= 0, new[np.maximum(parents, 0)], -1),
+            np.where(self.unpack >= 0, new[self.unpack], -1),
+            self.ancestors[np.ix_(keep, keep)],
+        )
 
 
 def pack_beams(beams: np.ndarray) -> Tree:
@@ -56,6 +74,30 @@ def pack_beams(beams: np.ndarray) -> Tree:
     for k in range(length):
         ancestors[unpack[:, k, None], unpack[:, : k + 1]] = True
     return Tree(beams[rows, cols], cols, parents, unpack, ancestors)
+
+
+def prune(
+    tree: Tree, token_logprobs: np.ndarray, min_prob: float, buckets: tuple[int, ...] = ()
+) -> Tree:
+    """Keep the root and every node whose drafter path probability is at least ``min_prob``;
+    when those pad up to a bigger verified size anyway, fill it with the next most probable.
+
+    ``token_logprobs (W, L - 1)`` are the drafter's log-probs of each beam's drafted tokens. A
+    node's path probability is the product along its beam prefix, so it never exceeds its
+    parent's: taking nodes in descending probability (parents first on ties) keeps the set closed
+    under parents, and each kept beam position's prefix is kept too.
+    """
+    path_logprobs = np.concatenate(
+        [np.zeros((len(token_logprobs), 1)), np.cumsum(token_logprobs, axis=1)], axis=1
+    )
+    node_logprobs = np.empty(tree.size)
+    node_logprobs[tree.unpack] = path_logprobs  # shared prefixes share their score
+    wanted = int((node_logprobs >= np.log(min_prob)).sum()) if min_prob > 0 else tree.size
+    size = min(verified_size(max(wanted, 1), buckets), tree.size)
+    order = np.lexsort((tree.depths, -node_logprobs))
+    keep = np.zeros(tree.size, dtype=bool)
+    keep[order[:size]] = True
+    return tree if keep.all() else tree.select(keep)
 
 
 def verified_size(size: int, buckets: tuple[int, ...]) -> int:

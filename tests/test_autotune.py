@@ -106,9 +106,9 @@ def test_profile_keys_separate_what_matters():
 def test_store_round_trip_and_atomic_write(tmp_path):
     path = tmp_path / "profiles.json"
     autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
-    autotune.save_profile("k2", {"shape": [1, 4], "fingerprint": "g"}, path)
-    assert autotune.find_profile("k", "f", path) == BeamShape(3, 5)
-    assert autotune.find_profile("k2", "g", path) == BeamShape(1, 4)
+    autotune.save_profile("k2", {"shape": [1, 4, 0.3], "fingerprint": "g"}, path)
+    assert autotune.find_profile("k", "f", path) == BeamShape(3, 5)  # older two-field shape
+    assert autotune.find_profile("k2", "g", path) == BeamShape(1, 4, 0.3)
     assert autotune.find_profile("other", "f", path) is None
     assert sorted(os.listdir(tmp_path)) == ["profiles.json"]  # no temp files left
 
@@ -136,6 +136,7 @@ def test_failed_write_leaves_the_previous_store(tmp_path, monkeypatch):
         "[]",
         '{"version": 1, "profiles": {"k": {"shape": "x"}}}',
         '{"version": 1, "profiles": {"k": {"shape": [0, 1], "fingerprint": "f"}}}',
+        '{"version": 1, "profiles": {"k": {"shape": [1, 3, 2.0], "fingerprint": "f"}}}',
     ],
 )
 def test_corrupt_store_is_ignored_with_a_warning(tmp_path, capsys, content):
@@ -174,8 +175,8 @@ def runtime(target, drafter, tmp_path, monkeypatch):
     )
 
 
-def shape_args(width=None, length=None):
-    return argparse.Namespace(beam_width=width, beam_length=length)
+def shape_args(width=None, length=None, min_prob=None):
+    return argparse.Namespace(beam_width=width, beam_length=length, min_prob=min_prob)
 
 
 def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
@@ -185,6 +186,11 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
     assert (tmp_path / "cache" / "profiles.json").exists()
     assert rt.resolve_shape(shape_args(), runtime) == (BeamShape(3, 5), "autotune profile")
     assert rt.resolve_shape(shape_args(1, 2), runtime) == (BeamShape(1, 2), "flags")
+    floor_only = shape_args(min_prob=0.3)  # any shape flag overrides the profile
+    assert rt.resolve_shape(floor_only, runtime) == (
+        BeamShape(rt.DEFAULT_SHAPE.width, rt.DEFAULT_SHAPE.length, 0.3),
+        "flags",
+    )
 
 
 def test_retrained_drafter_makes_the_profile_stale(runtime, tmp_path, capsys):

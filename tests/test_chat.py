@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlx_lm.sample_utils import make_sampler
 
+from redrafter_mlx.accept import greedy
 from redrafter_mlx.chat import (
     ChatSession,
     Command,
@@ -81,7 +81,7 @@ class ToyTokenizer:
         self.detokenizer = ToyDetokenizer()
 
 
-GREEDY = make_sampler(0.0)
+GREEDY = greedy  # the fast path: argmax of raw logits
 
 
 def session(target, drafter=None, **kwargs) -> ChatSession:
@@ -118,11 +118,14 @@ def test_parse_command():
 
 def test_parse_beam_and_temp():
     assert parse_beam("2 4") == BeamShape(2, 4)
-    for bad in ("", "2", "2 x", "2 4 5", "-1 4"):
+    assert parse_beam("2 4 0.3") == BeamShape(2, 4, 0.3)
+    assert parse_beam("2 4", 0.3) == BeamShape(2, 4, 0.3)  # keeps the current floor
+    for bad in ("", "2", "2 x", "2 4 x", "2 4 0.3 1", "-1 4"):
         with pytest.raises(ValueError, match="usage"):
             parse_beam(bad)
-    with pytest.raises(ValueError):
-        parse_beam("0 4")  # BeamShape's own check
+    for bad in ("0 4", "2 4 1.5"):
+        with pytest.raises(ValueError):
+            parse_beam(bad)  # BeamShape's own checks
     assert parse_temp("0.7") == 0.7
     for bad in ("", "hot", "-1", "nan"):
         with pytest.raises(ValueError, match="usage"):

@@ -12,11 +12,13 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 from scipy.stats import chisquare
 
 from redrafter_mlx import decode, llm
+from redrafter_mlx.accept import choose, greedy
+from redrafter_mlx.accept import make_sampler as our_sampler
 from redrafter_mlx.decode import BeamShape, Decoder
 from redrafter_mlx.draft import BeamDrafter, beam_search
 from redrafter_mlx.drafter import random_drafter
 
-GREEDY = make_sampler(0.0)
+GREEDY = greedy  # the fast path: argmax of raw logits
 PROMPT = [5, 17, 33, 2, 41]
 
 
@@ -38,8 +40,11 @@ def autoregressive(model, prompt, n):
 PADDED = (4, 8, 16, 32, 64, 128)  # pads most trees: exactness must not depend on padding
 
 
-def speculative(model, drafter, prompt, n, width, length, sampler=GREEDY, tree_sizes=()):
-    decoder = Decoder(model, sampler, drafter, BeamShape(width, length), tree_sizes=tree_sizes)
+def speculative(
+    model, drafter, prompt, n, width, length, sampler=GREEDY, tree_sizes=(), min_prob=0.0
+):
+    shape = BeamShape(width, length, min_prob)
+    decoder = Decoder(model, sampler, drafter, shape, tree_sizes=tree_sizes)
     return take(decoder.speculative(decoder.new_cache(), prompt), n)
 
 
@@ -54,11 +59,14 @@ def beam_drafter(target, drafter):
     length=st.integers(2, 6),
     seed=st.integers(0, 3),
     sizes=st.sampled_from([(), PADDED, decode.CPU_TREE_SIZES]),
+    min_prob=st.sampled_from([0.0, 0.0, 1e-4, 0.01, 0.3]),
 )
-def test_greedy_equals_autoregressive(target, beam_drafter, width, length, seed, sizes):
+def test_greedy_equals_autoregressive(target, beam_drafter, width, length, seed, sizes, min_prob):
     prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=6)]
     expected = autoregressive(target, prompt, 48)
-    got = speculative(target, beam_drafter, prompt, 48, width, length, tree_sizes=sizes)[0]
+    got = speculative(
+        target, beam_drafter, prompt, 48, width, length, tree_sizes=sizes, min_prob=min_prob
+    )[0]
     assert got == expected
 
 
@@ -71,6 +79,25 @@ def test_greedy_exact_with_a_drafter_that_often_agrees():
         got, steps = speculative(model, bd, [1, 2, 3], 64, width, length)
         assert got == expected
         assert steps < 63  # some drafts were accepted
+
+
+def test_pruned_trees_are_smaller_and_still_exact():
+    """A probability floor verifies fewer nodes per step, and long accepts still happen."""
+    model = tiny_llama(seed=3, vocab=8)
+    bd = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
+    expected = autoregressive(model, [1, 2, 3], 64)
+    sizes = {}
+    for min_prob in (0.0, 0.05, 0.2):
+        decoder = Decoder(model, GREEDY, bd, BeamShape(4, 5, min_prob))
+        out, trees = [], []
+        for k, step in enumerate(decoder.speculative(decoder.new_cache(), [1, 2, 3])):
+            out += step.tokens
+            trees += [step.tree_size] if k else []
+            if len(out) >= 64:
+                break
+        assert out[:64] == expected
+        sizes[min_prob] = np.mean(trees)
+    assert sizes[0.0] > sizes[0.05] > sizes[0.2] >= 1
 
 
 class OracleDrafter:
@@ -102,9 +129,11 @@ def test_oracle_drafter_gets_full_beams(target, width, length, sizes):
 def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
     reads = []
     real = decode._host_read
-    monkeypatch.setattr(decode, "_host_read", lambda x: reads.append(1) or real(x))
-    _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4)
-    assert len(reads) == steps + 1  # one per step, plus the one after prefill
+    monkeypatch.setattr(decode, "_host_read", lambda *x: reads.append(1) or real(*x))
+    for min_prob in (0.0, 0.1):
+        reads.clear()
+        _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4, min_prob=min_prob)
+        assert len(reads) == steps + 1  # one per step, plus the one after prefill
 
 
 def test_compiled_and_eager_beam_search_agree(target, drafter):
@@ -129,6 +158,14 @@ def test_beam_search_keeps_best_scores_first(target, drafter):
     scores = np.array(logprobs.sum(axis=1))
     assert (np.diff(scores) <= 1e-6).all()
     assert len({tuple(b) for b in np.array(beams).tolist()}) == 6  # no duplicate beams
+
+
+def test_greedy_reads_raw_logits_with_the_same_pick():
+    logits = mx.random.normal((6, 300), key=mx.random.key(0)) * 5
+    ours = choose(logits, greedy)
+    theirs = choose(logits, make_sampler(0.0))  # mlx-lm's argmax on log-probs
+    assert (ours == theirs).all() and (ours == mx.argmax(logits, axis=-1)).all()
+    assert our_sampler(0.0, top_p=0.9) is greedy and our_sampler(0.7) is not greedy
 
 
 # --- sampling is exact: chi-square against the target's own distribution -------------------

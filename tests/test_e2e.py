@@ -10,8 +10,8 @@ import sys
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
 
+from redrafter_mlx.accept import greedy
 from redrafter_mlx.decode import BeamShape, Decoder
 from redrafter_mlx.draft import BeamDrafter
 from redrafter_mlx.drafter import load_drafter, random_drafter
@@ -26,7 +26,7 @@ PROMPTS = [
     "Write a short poem about rain.",
     "Explain what a hash table is.",
 ]
-GREEDY = make_sampler(0.0)
+GREEDY = greedy  # the fast path: argmax of raw logits
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from redrafter_mlx.tree import pack_beams, pad_tree, tree_mask, verified_size
+from redrafter_mlx.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
 
 
 def test_worked_example():
@@ -65,3 +65,67 @@ def test_padding_adds_inert_nodes_only():
     assert (mask[t:, :3]).all() and (mask[t:, 3 + t :] == np.eye(8 - t, dtype=bool)).all()
     assert not mask[t:, 3 : 3 + t].any()
     assert pad_tree(tree, t) is tree
+
+
+def _beam_search_like(rng, width, length):
+    """Beams sharing prefixes (as beam search makes them) and consistent per-token log-probs:
+    equal prefixes carry equal log-probs, as they come from the same source beam."""
+    beams = rng.integers(0, 3, (width, length))
+    beams[:, 0] = 7
+    logp_of = {}
+    logprobs = np.zeros((width, length - 1))
+    for w in range(width):
+        for k in range(1, length):
+            key = tuple(beams[w, : k + 1])
+            logp_of.setdefault(key, float(np.log(rng.uniform(0.05, 1.0))))
+            logprobs[w, k - 1] = logp_of[key]
+    return beams, logprobs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    width=st.integers(1, 5),
+    length=st.integers(2, 6),
+    min_prob=st.sampled_from([0.0, 0.05, 0.2, 0.5, 0.9]),
+    buckets=st.sampled_from([(), (1, 2, 4, 8, 16)]),
+)
+def test_prune_keeps_probable_nodes_closed_under_parents(seed, width, length, min_prob, buckets):
+    beams, logprobs = _beam_search_like(np.random.default_rng(seed), width, length)
+    full = pack_beams(beams)
+    tree = prune(full, logprobs, min_prob, buckets)
+    path_prob = np.exp(np.concatenate([np.zeros((width, 1)), logprobs.cumsum(1)], axis=1))
+    kept = tree.unpack >= 0
+    # every position at or above the floor is kept; kept positions map to their own tokens
+    assert kept[path_prob >= min_prob].all() and kept[:, 0].all()
+    assert (tree.tokens[tree.unpack[kept]] == beams[kept]).all()
+    # a beam is kept up to some depth and pruned after it (prefixes of kept nodes are kept)
+    assert (np.diff(kept.astype(int), axis=1) <= 0).all()
+    # the sub-tree's parents and ancestors are the full tree's, renumbered
+    positions = list(zip(*np.nonzero(kept), strict=True))
+    prefixes = {tuple(beams[w, : k + 1]) for w, k in positions}
+    assert tree.size == len(np.unique(tree.unpack[kept])) == len(prefixes)
+    for w, k in positions:
+        if k:
+            assert tree.parents[tree.unpack[w, k]] == tree.unpack[w, k - 1]
+            assert tree.ancestors[tree.unpack[w, k], tree.unpack[w, : k + 1]].all()
+    assert tree.ancestors.sum() == sum(tree.depths + 1)
+    # it fills the verified size the kept nodes pad to anyway, never beyond the full tree
+    assert tree.size == min(verified_size(tree.size, buckets), full.size)
+    if min_prob == 0.0:
+        assert tree is full
+
+
+def test_prune_worked_example():
+    beams = np.array([[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]])
+    logprobs = np.log([[0.9, 0.5, 0.5], [0.9, 0.4, 0.9], [0.9, 0.5, 0.1]])
+    # path probs: 92: 0.9; 93: 0.45; 94: 0.36; 95: 0.225; 96: 0.324; 97: 0.045
+    tree = prune(pack_beams(beams), logprobs, 0.3, ())
+    assert tree.tokens.tolist() == [91, 92, 93, 94, 96]
+    assert tree.unpack.tolist() == [[0, 1, 2, -1], [0, 1, 3, 4], [0, 1, 2, -1]]
+    assert tree.parents.tolist() == [-1, 0, 1, 1, 3]
+    assert not tree.paths_in_place
+    # a 5-node tree verified at 8 rows anyway: the two next most probable nodes fill it
+    assert prune(pack_beams(beams), logprobs, 0.3, (1, 2, 8)).size == 7
+    chain = prune(pack_beams(beams[:1]), logprobs[:1], 0.3, ())
+    assert chain.unpack.tolist() == [[0, 1, 2, -1]] and chain.paths_in_place
