@@ -6,7 +6,9 @@ State between steps: the cache holds the accepted prefix; ``pending`` is the tar
 (emitted, not yet in the cache); ``context`` is the hidden state that predicted it; ``beams`` were
 drafted from the two. Each step makes exactly one host read: the accepted beam, its accepted
 count, the next pending token and the *next* step's beams, all in one array. Everything between
-two reads is one lazy graph.
+two reads is one lazy graph. With a path-probability floor (``BeamShape.min_prob``) the drafter
+also reads its best score after each depth but the last, to stop drafting as soon as nothing
+deeper could be verified (``Step.syncs`` counts those reads).
 """
 
 from __future__ import annotations
@@ -153,12 +155,14 @@ class Decoder:
             yield Step([token])
 
     def speculative(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
-        """ReDrafter decoding: each step emits 1..L tokens with one target pass and one sync."""
+        """ReDrafter decoding: each step emits 1..L tokens with one target pass."""
         if self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
         width, length = self.shape.width, self.shape.length
         pending, context = self.prefill(cache, prompt)
-        beams, logprobs = self.drafter(context, pending, width=width, length=length)
+        beams, logprobs = self.drafter(
+            context, pending, width=width, length=length, min_prob=self.shape.min_prob
+        )
         read, logprobs = self._read(pending[None], beams, logprobs)
         yield Step([int(read[0])])
         draft = (read[1:].reshape(width, length), logprobs)
@@ -210,7 +214,9 @@ class Decoder:
             result.next_token,
             width=self.shape.width,
             length=self.shape.length,
+            min_prob=self.shape.min_prob,
         )
+        draft_syncs = getattr(self.drafter, "syncs", 0)
         read, next_logprobs = self._read(
             mx.stack([result.best, result.num_accepted, result.next_token]),
             next_beams,
@@ -221,7 +227,8 @@ class Decoder:
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
         cache.commit(root_and_accepted)
         emitted = root_and_accepted[1:] + [next_token]
-        return (read[3:].reshape(beams.shape), next_logprobs), Step(emitted, tree_size=size)
+        step = Step(emitted, tree_size=size, syncs=1 + draft_syncs)
+        return (read[3:].reshape(beams.shape), next_logprobs), step
 
 
 def _host_read(*values: mx.array) -> np.ndarray | tuple[np.ndarray, ...]:

@@ -93,7 +93,8 @@ def prune(
     node_logprobs = np.empty(tree.size)
     node_logprobs[tree.unpack] = path_logprobs  # shared prefixes share their score
     wanted = int((node_logprobs >= np.log(min_prob)).sum()) if min_prob > 0 else tree.size
-    size = min(verified_size(max(wanted, 1), buckets), tree.size)
+    drafted = int(np.isfinite(node_logprobs).sum())  # a search stopped early left -inf slots
+    size = min(verified_size(max(wanted, 1), buckets), drafted)
     order = np.lexsort((tree.depths, -node_logprobs))
     keep = np.zeros(tree.size, dtype=bool)
     keep[order[:size]] = True

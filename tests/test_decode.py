@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -106,7 +108,7 @@ class OracleDrafter:
     def __init__(self, continuation, vocab):
         self.continuation, self.vocab, self.calls = continuation, vocab, 0
 
-    def __call__(self, context, pending, *, width, length):
+    def __call__(self, context, pending, *, width, length, min_prob=0.0):
         start = self.calls * length
         beams = np.random.default_rng(self.calls).integers(0, self.vocab, (width, length))
         beams[:, 0] = self.continuation[start]
@@ -130,10 +132,22 @@ def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
     reads = []
     real = decode._host_read
     monkeypatch.setattr(decode, "_host_read", lambda *x: reads.append(1) or real(*x))
-    for min_prob in (0.0, 0.1):
-        reads.clear()
-        _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4, min_prob=min_prob)
-        assert len(reads) == steps + 1  # one per step, plus the one after prefill
+    _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4)
+    assert len(reads) == steps + 1  # one per step, plus the one after prefill
+
+
+def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
+    """With a floor the drafter reads its best score after each depth but the last and stops
+    once it is below the floor: a step reads 1 + (drafted depths, at most L - 2) times."""
+    for min_prob, most in ((1e-9, 3), (0.5, 3)):
+        decoder = Decoder(target, GREEDY, beam_drafter, BeamShape(4, 4, min_prob))
+        steps = itertools.islice(decoder.speculative(decoder.new_cache(), PROMPT), 1, 30)
+        syncs = [step.syncs for step in steps]
+        assert all(1 < s <= most for s in syncs)
+        if min_prob == 1e-9:
+            assert set(syncs) == {3}  # never stops early
+        else:
+            assert min(syncs) == 2  # a random drafter is rarely 50% sure: stops at depth 1
 
 
 def test_compiled_and_eager_beam_search_agree(target, drafter):
@@ -149,6 +163,25 @@ def test_compiled_and_eager_beam_search_agree(target, drafter):
         assert (eager[0] == compiled[0]).all()
         np.testing.assert_allclose(eager[1], compiled[1], atol=1e-5)
         assert eager[0].shape == (width, length) and (eager[0][:, 0] == 7).all()
+
+
+def test_early_stopping_search_is_the_full_search_cut_short(target, drafter):
+    bd = BeamDrafter(drafter, target.model.embed_tokens)
+    context = mx.random.normal((target.args.hidden_size,), key=mx.random.key(1))
+    pending = mx.array(7)
+    for width, length in [(1, 5), (3, 4)]:  # a floor nothing falls below: the full search
+        beams, logprobs = bd(context, pending, width=width, length=length)
+        same = bd(context, pending, width=width, length=length, min_prob=1e-12)
+        assert (same[0] == beams).all() and bd.syncs == length - 2
+        np.testing.assert_allclose(same[1], logprobs, atol=1e-5)
+    beams, logprobs = (np.array(a) for a in bd(context, pending, width=1, length=6))
+    floor = float(np.exp(logprobs[0, 0])) * 0.999  # depth 1 reaches it, depth 2 does not
+    cut, cut_logprobs = (
+        np.array(a) for a in bd(context, pending, width=1, length=6, min_prob=floor)
+    )
+    assert bd.syncs == 2  # read after depths 1 and 2, stopped
+    assert (cut[:, :3] == beams[:, :3]).all() and (cut[:, 3:] == -1).all()
+    assert np.isneginf(cut_logprobs[:, 2:]).all()
 
 
 def test_beam_search_keeps_best_scores_first(target, drafter):
