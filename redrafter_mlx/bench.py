@@ -782,7 +782,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
-    """The grid from flags; without flags the short default grid plus the autotuned shape."""
+    """The grid from flags; without flags the short default grid plus the decoder's default
+    shape and the autotuned one."""
     if args.beam_width or args.beam_length or args.min_prob:
         widths = args.beam_width or [rt.DEFAULT_SHAPE.width]
         lengths = args.beam_length or [rt.DEFAULT_SHAPE.length]
@@ -794,8 +795,10 @@ def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[Beam
     shapes = [BeamShape(w, n) for w in DEFAULT_WIDTHS for n in DEFAULT_LENGTHS]
     from redrafter_mlx.autotune import lookup_profile
 
-    tuned = lookup_profile(runtime)
-    return shapes + ([tuned] if tuned and tuned not in shapes else [])
+    for extra in (rt.DEFAULT_SHAPE, lookup_profile(runtime)):
+        if extra is not None and extra not in shapes:
+            shapes.append(extra)
+    return shapes
 
 
 def main(args: argparse.Namespace) -> None:

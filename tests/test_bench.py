@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from redrafter_mlx import bench
+from redrafter_mlx import runtime as rt
 from redrafter_mlx.bench import BenchConfig, Method, Record, Run
 from redrafter_mlx.decode import BeamShape
 from redrafter_mlx.draft import BeamDrafter
@@ -167,8 +168,15 @@ def test_grid_flags(runtime):
     args = bench.setup_arg_parser().parse_args(["--beam-width", "1,2", "--beam-length", "3,4,5"])
     shapes = bench.shapes_from_args(args, runtime)
     assert shapes == [BeamShape(w, n) for w in (1, 2) for n in (3, 4, 5)]
-    with pytest.raises(SystemExit):
-        bench.setup_arg_parser().parse_args(["--beam-width", "1,x"])
+    args = bench.setup_arg_parser().parse_args(["--beam-length", "3", "--min-prob", "0,0.3"])
+    assert bench.shapes_from_args(args, runtime) == [BeamShape(1, 3), BeamShape(1, 3, 0.3)]
+    for bad in (["--beam-width", "1,x"], ["--min-prob", "0,x"]):
+        with pytest.raises(SystemExit):
+            bench.setup_arg_parser().parse_args(bad)
+    with pytest.raises(SystemExit):  # a floor outside [0, 1)
+        bench.shapes_from_args(bench.setup_arg_parser().parse_args(["--min-prob", "1"]), runtime)
+    default = bench.shapes_from_args(bench.setup_arg_parser().parse_args([]), runtime)
+    assert rt.DEFAULT_SHAPE in default and len(set(default)) == len(default)
 
 
 def test_rotation_interleaves():
