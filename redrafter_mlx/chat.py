@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import signal
 import sys
 import time
 from collections import Counter
@@ -535,6 +536,9 @@ def encoder(runtime: rt.Runtime) -> Encode:
 
 
 def main(args: argparse.Namespace) -> None:
+    # Ctrl-C stops an answer: a chat started from a script in the background inherits SIGINT
+    # ignored (POSIX, for `cmd &` without job control), which would make it uninterruptible.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.max_tokens < 1:
         rt.fail("--max-tokens must be at least 1")
     if args.temp < 0:
