@@ -23,47 +23,11 @@ import numpy as np
 from redrafter_mlx.decode import CPU_TREE_SIZES
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.embedded import default_drafter_path, default_model_path
+from redrafter_mlx.eval_drafter import beams_everywhere
 from redrafter_mlx.load import load_target
 from redrafter_mlx.tree import pack_beams, prune, verified_size
 
 HERE = Path(__file__).resolve().parent
-
-
-def searches(drafter, embed, contexts, pendings, width: int, depth: int) -> list:
-    """Beam search from every position at once: per depth d, ``beams (N, W, d + 1)`` and the
-    drafted tokens' log-probs ``(N, W, d)`` (the same search as ``draft.beam_search``)."""
-    n, h = contexts.shape
-    vocab = drafter.args.draft_vocab
-    beams = pendings.astype(mx.int32).reshape(n, 1, 1)
-    token_logprobs = mx.zeros((n, 1, 0))
-    scores = mx.zeros((n, 1))
-    state = mx.zeros((n, 1, h), contexts.dtype)
-    out = []
-    for _ in range(depth):
-        b = beams.shape[1]
-        state = drafter.rnn_step(
-            state.reshape(n * b, h), embed(beams[:, :, -1].reshape(-1))
-        ).reshape(n, b, h)
-        ctx = mx.broadcast_to(contexts[:, None], (n, b, h)).reshape(n * b, h)
-        logits = drafter.logits(ctx, state.reshape(n * b, h)).astype(mx.float32)
-        logp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).reshape(n, b, vocab)
-        flat = (scores[..., None] + logp).reshape(n, b * vocab)
-        top = mx.argpartition(-flat, kth=width - 1, axis=-1)[:, :width]
-        top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(flat, top, -1), -1), -1)
-        source, index = top // vocab, top % vocab
-        tokens = drafter.draft_ids(index).astype(mx.int32)
-        picked = mx.take_along_axis(logp.reshape(n, b * vocab), top, -1)
-        beams = mx.concatenate(
-            [mx.take_along_axis(beams, source[..., None], 1), tokens[..., None]], -1
-        )
-        token_logprobs = mx.concatenate(
-            [mx.take_along_axis(token_logprobs, source[..., None], 1), picked[..., None]], -1
-        )
-        scores = mx.take_along_axis(flat, top, axis=-1)
-        state = mx.take_along_axis(state, source[..., None], axis=1)
-        mx.eval(beams, token_logprobs, state)
-        out.append((np.array(beams), np.array(token_logprobs)))
-    return out
 
 
 def drafted(found, t: int, length: int, floor: float, early: bool):
@@ -150,7 +114,7 @@ def main() -> None:
     results = []
     for width in widths:
         per_doc = [
-            searches(
+            beams_everywhere(
                 drafter,
                 model.model.embed_tokens,
                 mx.array(hidden[rows - 1].astype(np.float32)),

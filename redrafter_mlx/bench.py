@@ -733,24 +733,22 @@ def _histograms(plt, rows: list[dict]):
 # ---------------------------------------------------------------- CLI
 
 
-def int_list(text: str) -> list[int]:
+def _number_list(text: str, cast, example: str) -> list:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,3: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {example}: {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("empty list")
     return values
+
+
+def int_list(text: str) -> list[int]:
+    return _number_list(text, int, "integers like 1,2,3")
 
 
 def float_list(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 0,0.3: {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("empty list")
-    return values
+    return _number_list(text, float, "numbers like 0,0.3")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

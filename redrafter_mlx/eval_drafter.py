@@ -333,7 +333,8 @@ def greedy_path(
 def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int) -> list:
     """The drafter's beam search from every position of a path at once.
 
-    ``contexts (T, H)``, ``pendings (T,)`` -> for d = 1..depth, beams ``(T, W, d + 1)`` (numpy):
+    ``contexts (T, H)``, ``pendings (T,)`` -> for d = 1..depth, ``(beams (T, W, d + 1), drafted
+    tokens' log-probs (T, W, d))`` (numpy):
     the same search as :func:`redrafter_mlx.draft.beam_search` (first expansion from one live
     beam, top W by cumulative log-prob, best first), batched over the T positions. Beam search
     keeps the top W at every depth whatever the final length, so a length-L search is the
@@ -345,6 +346,7 @@ def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int)
     t, h = contexts.shape
     vocab = drafter.args.draft_vocab
     beams = pendings.astype(mx.int32).reshape(t, 1, 1)
+    token_logprobs = mx.zeros((t, 1, 0))
     scores = mx.zeros((t, 1))
     state = mx.zeros((t, 1, h), contexts.dtype)
     out = []
@@ -361,13 +363,18 @@ def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int)
         top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(flat, top, -1), -1), -1)
         source, index = top // vocab, top % vocab
         tokens = drafter.draft_ids(index).astype(mx.int32)
+        picked = mx.take_along_axis(logp.reshape(t, b * vocab), top, axis=-1)
         beams = mx.concatenate(
             [mx.take_along_axis(beams, source[..., None], axis=1), tokens[..., None]], axis=-1
         )
+        token_logprobs = mx.concatenate(
+            [mx.take_along_axis(token_logprobs, source[..., None], axis=1), picked[..., None]],
+            axis=-1,
+        )
         scores = mx.take_along_axis(flat, top, axis=-1)
         state = mx.take_along_axis(state, source[..., None], axis=1)
-        mx.eval(beams, scores, state)
-        out.append(np.array(beams))
+        mx.eval(beams, token_logprobs, scores, state)
+        out.append((np.array(beams), np.array(token_logprobs)))
     return out
 
 
@@ -430,7 +437,7 @@ def simulate_grid(
         for w in widths:
             beams = beams_everywhere(drafter, embed, contexts, pendings, w, max(lengths) - 1)
             for length in lengths:
-                run = simulate(beams[length - 2], ids, n_prompt, max_tokens, length)
+                run = simulate(beams[length - 2][0], ids, n_prompt, max_tokens, length)
                 runs.setdefault((w, length), []).append(run)
         if progress:
             progress(len(widths) * len(lengths))
