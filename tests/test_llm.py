@@ -92,3 +92,30 @@ def test_quantized_target_gets_float_cache_and_same_tokens():
     cache = llm.make_cache(model)
     assert cache.dtype == mx.float32
     assert _ours_greedy(model, PREFIX, 24) == _mlx_lm_greedy(model, PREFIX, 24)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_compiled_small_forwards_equal_module_forward(monkeypatch, quantized):
+    """Decode-sized forwards run compiled layer halves, with W @ x.T projections at 2-3 rows on
+    the CPU; they must match running mlx-lm's modules directly (the prefill path)."""
+    model = tiny_llama(seed=7, tie=True)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=8)
+    rng = np.random.default_rng(7)
+    default_rows = llm.COMPILED_MAX_ROWS
+    for t in (1, 2, 3, 4, 9):
+        tokens = [int(x) for x in rng.integers(0, 64, size=len(PREFIX) + t)]
+        results = []
+        for max_rows in (default_rows, 0):  # 0: every forward runs the modules
+            monkeypatch.setattr(llm, "COMPILED_MAX_ROWS", max_rows)
+            _, _, cache = _sequential(model, tokens[: len(PREFIX)])
+            cache.commit(tokens[: len(PREFIX)])
+            n = len(PREFIX)
+            hidden = llm.forward(
+                model, mx.array(tokens[n:]), mx.arange(n, n + t), llm.chain_mask(n, t), cache
+            )
+            results.append((hidden, cache.keys[1][..., : n + t, :]))
+        (got, got_keys), (want, want_keys) = results
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got_keys, want_keys, atol=1e-4, rtol=1e-4)
+    assert "_redrafter_compiled" in model.__dict__ and "_redrafter_compiled" not in model
