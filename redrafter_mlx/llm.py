@@ -82,7 +82,11 @@ def _after_attention(layer, cpu: bool, h: mx.array, out: mx.array) -> mx.array:
 
 
 class _CompiledLayers:
-    """Each layer's halves around attention, compiled (mlx traces them once per input shape)."""
+    """Each layer's halves around attention, compiled (mlx traces them once per input shape).
+
+    The traces capture the layer's weights: a model changed after its first small forward (new
+    weights, quantized in place) would keep computing with the old ones.
+    """
 
     def __init__(self, model: nn.Module):
         cpu = mx.default_device() == mx.cpu
