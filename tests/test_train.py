@@ -284,3 +284,47 @@ def test_grown_drafter_predicts_what_it_grew_from(head, layers):
     assert grown.args.num_draft_layers == layers + 1 and len(grown.lm_head) == layers + 2
     context, state = mx.random.normal((5, 64)), mx.random.normal((5, 64))
     assert mx.allclose(grown.logits(context, state), small.logits(context, state), atol=1e-5)
+
+
+def test_self_prompts_all_answers_every_training_user_turn_once(tmp_path):
+    write_conversations(tmp_path / "data.json", 20)
+    convs = T.read_conversations(tmp_path / "data.json")
+    heldout, training = T.split_conversations(convs, 0, 2)
+    turns = T.every_user_turn(training + training, heldout)  # a repeat adds no prompt
+    assert [t[0]["content"] for t in turns] == list(
+        dict.fromkeys(m["content"] for c in training for m in c if m["role"] == "user")
+    )
+    shared = training[0][0]["content"]  # a turn a held-out conversation has too is left out
+    assert shared not in {t[0]["content"] for t in T.every_user_turn(training, training[:1])}
+    args = T.setup_arg_parser().parse_args(
+        ["--source", "self", "--self-prompts", "all", "--gen-tokens", "8", "--gen-batch", "8"]
+        + ["--heldout", "2", "--heldout-tokens", "20", "--max-tokens", "100000", "--quiet"]
+    )
+    cache = T.prepare_cache(
+        learnable_target(), CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c", args
+    )
+    assert cache.manifest["identity"]["self_prompts"] == "all"
+    data = cache.load("train")
+    tok = CharTokenizer()
+    recorded = {
+        tuple(data["tokens"][(data["doc"] == d) & ~data["mask"]]) for d in np.unique(data["doc"])
+    }
+    expected = {tuple(tok.apply_chat_template([t[0]], add_generation_prompt=True)) for t in turns}
+    assert recorded == expected  # second turns too, and no held-out conversation's turn
+    assert len(expected) > len(training)
+
+
+def test_schedule_warms_up_decays_and_fits_the_time_limit():
+    sched = T.WarmupCosine(1e-3, 1000)
+    lr = {s: sched(mx.array(s)).item() for s in (0, 50, 100, 550, 1000, 5000)}
+    assert lr[0] == pytest.approx(1e-5) and lr[100] == pytest.approx(1e-3)
+    assert lr[0] < lr[50] < lr[100] > lr[550] > lr[1000]
+    assert lr[1000] == pytest.approx(5e-5) and lr[5000] == pytest.approx(5e-5)
+    trainer = T.Trainer(None, None, None, None, None, sched, None)
+    args = T.setup_arg_parser().parse_args(["--max-minutes", "1"])
+    args.total_steps = 1000
+    T.fit_to_time(trainer, 50, 10.0, 50, args)  # 5 steps/s, 50 s left -> 237 more steps
+    assert args.total_steps == sched.total == 50 + int(50 * 5 * T.TIME_MARGIN)
+    T.fit_to_time(trainer, 50, 1.0, 50, args)  # faster now: the plan is never lengthened
+    assert args.total_steps == sched.total == 287
+    assert sched(mx.array(287)).item() == pytest.approx(5e-5)
