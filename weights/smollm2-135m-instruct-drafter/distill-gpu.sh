@@ -14,7 +14,8 @@
 # 1. The target answers every distinct user turn of the training conversations (not those of
 #    held-out ones) greedily, 512 prompts per batch, for GEN_SECONDS (a kill leaves the cache
 #    whole: shards close on whole windows).
-# 2. Three variants of the shipped drafter train on all of it at once for TRAIN_MINUTES each
+# 2. Three variants of INIT (default: the drafter in this folder; v5 grew from v3, see
+#    PROVENANCE.md) train on all of it at once for TRAIN_MINUTES each
 #    (the cosine schedule is fitted to that time), each keeping its best held-out agreement:
 #    grown to 3 residual layers (the new one starts as the identity) at peak lr 5e-4 or 2e-4,
 #    or kept at 2 layers at 2e-4.
@@ -22,7 +23,7 @@ set -uo pipefail
 prompts=$1 work=$2 out=$3 gen_seconds=${4:-210} train_minutes=${5:-4.5}
 # (PYTHON, GEN_BATCH and HELDOUT_TOKENS shrink it for a dry run on a CPU)
 python=${PYTHON:-python3} gen_batch=${GEN_BATCH:-512} heldout_tokens=${HELDOUT_TOKENS:-24000}
-here=$(cd "$(dirname "$0")" && pwd)
+init=${INIT:-$(cd "$(dirname "$0")" && pwd)}
 mkdir -p "$work" "$out"
 common=(--source self --self-prompts all --data "$prompts" --cache-dir "$work/cache"
   --max-seq-len 512 --gen-tokens 256 --heldout-tokens "$heldout_tokens" --seed 0 --quiet)
@@ -35,8 +36,9 @@ rc=$?
 [ $rc -eq 0 ] || [ $rc -eq 124 ] || { stamp "generation failed ($rc)"; exit $rc; }
 [ -f "$work/cache/manifest.json" ] || { stamp "no shard finished in ${gen_seconds}s"; exit 1; }
 cp "$work/cache/manifest.json" "$out/manifest.json"
-tokens=$("$python" -c "import json, sys; m = json.load(open(sys.argv[1])); \
-print(sum(s['tokens'] for s in m['shards'] if s['split'] == 'train'))" "$work/cache/manifest.json")
+tokens=$("$python" -c "import json, sys; from pathlib import Path; from redrafter_mlx.train \
+import Cache; p = Path(sys.argv[1]); print(Cache(p, json.loads((p / 'manifest.json').read_text()))\
+.tokens('train'))" "$work/cache")
 stamp "generated $tokens training tokens"
 [ "$tokens" -gt 0 ] || { stamp "no training shard finished in ${gen_seconds}s"; exit 1; }
 
@@ -56,19 +58,18 @@ publish() {  # OUT/NAME.tar.part-aa, -ab, ...: the best drafter so far (a result
 variant() {  # NAME, then the options that differ
   local name=$1
   shift
-  "$python" -m redrafter_mlx train "${common[@]}" --max-tokens "$tokens" --init "$here" \
+  "$python" -m redrafter_mlx train "${common[@]}" --max-tokens "$tokens" --init "$init" \
     --positions 4 --batch-size 1024 --hidden-weight 1.0 --epochs 3 --eval-every 1000 \
     --patience 6 --max-minutes "$train_minutes" --out "$work/$name" "$@" >"$work/$name.log" 2>&1
   stamp "$name done ($?)"
 }
 # three trainings share the GPU (each is bound by kernel launches, not by the chip)
-variants=(grow3-lr5e-4 keep2-lr2e-4 grow3-lr2e-4)
-stamp "train ${variants[*]} for ${train_minutes} min"
-pids=()
+stamp "train for ${train_minutes} min"
+variants=() pids=()
 for v in "grow3-lr5e-4 --num-draft-layers 3 --lr 5e-4" "keep2-lr2e-4 --num-draft-layers 2 \
   --lr 2e-4" "grow3-lr2e-4 --num-draft-layers 3 --lr 2e-4"; do
   variant $v &
-  pids+=($!)
+  variants+=("${v%% *}") pids+=($!)
   sleep 10  # loading the cache peaks at twice its size in memory: stagger the starts
 done
 (while sleep 20; do publish; done) &
