@@ -131,6 +131,7 @@ class Decoder:
                 positions,
                 llm.chain_mask(cache.offset, len(chunk)),
                 cache,
+                compiled=False,  # fixed shapes only: decode steps, not prompts
             )
             mx.eval(hidden, *cache.state())  # bound the graph per chunk
             cache.commit(chunk)

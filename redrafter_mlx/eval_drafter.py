@@ -326,7 +326,9 @@ def greedy_path(
     ids = ids[: len(prompt_ids) + max_tokens]
     n = len(ids)
     cache = llm.make_cache(model)
-    hidden = llm.forward(model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n), cache)
+    hidden = llm.forward(
+        model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n), cache, compiled=False
+    )
     return ids, hidden, real
 
 
@@ -486,7 +488,12 @@ def load_paths(
             ids, real = stored[key], None
             n = len(ids)
             hidden = llm.forward(
-                model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n), llm.make_cache(model)
+                model,
+                mx.array(ids),
+                mx.arange(n),
+                llm.chain_mask(0, n),
+                llm.make_cache(model),
+                compiled=False,
             )
         else:
             ids, hidden, real = greedy_path(

@@ -95,9 +95,9 @@ class _CompiledLayers:
         self.after = [mx.compile(partial(_after_attention, x, cpu)) for x in layers]
 
 
-def _layer_blocks(model: nn.Module, num_tokens: int) -> tuple[list, list]:
+def _layer_blocks(model: nn.Module, num_tokens: int, compiled: bool) -> tuple[list, list]:
     """The per-layer (before, after) attention halves to run ``num_tokens`` tokens with."""
-    if num_tokens > COMPILED_MAX_ROWS:
+    if not compiled or num_tokens > COMPILED_MAX_ROWS:
         layers = model.model.layers
         return (
             [partial(_before_attention, x, False) for x in layers],
@@ -115,16 +115,20 @@ def forward(
     positions: mx.array,
     mask: mx.array | None,
     cache: KVCache,
+    *,
+    compiled: bool = True,
 ) -> mx.array:
     """Run the target over ``tokens (T,)`` at ``positions (T,)``; return final-norm hidden (T, H).
 
     ``mask (T, S + T)`` is boolean (True = may attend), ``None`` means attend to everything
-    (one token). K/V are written at ``cache.offset`` and not committed.
+    (one token). K/V are written at ``cache.offset`` and not committed. ``compiled=False`` keeps
+    a forward of any T on mlx-lm's modules: prompts have arbitrary lengths, and each new T
+    would compile new kernels (seconds of g++ on CPU, during which Ctrl-C is ignored).
     """
     cache.reserve(tokens.shape[0])
     positions = positions.astype(mx.int32)
     h = model.model.embed_tokens(tokens)[None]
-    before, after = _layer_blocks(model, tokens.shape[0])
+    before, after = _layer_blocks(model, tokens.shape[0], compiled)
     for i, layer in enumerate(model.model.layers):
         queries, keys, values = before[i](h, positions)
         keys, values = cache.write(i, keys, values)

@@ -245,3 +245,13 @@ def test_sampling_matches_target_distribution(temp, top_p):
         exp = exp / exp.sum() * obs.sum()  # float rounding of the probabilities
         assert observed[probs == 0].sum() == 0  # top-p never lets a filtered token through
         assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_prompts_run_on_modules_and_only_decode_steps_compile():
+    model = tiny_llama(seed=5)
+    decoder, cache = Decoder(model, GREEDY), llm.make_cache(model)
+    decoder.prefill(cache, [3, 5, 7, 11, 13])  # any prompt length: no kernels built for it
+    assert "_redrafter_compiled" not in model.__dict__
+    steps = decoder.autoregressive(llm.make_cache(model), [3, 5, 7])
+    next(steps), next(steps)  # a one-token decode step runs the compiled halves
+    assert "_redrafter_compiled" in model.__dict__
