@@ -295,9 +295,6 @@ def greedy_path(
     ``{"tokens", "steps"}`` counted like :func:`decode_one` up to ``count_until`` new tokens;
     otherwise ``real`` is None.
     """
-    import mlx.core as mx
-
-    from redrafter_mlx import llm
     from redrafter_mlx.accept import greedy
     from redrafter_mlx.decode import BeamShape, Decoder
 
@@ -324,12 +321,25 @@ def greedy_path(
             ids = ids[: j + 1]
             break
     ids = ids[: len(prompt_ids) + max_tokens]
+    return ids, path_hidden(model, ids), real
+
+
+def path_hidden(model, ids: list[int]):
+    """The target's final-norm hidden (n, H) over a whole path of n token ids, one forward on
+    mlx-lm's modules (path lengths vary: nothing to compile)."""
+    import mlx.core as mx
+
+    from redrafter_mlx import llm
+
     n = len(ids)
-    cache = llm.make_cache(model)
-    hidden = llm.forward(
-        model, mx.array(ids), mx.arange(n), llm.chain_mask(0, n), cache, compiled=False
+    return llm.forward(
+        model,
+        mx.array(ids),
+        mx.arange(n),
+        llm.chain_mask(0, n),
+        llm.make_cache(model),
+        compiled=False,
     )
-    return ids, hidden, real
 
 
 def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int) -> list:
@@ -469,7 +479,6 @@ def load_paths(
     ``paths_file`` (``real`` is None for stored paths)."""
     import mlx.core as mx
 
-    from redrafter_mlx import llm
     from redrafter_mlx.load import eos_ids
 
     eos = eos_ids(tokenizer)
@@ -486,15 +495,7 @@ def load_paths(
         key = hashlib.sha1(json.dumps([p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None
-            n = len(ids)
-            hidden = llm.forward(
-                model,
-                mx.array(ids),
-                mx.arange(n),
-                llm.chain_mask(0, n),
-                llm.make_cache(model),
-                compiled=False,
-            )
+            hidden = path_hidden(model, ids)
         else:
             ids, hidden, real = greedy_path(
                 model, prompt_ids, max_tokens, eos, drafter, count_until

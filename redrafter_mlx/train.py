@@ -241,6 +241,14 @@ class Cache:
             manifest = {"identity": identity, "shards": [], "next": {"heldout": 0, "train": 0}}
         return cls(root, manifest)
 
+    @classmethod
+    def existing(cls, root: Path) -> Cache:
+        """The cache already in ``root`` (no identity check); SystemExit if there is none."""
+        path = root / "manifest.json"
+        if not path.exists():
+            raise SystemExit(f"error: {root}: no manifest.json (not a cache)")
+        return cls(root, json.loads(path.read_text()))
+
     @contextmanager
     def writing(self) -> Iterator[None]:
         """Hold the folder's extraction lock (one writer at a time; released if the process
@@ -941,10 +949,7 @@ def _with_extra_caches(data: dict[str, np.ndarray], cache: Cache, extra: list[st
     """``data`` plus every training shard of each ``extra`` cache folder (same target)."""
     parts = [data]
     for folder in map(Path, extra):
-        path = folder / "manifest.json"
-        if not path.exists():
-            raise SystemExit(f"error: --extra-cache {folder}: no manifest.json (not a cache)")
-        other = Cache(folder, json.loads(path.read_text()))
+        other = Cache.existing(folder)
         if other.manifest["identity"]["fingerprint"] != cache.manifest["identity"]["fingerprint"]:
             raise SystemExit(f"error: --extra-cache {folder} was extracted from another target")
         extra_data = other.load("train")

@@ -36,9 +36,8 @@ rc=$?
 [ $rc -eq 0 ] || [ $rc -eq 124 ] || { stamp "generation failed ($rc)"; exit $rc; }
 [ -f "$work/cache/manifest.json" ] || { stamp "no shard finished in ${gen_seconds}s"; exit 1; }
 cp "$work/cache/manifest.json" "$out/manifest.json"
-tokens=$("$python" -c "import json, sys; from pathlib import Path; from redrafter_mlx.train \
-import Cache; p = Path(sys.argv[1]); print(Cache(p, json.loads((p / 'manifest.json').read_text()))\
-.tokens('train'))" "$work/cache")
+tokens=$("$python" -c "import sys; from pathlib import Path; from redrafter_mlx.train import Cache; \
+print(Cache.existing(Path(sys.argv[1])).tokens('train'))" "$work/cache")
 stamp "generated $tokens training tokens"
 [ "$tokens" -gt 0 ] || { stamp "no training shard finished in ${gen_seconds}s"; exit 1; }
 
