@@ -374,14 +374,6 @@ def heldout_prompt_ids(runtime, count: int) -> list[list[int]]:
     return [encode(runtime, [{"role": "user", "content": p}]) for p in HELDOUT_PROMPTS[:count]]
 
 
-def warm_up(runtime, shapes: Sequence[BeamShape], prompt: list[int]) -> None:
-    """Compile each shape's beam search once (outside the timed search)."""
-    from redrafter_mlx.bench import REDRAFTER, Method, measure
-
-    for shape in shapes:
-        measure(runtime, Method(REDRAFTER, shape), prompt, max_tokens=4)
-
-
 def table(result: SearchResult) -> list[dict]:
     """Per-shape rows: runs, tokens/step, tree size, median measured and estimated tokens/s."""
     rows = []
@@ -501,11 +493,13 @@ def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResul
         from redrafter_mlx.runtime import fail
 
         fail(str(e))
+    from redrafter_mlx.bench import REDRAFTER, Method, warm_up
+
     prompts = heldout_prompt_ids(runtime, args.num_prompts)
     measure = make_measure(runtime, prompts, max_tokens=args.max_tokens)
     task = progress.add_task("warming up", total=len(shapes))
     for shape in shapes:
-        warm_up(runtime, [shape], prompts[0])
+        warm_up(runtime, [Method(REDRAFTER, shape)], prompts[0])
         progress.advance(task)
     total = len(shapes) * len(prompts) * args.repetitions if args.full_grid else None
     task = progress.add_task("searching", total=total)

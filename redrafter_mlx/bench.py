@@ -257,10 +257,17 @@ def bench_case(
     return records
 
 
-def warm_up(runtime: rt.Runtime, methods: list[Method], prompt: list[int]) -> None:
-    """Compile and page in every method once (MLX is lazy; beam search compiles per shape)."""
+def warm_up(
+    runtime: rt.Runtime, methods: list[Method], prompt: list[int], *, temp: float = 0.0
+) -> None:
+    """Compile every tree size and beam search each method can run (:meth:`Decoder.warm_up`),
+    then page everything in with a short generation, so no timed run pays for either."""
     for method in methods:
-        measure(runtime, method, prompt, max_tokens=8)
+        if method.kind != MLX_LM:
+            shape = method.shape or rt.DEFAULT_SHAPE
+            decoder = rt.make_decoder(runtime, shape, temp=temp)
+            decoder.warm_up(autoregressive=method.kind == AUTOREGRESSIVE)
+        measure(runtime, method, prompt, max_tokens=8, temp=temp)
 
 
 def timed_runs(
@@ -517,7 +524,7 @@ def run_bench(
             history.append({"role": "user", "content": user})
             ids = encode(runtime, history)
             if not warmed:
-                warm_up(runtime, methods, ids)
+                warm_up(runtime, methods, ids, temp=cfg.temp)
                 warmed = True
             case = len(prompts)
             prompts.append(ids)

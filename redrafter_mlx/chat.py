@@ -215,6 +215,16 @@ class ChatSession:
         self.cache = decoder.new_cache()
         self.totals = Totals()
         self.last: Turn | None = None
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile what answers will run now, so an answer never stops to compile (and lose a
+        Ctrl-C to g++): at the start, and whenever the beam shape or sampler changes."""
+        self.decoder.warm_up(autoregressive=self.autoregressive)
+
+    def set_shape(self, shape: BeamShape) -> None:
+        self.decoder.shape = shape
+        self.warm_up()
 
     def conversation(self) -> list[dict]:
         """The messages as the template sees them (system prompt first, when set)."""
@@ -274,6 +284,7 @@ class ChatSession:
 
     def set_temperature(self, temp: float, top_p: float = 0.0, top_k: int = 0) -> None:
         self.decoder.sampler = make_sampler(temp, top_p=top_p, top_k=top_k)
+        self.warm_up()
 
 
 def time_autoregressive_step(decoder: Decoder, cache, reps: int = 4) -> float:
@@ -445,7 +456,7 @@ class ChatUI:
 
     def cmd_beam(self, arg: str) -> None:
         shape = parse_beam(arg, self.session.decoder.shape.min_prob)
-        self.session.decoder.shape = shape
+        self.session.set_shape(shape)
         self.shape_source = "/beam"
         extra = " (ignored: --autoregressive)" if self.session.autoregressive else ""
         self.note(f"beam shape {shape.describe()}{extra}")

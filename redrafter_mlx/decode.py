@@ -65,6 +65,14 @@ class BeamShape:
         return f"W={self.width} L={self.length}{floor}"
 
 
+def verified_sizes(shape: BeamShape, tree_sizes: tuple[int, ...] = ()) -> list[int]:
+    """Every tree size T a step of ``shape`` can verify: W beams merge into L nodes (all alike)
+    up to 1 + W (L - 1) (no shared prefix); a probability floor can cut a tree to the root."""
+    smallest = 1 if shape.min_prob else shape.length
+    largest = 1 + shape.width * (shape.length - 1)
+    return sorted({verified_size(n, tree_sizes) for n in range(smallest, largest + 1)})
+
+
 @dataclass
 class Step:
     """What one decode step emitted, with its counters."""
@@ -115,6 +123,28 @@ class Decoder:
             raise ContextFull(
                 f"context full: {cache.offset} cached + {needed} new tokens exceed the "
                 f"model's {self.max_context}-token context"
+            )
+
+    def warm_up(self, *, autoregressive: bool = False) -> None:
+        """Trace (and build the kernels of) everything a step of the current shape and sampler
+        runs: the verify forward at each of :func:`verified_sizes`, the sampler, the beam search.
+
+        Call it when the shape or sampler is chosen, not mid-answer: a new size met in an answer
+        would stop it to compile, and on the CPU backend MLX runs g++ meanwhile, which swallows
+        Ctrl-C. Costs one small forward per size (each size is traced once per model).
+        """
+        sizes = [1] if autoregressive else verified_sizes(self.shape, self.tree_sizes)
+        cache = self.new_cache()
+        for size in sizes:
+            mask = llm.chain_mask(0, size) if size > 1 else None
+            tokens = mx.zeros((size,), mx.int32)
+            hidden = llm.forward(self.model, tokens, mx.arange(size), mask, cache)
+            mx.eval(choose(llm.lm_head(self.model, hidden), self.sampler))
+        if not autoregressive and self.drafter is not None:
+            shape = self.shape
+            pending = mx.array(0, mx.int32)
+            self.drafter.warm_up(
+                hidden[-1], pending, width=shape.width, length=shape.length, min_prob=shape.min_prob
             )
 
     def prefill(self, cache: KVCache, prompt: list[int]) -> tuple[mx.array, mx.array]:

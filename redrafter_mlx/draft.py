@@ -135,6 +135,15 @@ class BeamDrafter:
             fn = self._compiled[(width, length)] = mx.compile(search)
         return fn(context, pending)
 
+    def warm_up(
+        self, context: mx.array, pending: mx.array, *, width: int, length: int, min_prob: float
+    ) -> None:
+        """Trace this shape's search to its full depth (a floored search may stop early)."""
+        if min_prob > 0:
+            mx.eval(*self._search_until(context, pending, width, length, -math.inf))
+        else:
+            mx.eval(*self(context, pending, width=width, length=length))
+
     def _search_until(self, context, pending, width: int, length: int, floor: float):
         step = self._expander(width)
         search = start(self.drafter, context, pending, width)

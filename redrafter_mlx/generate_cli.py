@@ -74,6 +74,7 @@ def main(args: argparse.Namespace) -> None:
         seed=args.seed,
         timing=args.timing,
     )
+    decoder.warm_up(autoregressive=args.autoregressive)  # compile now, not mid-stream
     if args.raw:
         ids = runtime.tokenizer.encode(prompt)
     else:

@@ -46,3 +46,19 @@ def target():
 @pytest.fixture(scope="session")
 def drafter(target):
     return random_drafter(target.args.hidden_size, target.args.vocab_size, seed=1)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Functions compiled from now on append themselves here each time mlx traces them."""
+    seen, real_compile = [], mx.compile
+
+    def counting_compile(fun, *args, **kwargs):
+        def traced(*inputs):
+            seen.append(fun)  # the Python body runs only while mlx traces
+            return fun(*inputs)
+
+        return real_compile(traced, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "compile", counting_compile)
+    return seen

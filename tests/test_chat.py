@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_llama
 
 from redrafter_mlx.accept import greedy
 from redrafter_mlx.chat import (
@@ -26,6 +27,7 @@ from redrafter_mlx.chat import (
 )
 from redrafter_mlx.decode import BeamShape, ContextFull, Decoder
 from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.drafter import random_drafter
 from redrafter_mlx.generate import stream_generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,9 +218,26 @@ def test_redrafter_chat_equals_autoregressive(target, drafter):
     fast, slow = session(target, beam, max_tokens=10), session(target, max_tokens=10)
     for question in ("abc", "defg", "hi"):
         assert ask(fast, question) == ask(slow, question)
-    fast.decoder.shape = BeamShape(3, 2)  # /beam mid-conversation
+    fast.set_shape(BeamShape(3, 2))  # /beam mid-conversation
     assert ask(fast, "more") == ask(slow, "more")
     assert fast.messages == slow.messages
+
+
+def test_answers_compile_nothing_after_a_shape_or_sampler_change(traces):
+    """The session compiles at its start, /beam and /temp, never inside an answer (where g++ on
+    the CPU backend would swallow Ctrl-C)."""
+    model = tiny_llama(seed=11)  # built after ``traces`` patched mx.compile: its traces count
+    beam = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
+    chat = session(model, beam, max_tokens=24)
+    for change in (None, BeamShape(3, 3), BeamShape(2, 4, 0.05), 0.8):
+        if isinstance(change, BeamShape):
+            chat.set_shape(change)
+        elif change is not None:
+            chat.set_temperature(change)
+        warmed = len(traces)
+        for question in ("abc", "defg", "a longer question"):
+            ask(chat, question)
+        assert len(traces) == warmed, f"an answer compiled after {change}"
 
 
 def test_interrupted_answer_stays_in_history(target):
@@ -270,6 +289,7 @@ EXPECTED_SCRIPT = """
 import json, sys
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.chat import encoder
+from redrafter_mlx.drafter import random_drafter
 from redrafter_mlx.generate import stream_generate
 record = json.load(open(sys.argv[1]))
 runtime = rt.load_runtime(None, None, need_drafter=False)
@@ -284,8 +304,8 @@ print(json.dumps(out))
 """
 
 
-def env() -> dict:
-    e = dict(os.environ, NO_COLOR="1", TERM="dumb", COLUMNS="200")
+def env(**extra: str) -> dict:
+    e = dict(os.environ, NO_COLOR="1", TERM="dumb", COLUMNS="200", **extra)
     if os.path.exists(OPENBLAS):
         e["LD_PRELOAD"] = OPENBLAS
     return e
@@ -326,20 +346,19 @@ def test_chat_in_a_terminal(tmp_path, drafter_dir):
         sys.executable,
         ["-m", "redrafter_mlx", "chat", "--drafter", drafter_dir, "--max-tokens", str(max_tokens)],
         cwd=str(ROOT),
-        env=env(),
+        env=env(TMPDIR=str(tmp_path)),
         encoding="utf-8",
         timeout=120,
         dimensions=(40, 200),
     )
     prompt = ">>> "
     child.expect(prompt)
-    # /beam first (floor 0: whole trees, whatever this machine's autotune profile says): the
-    # shape's kernels are compiled in the first answer (MLX runs g++, during which the process
-    # ignores SIGINT), not in the one the test interrupts below. W = 1 makes every tree the same
-    # size (a chain of L); with W = 2 merged trees vary in size, and a size first met in the
-    # interrupted answer compiled there and swallowed the Ctrl-C.
-    child.sendline("/beam 1 4 0")
-    child.expect("W=1 L=4")
+    # A pruned W2 shape verifies trees of 1..7 nodes. /beam compiles every one of those sizes
+    # (MLX builds CPU kernels with g++, here in a fresh TMPDIR), so no answer compiles: a size
+    # first met inside the interrupted answer below would build kernels there, and g++ running
+    # swallows the Ctrl-C.
+    child.sendline("/beam 2 4 0.3")
+    child.expect("W=2 L=4 min-prob 0.3")
     child.expect(prompt)
     for line in ("My name is Ada.", "What is my name?"):
         child.sendline(line)

@@ -255,3 +255,30 @@ def test_prompts_run_on_modules_and_only_decode_steps_compile():
     steps = decoder.autoregressive(llm.make_cache(model), [3, 5, 7])
     next(steps), next(steps)  # a one-token decode step runs the compiled halves
     assert "_redrafter_compiled" in model.__dict__
+
+
+@pytest.mark.parametrize("shape", [BeamShape(3, 3), BeamShape(2, 4, 0.05)])
+def test_warm_up_traces_every_tree_size_before_the_answer(traces, shape):
+    """After ``warm_up`` no decode step compiles, whichever tree sizes the answers meet (a
+    compile mid-answer runs g++ on the CPU backend, which loses Ctrl-C)."""
+    model = tiny_llama(seed=11, vocab=16)  # small vocab: drafts often merge and get accepted
+    drafter = BeamDrafter(random_drafter(64, 16, seed=12), model.model.embed_tokens)
+    decoder = Decoder(model, GREEDY, drafter, shape, tree_sizes=decode.CPU_TREE_SIZES)
+    decoder.warm_up()
+    warmed = len(traces)
+    sizes = set()
+    for seed in range(4):
+        prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 16, size=5)]
+        steps = decoder.speculative(decoder.new_cache(), prompt)
+        for step in itertools.islice(steps, 1, 40):  # after the prefill
+            sizes.add(decode.verified_size(step.tree_size, decode.CPU_TREE_SIZES))
+    assert len(sizes) >= 2  # the answers did meet several sizes
+    assert sizes <= set(decode.verified_sizes(shape, decode.CPU_TREE_SIZES))
+    assert warmed > 0 and len(traces) == warmed
+
+
+def test_verified_sizes_span_merged_to_disjoint_trees():
+    assert decode.verified_sizes(BeamShape(1, 4)) == [4]
+    assert decode.verified_sizes(BeamShape(3, 3)) == [3, 4, 5, 6, 7]
+    assert decode.verified_sizes(BeamShape(3, 3, 0.3)) == [1, 2, 3, 4, 5, 6, 7]
+    assert decode.verified_sizes(BeamShape(4, 5), decode.CPU_TREE_SIZES) == [5, 6, 7, 8, 16, 32]
