@@ -3,7 +3,8 @@ VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-# On Linux the CPU backend is 5-20x faster with OpenBLAS preloaded (see benchmarks/README.md).
+# On Linux the CPU backend runs much faster with OpenBLAS preloaded (prompts ~13x, decoding ~1.7x
+# here; see benchmarks/README.md).
 RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) ,)
 ARGS    ?=
 

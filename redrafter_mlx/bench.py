@@ -29,10 +29,10 @@ import numpy as np
 
 from redrafter_mlx import llm
 from redrafter_mlx import runtime as rt
+from redrafter_mlx.data import MT_BENCH
 from redrafter_mlx.decode import PHASES, BeamShape
 from redrafter_mlx.generate import stream_generate
 
-MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mt_bench.jsonl"
 DEFAULT_WIDTHS = (1, 2)
 DEFAULT_LENGTHS = (2, 3)
 MLX_LM, AUTOREGRESSIVE, REDRAFTER = "mlx-lm", "autoregressive", "redrafter"

@@ -22,8 +22,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from redrafter_mlx.data import MT_BENCH
+
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for --simulate
-MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mt_bench.jsonl"
 
 EPILOG = """examples:
   # the shipped SmolLM2 drafter on 10 MT-Bench first turns, W 1-4 x L 3-5 (real decode loop)

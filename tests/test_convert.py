@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import shared_data
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
@@ -27,17 +28,13 @@ from redrafter_mlx import convert as conv
 from redrafter_mlx.convert import ConversionError, convert_drafter, convert_gguf, convert_hf
 from redrafter_mlx.load import LoadError, load_target, target_dims
 
-SHARED = Path(os.environ.get("REDRAFTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-TINY_HF = SHARED / "data" / "tiny-llama-hf"
-
 
 @pytest.fixture(scope="module")
 def convert_tiny_hf(tmp_path_factory) -> Path:
     """A writable copy of the shared tiny HF Llama checkpoint."""
-    if not (TINY_HF / "model.safetensors").is_file():
-        pytest.skip(f"shared test data missing: {TINY_HF} (set REDRAFTER_SHARED)")
+    tiny_hf = shared_data("tiny-llama-hf/model.safetensors").parent
     dst = tmp_path_factory.mktemp("hf") / "tiny-llama-hf"
-    shutil.copytree(TINY_HF, dst)
+    shutil.copytree(tiny_hf, dst)
     return dst
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
+from conftest import shared_data
 
 from redrafter_mlx.templates import (
     VICUNA_SYSTEM,
@@ -13,9 +11,6 @@ from redrafter_mlx.templates import (
     is_vicuna,
     vicuna_prompt,
 )
-
-SHARED = Path(os.environ.get("REDRAFTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-VICUNA_TOK = SHARED / "data" / "vicuna-7b-v1.3-tokenizer"
 
 CONVERSATION = [
     {"role": "user", "content": "Hello! Who are you?"},
@@ -26,20 +21,17 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def vicuna_tokenizer():
-    if not (VICUNA_TOK / "tokenizer.model").is_file():
-        pytest.skip(f"shared test data missing: {VICUNA_TOK} (set REDRAFTER_SHARED)")
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(VICUNA_TOK)
+    return load_tokenizer(shared_data("vicuna-7b-v1.3-tokenizer/tokenizer.model").parent)
 
 
 @pytest.fixture(scope="module")
 def sentencepiece_model():
-    if not (VICUNA_TOK / "tokenizer.model").is_file():
-        pytest.skip(f"shared test data missing: {VICUNA_TOK} (set REDRAFTER_SHARED)")
     import sentencepiece as spm
 
-    return spm.SentencePieceProcessor(model_file=str(VICUNA_TOK / "tokenizer.model"))
+    path = shared_data("vicuna-7b-v1.3-tokenizer/tokenizer.model")
+    return spm.SentencePieceProcessor(model_file=str(path))
 
 
 def test_vicuna_prompt_text():

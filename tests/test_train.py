@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import shared_data
 from mlx_lm.models import llama
 
 from redrafter_mlx import eval_drafter as E
@@ -15,7 +16,7 @@ from redrafter_mlx import train as T
 from redrafter_mlx.drafter import load_drafter
 
 VOCAB = 64
-TINY_SHAREGPT = Path(__file__).resolve().parents[2] / "shared/data/sharegpt-tiny/sharegpt_tiny.json"
+TINY_SHAREGPT = "sharegpt-tiny/sharegpt_tiny.json"
 LETTERS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
 
@@ -85,7 +86,7 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> None:
 
 
 def test_reads_truncated_sharegpt_file(tmp_path):
-    record = json.loads(TINY_SHAREGPT.read_text())[0]
+    record = json.loads(shared_data(TINY_SHAREGPT).read_text())[0]
     text = json.dumps([record, record], indent=2)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: len(text) * 3 // 4])  # second copy cut mid-string
@@ -100,7 +101,7 @@ def test_reads_truncated_sharegpt_file(tmp_path):
 
 def test_mask_covers_exactly_the_assistant_turns():
     tok = CharTokenizer()
-    convs = T.read_conversations(TINY_SHAREGPT)
+    convs = T.read_conversations(shared_data(TINY_SHAREGPT))
     messages = convs[0][:4]
     ids, mask = T.encode_conversation(tok, messages)
     assert ids == tok.apply_chat_template(messages)
