@@ -16,6 +16,7 @@ def write_with(path: Path | str, writer: Callable[[Path], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
     os.close(fd)
+    os.chmod(tmp, _usual_mode(0o666))  # mkstemp makes it private (0600)
     try:
         writer(Path(tmp))
         os.replace(tmp, path)
@@ -42,6 +43,7 @@ def staged_dir(out: Path | str) -> Iterator[Path]:
     out = Path(out).expanduser().absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, _usual_mode(0o777))  # mkdtemp makes it private (0700)
     try:
         yield tmp
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -55,3 +57,10 @@ def staged_dir(out: Path | str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _usual_mode(base: int) -> int:
+    """The mode a plain ``open`` / ``mkdir`` would give: ``base`` less the process umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return base & ~mask

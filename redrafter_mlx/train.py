@@ -26,6 +26,8 @@ import argparse
 import hashlib
 import json
 import random
+import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,7 +110,8 @@ def default_data_path() -> Path:
 
 
 def iter_json_objects(text: str) -> Iterator[object]:
-    """Top-level JSON values of a JSON array or JSONL text, stopping at a truncated tail."""
+    """Top-level JSON values of a JSON array (or of concatenated values), stopping at a
+    truncated tail."""
     decoder = json.JSONDecoder()
     i, n = 0, len(text)
     while i < n:
@@ -142,9 +145,31 @@ def normalize(obj: object) -> list[dict[str, str]] | None:
 
 
 def read_conversations(path: Path | str) -> list[list[dict[str, str]]]:
-    """All usable conversations of a ShareGPT JSON (possibly truncated) or JSONL file."""
-    text = Path(path).read_text(encoding="utf-8")
-    return [c for c in map(normalize, iter_json_objects(text)) if c]
+    """All usable conversations of a ShareGPT JSON array (possibly cut off mid-object, as the
+    wheel's file is) or a JSONL file (one conversation per line; only its last line may be cut
+    off). ValueError names the line of any other malformed JSONL line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    objects = iter_json_objects(text) if text.lstrip().startswith("[") else jsonl(text, path)
+    return [c for c in map(normalize, objects) if c]
+
+
+def jsonl(text: str, path: Path | str) -> Iterator[object]:
+    """The values of a JSONL text, one per non-blank line; a malformed last line is a cut-off
+    tail and ends the file, any other one is a ValueError."""
+    lines = text.splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == last:
+                return
+            raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
 
 
 def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
@@ -237,9 +262,15 @@ class Cache:
         if path.exists():
             manifest = json.loads(path.read_text())
             if manifest["identity"] != identity:
+                old = manifest["identity"]
+                diffs = ", ".join(
+                    f"{k}: {old.get(k)!r} there, {identity.get(k)!r} now"
+                    for k in sorted(set(old) | set(identity))
+                    if old.get(k) != identity.get(k)
+                )
                 raise SystemExit(
-                    f"error: {path} was extracted with different settings "
-                    f"({manifest['identity']}); use another --cache-dir"
+                    f"error: {path} was extracted with other settings ({diffs}); use another "
+                    "--cache-dir, or the settings it was made with"
                 )
         else:
             manifest = {"identity": identity, "shards": [], "next": {"heldout": 0, "train": 0}}
@@ -536,32 +567,119 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
-    from redrafter_mlx.load import load_target
+    check_args(args)
+    stage = "load"
+    try:
+        from redrafter_mlx.load import load_target
 
-    model_path = args.model
-    if model_path is None:
-        from redrafter_mlx.embedded import default_model_path
+        model_path = args.model
+        if model_path is None:
+            from redrafter_mlx.embedded import default_model_path
 
-        model_path = default_model_path()
+            model_path = default_model_path()
+        try:
+            model, tokenizer, _ = load_target(model_path)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        data = Path(args.data) if args.data else default_data_path()
+        cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
+        stage = "extract"
+        cache = prepare_cache(model, tokenizer, model_path, data, cache_dir, args)
+        if args.extract_only:
+            return
+        stage = "train"
+        best = train(model, cache, Path(args.out), args)
+    except KeyboardInterrupt:
+        hint = {
+            "extract": "finished shards stay in the cache: rerun the same command to go on",
+            "train": f"rerun the same command with --resume to go on from {args.out}/checkpoint",
+        }.get(stage, "")
+        print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
+        raise SystemExit(130) from None
+    except OSError as e:  # unwritable --out / --cache-dir, disk full, ...
+        where = f"{e.filename}: " if e.filename else ""
+        raise SystemExit(f"error: {where}{e.strerror or e}") from None
+    print(json.dumps({"out": args.out, "best": best}))
+
+
+# Flags that do not change what a run computes: a resumed run may differ in these.
+RESUMABLE_CHANGES = {"resume", "quiet", "extract_only", "gen_batch", "cache_max_gb", "total_steps"}
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """The options a checkpoint was made with (compared when resuming)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in RESUMABLE_CHANGES}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flags before the target loads and extraction runs (which may take hours)."""
+    at_least_one = {
+        "--max-tokens": args.max_tokens,
+        "--heldout": args.heldout,
+        "--heldout-tokens": args.heldout_tokens,
+        "--max-seq-len": args.max_seq_len,
+        "--positions": args.positions,
+        "--batch-size": args.batch_size,
+        "--eval-every": args.eval_every,
+        "--patience": args.patience,
+        "--gen-batch": args.gen_batch,
+    }
+    for flag, value in at_least_one.items():
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be at least 1 (got {value})")
+    positive = {"--epochs": args.epochs, "--lr": args.lr, "--cache-max-gb": args.cache_max_gb}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise SystemExit(f"error: {flag} must be positive (got {value})")
+    if args.max_minutes < 0 or args.draft_vocab < 0 or args.topk < 0:
+        raise SystemExit("error: --max-minutes, --draft-vocab and --topk cannot be negative")
     if args.source == "self" and args.topk:
         raise SystemExit("error: --topk is not stored for --source self")
-    if not 4 <= args.gen_tokens < args.max_seq_len:
+    if args.source == "self" and not 4 <= args.gen_tokens < args.max_seq_len:
         raise SystemExit("error: --gen-tokens must be at least 4 and below --max-seq-len")
-    model, tokenizer, _ = load_target(model_path)
-    data = Path(args.data) if args.data else default_data_path()
-    cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
-    cache = prepare_cache(model, tokenizer, model_path, data, cache_dir, args)
-    if args.extract_only:
-        return
+    if args.data and not Path(args.data).is_file():
+        raise SystemExit(f"error: --data {args.data}: no such file")
+    if args.init and not (Path(args.init) / "config.json").is_file():
+        raise SystemExit(f"error: --init {args.init}: not a drafter folder (no config.json)")
+    for folder in args.extra_cache:
+        if not (Path(folder) / "manifest.json").is_file():
+            raise SystemExit(f"error: --extra-cache {folder}: not a cache (no manifest.json)")
+    if not args.extract_only:
+        check_out(args)
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """--out must be a folder; a checkpoint there is only continued with --resume and the
+    options it was made with."""
     if not args.out:
-        raise SystemExit("error: --out is required to train")
-    best = train(model, cache, Path(args.out), args)
-    print(json.dumps({"out": args.out, "best": best}))
+        raise SystemExit("error: --out is required to train (or pass --extract-only)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file")
+    state_file = out / "checkpoint" / "state.json"
+    if not state_file.is_file():
+        return
+    state = json.loads(state_file.read_text())
+    if not args.resume:
+        raise SystemExit(
+            f"error: {out} holds the checkpoint of an earlier run (step {state['step']}): rerun "
+            "that command with --resume to continue it, or choose another --out"
+        )
+    saved, now = state.get("options"), run_options(args)
+    changed = sorted(k for k in (saved or {}) if saved.get(k) != now.get(k))
+    if changed:
+        diffs = ", ".join(
+            f"--{k.replace('_', '-')} {saved[k]!r} (now {now.get(k)!r})" for k in changed
+        )
+        raise SystemExit(f"error: --resume needs the checkpoint's options: {diffs}")
 
 
 def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, args) -> Cache:
     """Read + split the conversations, extract held-out then training shards up to budgets."""
-    convs = read_conversations(data)
+    try:
+        convs = read_conversations(data)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if len(convs) < 2:
         raise SystemExit(f"error: {data}: fewer than 2 usable conversations")
     heldout_n = min(args.heldout, max(1, len(convs) // 10))
@@ -587,6 +705,17 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
         prompts.write_text("\n".join(lines) + "\n")
     extract(model, tokenizer, heldout, cache, "heldout", args.heldout_tokens, args)
     extract(model, tokenizer, training, cache, "train", args.max_tokens, args)
+    got = cache.tokens("train")
+    if got < args.max_tokens and not args.quiet:
+        why = (
+            "--cache-max-gb is reached"
+            if cache.nbytes() >= args.cache_max_gb * 2**30
+            else ("that is all the data holds")
+        )
+        print(
+            f"note: {got:,} training tokens, fewer than --max-tokens {args.max_tokens:,} ({why})",
+            file=sys.stderr,
+        )
     return cache
 
 
@@ -830,11 +959,14 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from redrafter_mlx.drafter import lm_head_rows, load_drafter
+    from redrafter_mlx.drafter import DrafterError, lm_head_rows, load_drafter
     from redrafter_mlx.load import target_dims
 
     if args.init:
-        drafter = load_drafter(args.init, model)
+        try:
+            drafter = load_drafter(args.init, model)
+        except DrafterError as e:
+            raise SystemExit(f"error: --init {args.init}: {e}") from None
         if (args.num_draft_layers or 0) > drafter.args.num_draft_layers:
             drafter = grow_layers(drafter, args.num_draft_layers, model)
         vocab = np.array(drafter.draft_vocab) if drafter.args.draft_vocab_size else None
@@ -935,19 +1067,41 @@ def train(model, cache: Cache, out: Path, args) -> dict:
     evaluation (also in ``out/train_log.jsonl``)."""
     train_data = cache.load("train", args.max_tokens)
     heldout_data = cache.load("heldout")
-    if train_data is None or heldout_data is None:
-        raise SystemExit(f"error: {cache.root}: no extracted data (run without --extract-only)")
+    for split, found in (("training", train_data), ("held-out", heldout_data)):
+        if found is None:
+            raise SystemExit(
+                f"error: {cache.root}: no {split} tokens were extracted (answers too short for "
+                "--max-seq-len, or --cache-max-gb already used up)"
+            )
     train_data = _with_extra_caches(train_data, cache, args.extra_cache)
     examples = Examples.build(train_data, args.positions)
     heldout = Examples.build(heldout_data, args.positions)
-    vocab = frequent_tokens(train_data, args.draft_vocab) if args.draft_vocab else None
     args.total_steps = int(args.epochs * len(examples.starts) / args.batch_size)
+    if args.total_steps < 1:
+        raise SystemExit(
+            f"error: {len(examples.starts):,} training positions make no step of --batch-size "
+            f"{args.batch_size} in --epochs {args.epochs}: lower the batch size or add data"
+        )
+    vocab = frequent_tokens(train_data, args.draft_vocab) if args.draft_vocab else None
     trainer = build_trainer(model, vocab, args)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".checkpoint.*-*"):  # staged by a run killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
     state = {"step": 0, "best": -1.0, "bad": 0, "tokens": int(train_data["tokens"].shape[0])}
+    state["options"] = run_options(args)
     if args.resume and (out / "checkpoint").exists():
-        state = load_checkpoint(trainer, out / "checkpoint")
+        state = {**load_checkpoint(trainer, out / "checkpoint"), "options": state["options"]}
+        _truncate_log(out / "train_log.jsonl", state["step"])
+    elif args.resume and not args.quiet:
+        print(f"note: no checkpoint in {out}: starting at step 0", file=sys.stderr)
     return run_loop(trainer, examples, heldout, out, state, args)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines after ``step`` (evaluated, then killed before the checkpoint saved)."""
+    if path.exists():
+        lines = [x for x in path.read_text().splitlines() if json.loads(x)["step"] <= step]
+        write_text(path, "".join(x + "\n" for x in lines))
 
 
 def _with_extra_caches(data: dict[str, np.ndarray], cache: Cache, extra: list[str]) -> dict:
@@ -975,6 +1129,7 @@ def run_loop(
     per_epoch = max(len(examples.starts) // args.batch_size, 1)
     log_file = out / "train_log.jsonl"
     start, seen0, losses = time.perf_counter(), state["step"], []
+    before = state.get("seconds", 0.0)  # trained before a resume
     best = state.get("best_eval", {})
     columns = (
         TextColumn("train"),
@@ -1001,7 +1156,7 @@ def run_loop(
             bar.update(
                 task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=f"{rate:.0f} pos/s"
             )
-            timed_out = args.max_minutes and elapsed > args.max_minutes * 60
+            timed_out = args.max_minutes and before + elapsed > args.max_minutes * 60
             if args.max_minutes and step - seen0 == FIT_AFTER:
                 fit_to_time(trainer, step - seen0, elapsed, step, args)
                 bar.update(task, total=args.total_steps)
@@ -1014,8 +1169,9 @@ def run_loop(
                 epoch=round(step / per_epoch, 3),
                 train_tokens=state["tokens"],
                 loss=float(np.mean(losses[-args.eval_every :])),
-                seconds=round(elapsed, 1),
+                seconds=round(before + elapsed, 1),
             )
+            state["seconds"] = before + elapsed
             with open(log_file, "a") as f:
                 f.write(json.dumps(ev) + "\n")
             bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))

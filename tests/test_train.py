@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -99,6 +101,46 @@ def test_reads_truncated_sharegpt_file(tmp_path):
     assert T.read_conversations(jsonl) == [convs[0], convs[0]]
 
 
+def test_a_malformed_jsonl_line_is_named_and_only_a_cut_last_line_is_skipped(tmp_path):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat = json.dumps({"messages": turns})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join([chat, chat[:-5], chat]) + "\n")
+    with pytest.raises(ValueError, match=r"chats.jsonl:2: not valid JSON"):
+        T.read_conversations(path)
+    path.write_text("\n".join([chat, chat, chat[:-5]]) + "\n\n")
+    assert len(T.read_conversations(path)) == 2
+
+
+def parse(*flags: str):
+    return T.setup_arg_parser().parse_args(list(flags))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--data", "nope.jsonl"], "--data nope.jsonl: no such file"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--eval-every", "0"], "--eval-every must be at least 1"),
+        (["--max-tokens", "-5"], "--max-tokens must be at least 1"),
+        (["--epochs", "0"], "--epochs must be positive"),
+        (["--init", "nowhere"], "not a drafter folder"),
+        ([], "--out is required"),
+        (["--out", "FILE"], "is a file"),
+        (["--source", "self", "--max-seq-len", "128"], "--gen-tokens must be"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_loads(tmp_path, flags, message):
+    (tmp_path / "FILE").write_text("")
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
+    with pytest.raises(SystemExit, match=message):
+        T.check_args(parse(*flags, "--cache-max-gb", "1"))
+
+
+def test_gen_tokens_only_bounds_self_generation(tmp_path):
+    T.check_args(parse("--max-seq-len", "128", "--out", str(tmp_path / "o")))  # --source data
+
+
 def test_mask_covers_exactly_the_assistant_turns():
     tok = CharTokenizer()
     convs = T.read_conversations(shared_data(TINY_SHAREGPT))
@@ -193,6 +235,38 @@ def test_checkpoint_restores_weights_and_loop_state(trained):
     for name, value in saved.items():
         got = dict(__import__("mlx.utils").utils.tree_flatten(trainer.drafter.parameters()))[name]
         assert mx.array_equal(got, value)
+
+
+def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained):
+    _, args, cache, _, _, _ = trained
+    again = argparse.Namespace(**vars(args))
+    again.resume = False
+    with pytest.raises(SystemExit, match="--resume to continue"):
+        T.check_out(again)
+    again.resume = True
+    T.check_out(again)  # the same options: fine
+    again.batch_size = 32
+    with pytest.raises(SystemExit, match=r"--batch-size 64 \(now 32\)"):
+        T.check_out(again)
+
+
+def test_outputs_are_readable_like_any_file(trained):
+    """Written aside, then renamed: with the modes a plain open / mkdir gives (not 0600)."""
+    _, args, _, _, _, _ = trained
+    umask = os.umask(0)
+    os.umask(umask)
+    out = Path(args.out)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (out / "checkpoint").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_run_that_would_train_nothing_is_refused(trained, tmp_path):
+    model, args, cache, _, _, _ = trained
+    huge = argparse.Namespace(**vars(args))
+    huge.batch_size = 10**7
+    with pytest.raises(SystemExit, match="make no step"):
+        T.train(model, cache, tmp_path / "out", huge)
+    assert not (tmp_path / "out").exists()
 
 
 def test_eval_drafter_loop_and_simulation_agree(trained):
