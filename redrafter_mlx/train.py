@@ -87,8 +87,9 @@ EPILOG = """examples:
   redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
       --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3
 
-  # resume an interrupted run (same options, same --out and --cache-dir)
-  redrafter-mlx train --out drafters/vicuna --cache-dir runs/cache --resume
+  # resume an interrupted run: the same command plus --resume (other options are refused)
+  redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
+      --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3 --resume
 """
 
 
