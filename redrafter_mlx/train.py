@@ -968,8 +968,14 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
             drafter = load_drafter(args.init, model)
         except DrafterError as e:
             raise SystemExit(f"error: --init {args.init}: {e}") from None
-        if (args.num_draft_layers or 0) > drafter.args.num_draft_layers:
-            drafter = grow_layers(drafter, args.num_draft_layers, model)
+        layers = args.num_draft_layers
+        if layers is not None and layers < drafter.args.num_draft_layers:
+            raise SystemExit(
+                f"error: --num-draft-layers {layers}: --init {args.init} has "
+                f"{drafter.args.num_draft_layers} (a drafter can grow layers, not drop them)"
+            )
+        if (layers or 0) > drafter.args.num_draft_layers:
+            drafter = grow_layers(drafter, layers, model)
         vocab = np.array(drafter.draft_vocab) if drafter.args.draft_vocab_size else None
     else:
         drafter = new_drafter(model, vocab, args)

@@ -260,6 +260,14 @@ def test_outputs_are_readable_like_any_file(trained):
     assert (out / "checkpoint").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
+def test_init_can_grow_layers_but_not_drop_them(trained):
+    model, args, _, _, _, _ = trained
+    smaller = argparse.Namespace(**vars(args))
+    smaller.init, smaller.num_draft_layers = args.out, 1  # the trained drafter has 2
+    with pytest.raises(SystemExit, match="grow layers, not drop them"):
+        T.build_trainer(model, None, smaller)
+
+
 def test_a_run_that_would_train_nothing_is_refused(trained, tmp_path):
     model, args, cache, _, _, _ = trained
     huge = argparse.Namespace(**vars(args))
