@@ -63,11 +63,29 @@ class ConversionError(ValueError):
 @contextlib.contextmanager
 def staged_output(out: str | Path, *, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; rename it to ``out`` on success, remove on failure."""
+    if not str(out).strip():
+        raise ConversionError("--out is empty: name the output folder")
     out = Path(out).expanduser().absolute()
-    if out.exists() and not force and any(out.iterdir() if out.is_dir() else [out]):
-        raise ConversionError(f"{out}: output already exists (use --force to overwrite)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        _check_replaceable(out, force)
     with staged_dir(out) as tmp:
         yield tmp
+
+
+def _check_replaceable(out: Path, force: bool) -> None:
+    """``--force`` replaces an earlier conversion's output (a folder with a config.json) and
+    nothing else: never a file, the working folder or a folder above it."""
+    if not force:
+        raise ConversionError(f"{out}: output already exists (use --force to overwrite)")
+    if not out.is_dir():
+        raise ConversionError(f"{out}: is a file, not an earlier output folder")
+    cwd = Path.cwd().resolve()
+    if out.resolve() in (cwd, *cwd.parents):
+        raise ConversionError(f"{out}: --force would replace the working folder or one above it")
+    if not (out / "config.json").is_file():
+        raise ConversionError(
+            f"{out}: not an earlier output (no config.json); --force only replaces those"
+        )
 
 
 @contextlib.contextmanager
@@ -894,6 +912,9 @@ def main(args: argparse.Namespace) -> None:
         )
     except (ConversionError, LoadError) as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except OSError as e:  # an unwritable or impossible --out
+        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"wrote {out}")
 

@@ -554,9 +554,28 @@ def test_existing_output_is_kept(convert_tiny_hf, tmp_path):
     (out / "keep.txt").write_text("x")
     with pytest.raises(ConversionError, match="already exists"):
         convert_hf(convert_tiny_hf, out)
+    with pytest.raises(ConversionError, match="not an earlier output"):
+        convert_hf(convert_tiny_hf, out, force=True)  # --force replaces outputs, nothing else
     assert (out / "keep.txt").read_text() == "x"
-    convert_hf(convert_tiny_hf, out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    (out / "keep.txt").unlink()
+    convert_hf(convert_tiny_hf, out)  # an empty folder is fine
+    (out / "stale.txt").write_text("x")
+    convert_hf(convert_tiny_hf, out, force=True)  # an earlier conversion: replaced
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+
+
+def test_force_never_replaces_the_working_folder_or_a_file(convert_tiny_hf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "precious.txt").write_text("x")
+    for out in (".", str(tmp_path)):
+        with pytest.raises(ConversionError, match="working folder"):
+            convert_hf(convert_tiny_hf, out, force=True)
+    with pytest.raises(ConversionError, match="is empty"):
+        convert_hf(convert_tiny_hf, "", force=True)
+    with pytest.raises(ConversionError, match="is a file"):
+        convert_hf(convert_tiny_hf, "precious.txt", force=True)
+    assert (tmp_path / "precious.txt").read_text() == "x"
 
 
 # ----------------------------------------------------------------------------------------------
