@@ -7,6 +7,7 @@ not yet preloaded, the process re-executes itself with it in ``LD_PRELOAD`` (set
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -69,12 +70,33 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE.format(commands=listing))
         return
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"redrafter-mlx {version('redrafter-mlx')}")
+        return
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"redrafter-mlx: unknown command {name!r}\n", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"redrafter-mlx: unknown command {name!r}{hint}\n", file=sys.stderr)
         print(USAGE.format(commands=listing), file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
     parser = module.setup_arg_parser()
     parser.prog = f"redrafter-mlx {name}"
-    module.main(parser.parse_args(rest))
+    run(module.main, parser.parse_args(rest))
+
+
+def run(command, args) -> None:
+    """Run a command; Ctrl-C and a closed output pipe end it quietly (no traceback). Commands
+    that can say more about an interrupt (chat, autotune, train) catch it themselves."""
+    try:
+        command(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # e.g. `redrafter-mlx generate ... | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not fail again
+        raise SystemExit(1) from None
