@@ -421,7 +421,6 @@ def profile_entry(
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     from redrafter_mlx import runtime as rt
-    from redrafter_mlx.bench import float_list, int_list
 
     parser = argparse.ArgumentParser(
         description="Find the fastest ReDrafter beam shape (W, L) on this machine.",
@@ -431,32 +430,34 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     rt.add_model_args(parser)
     parser.add_argument(
         "--beam-width",
-        type=int_list,
+        type=rt.int_list,
         default=list(DEFAULT_WIDTHS),
         help="widths to search (default 1..8)",
     )
     parser.add_argument(
         "--beam-length",
-        type=int_list,
+        type=rt.int_list,
         default=list(DEFAULT_LENGTHS),
         help="lengths to search (default 2..6)",
     )
     parser.add_argument(
         "--min-prob",
-        type=float_list,
+        type=rt.float_list,
         default=[0.0],
         help="drafter path-probability floors to search, e.g. 0,0.2,0.3 (default 0: whole trees)",
     )
-    parser.add_argument("--max-tokens", type=int, default=48, help="new tokens per run")
+    parser.add_argument("--max-tokens", type=rt.at_least(1), default=48, help="new tokens per run")
     parser.add_argument(
         "--num-prompts",
-        type=int,
+        type=rt.at_least(1),
         default=4,
         help=f"held-out prompts to cycle through (max {len(HELDOUT_PROMPTS)})",
     )
     parser.add_argument("--full-grid", action="store_true", help="exhaustive grid instead")
-    parser.add_argument("--repetitions", type=int, default=2, help="grid runs per prompt")
-    parser.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    parser.add_argument(
+        "--repetitions", type=rt.at_least(1), default=2, help="grid runs per prompt"
+    )
+    parser.add_argument("--seed", type=rt.at_least(0), default=0, help="shuffling seed")
     parser.add_argument("--no-save", action="store_true", help="do not store the profile")
     parser.add_argument("--show", action="store_true", help="print stored profiles and exit")
     return parser
@@ -534,6 +535,8 @@ def main(args: argparse.Namespace) -> None:
         return
     if not 1 <= args.num_prompts <= len(HELDOUT_PROMPTS) or args.max_tokens < 8:
         rt.fail(f"--num-prompts must be 1..{len(HELDOUT_PROMPTS)}, --max-tokens at least 8")
+    if not args.no_save:
+        rt.check_writable(store_path(), "profile store")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     console.print(f"chip: {chip_info()}")
     try:

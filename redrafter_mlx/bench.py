@@ -191,16 +191,21 @@ def measure(
 
 
 def load_prompts(path: Path | str | None, num: int | None, turns: int) -> list[list[str]]:
-    """User turns per conversation from a JSONL with "prompt" or "turns" (MT-Bench default)."""
+    """User turns per conversation from a JSONL with "turns", "prompt" or "text" (default:
+    MT-Bench). ValueError names the line of a malformed one."""
     path = Path(path) if path else MT_BENCH
     convs = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        item = json.loads(line)
-        user_turns = item.get("turns") or [item.get("prompt")]
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+        item = item if isinstance(item, dict) else {}
+        user_turns = item.get("turns") or [item.get("prompt", item.get("text"))]
         if not all(isinstance(t, str) for t in user_turns):
-            raise ValueError(f'{path}:{line_no}: needs a "prompt" string or a "turns" list')
+            raise ValueError(f'{path}:{line_no}: needs a "turns" list or a "prompt" string')
         convs.append(user_turns[:turns])
     return convs[:num] if num else convs
 
@@ -740,24 +745,6 @@ def _histograms(plt, rows: list[dict]):
 # ---------------------------------------------------------------- CLI
 
 
-def _number_list(text: str, cast, example: str) -> list:
-    try:
-        values = [cast(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {example}: {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("empty list")
-    return values
-
-
-def int_list(text: str) -> list[int]:
-    return _number_list(text, int, "integers like 1,2,3")
-
-
-def float_list(text: str) -> list[float]:
-    return _number_list(text, float, "numbers like 0,0.3")
-
-
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Benchmark ReDrafter against mlx-lm and autoregressive decoding (same run).",
@@ -766,22 +753,33 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     rt.add_model_args(parser)
     parser.add_argument("--prompts", help="JSONL with 'prompt' or 'turns' (default: MT-Bench)")
-    parser.add_argument("--num-prompts", type=int, default=2, help="conversations to run")
+    parser.add_argument(
+        "--num-prompts", type=rt.at_least(1), default=2, help="conversations to run"
+    )
     parser.add_argument("--turns", type=int, choices=(1, 2), default=1, help="user turns each")
-    parser.add_argument("--beam-width", type=int_list, help="W list, e.g. 1,2,3,4")
-    parser.add_argument("--beam-length", type=int_list, help="L list, e.g. 2,3,4,5")
+    parser.add_argument("--beam-width", type=rt.int_list, help="W list, e.g. 1,2,3,4")
+    parser.add_argument("--beam-length", type=rt.int_list, help="L list, e.g. 2,3,4,5")
     parser.add_argument(
         "--min-prob",
-        type=float_list,
+        type=rt.float_list,
         help="list of drafter path-probability floors for pruning the tree, e.g. 0,0.3 (0 = off)",
     )
-    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation")
-    parser.add_argument("--repetitions", type=int, default=2, help="measured runs per prompt")
     parser.add_argument(
-        "--timed-prompts", type=int, default=1, help="prompts for the separate per-phase timed runs"
+        "--max-tokens", type=rt.at_least(1), default=128, help="new tokens per generation"
     )
-    parser.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--repetitions", type=rt.at_least(1), default=2, help="measured runs per prompt"
+    )
+    parser.add_argument(
+        "--timed-prompts",
+        type=rt.at_least(0),
+        default=1,
+        help="prompts for the separate per-phase timed runs",
+    )
+    parser.add_argument(
+        "--temp", type=rt.non_negative, default=0.0, help="temperature (0 = greedy)"
+    )
+    parser.add_argument("--seed", type=rt.at_least(0), default=0, help="sampling seed")
     parser.add_argument("--out", default="bench-out", help="folder for JSON, CSV and PNGs")
     return parser
 
@@ -810,8 +808,9 @@ def main(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    if args.max_tokens < 2 or args.repetitions < 1:
-        rt.fail("--max-tokens must be at least 2 and --repetitions at least 1")
+    if args.max_tokens < 2:
+        rt.fail("--max-tokens must be at least 2")
+    rt.check_writable(args.out, "--out")
     try:
         conversations = load_prompts(args.prompts, args.num_prompts, args.turns)
     except (OSError, ValueError) as e:

@@ -22,6 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from redrafter_mlx import runtime as rt
 from redrafter_mlx.data import MT_BENCH
 
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for --simulate
@@ -37,30 +38,6 @@ EPILOG = """examples:
   redrafter-mlx eval-drafter --drafter runs/drafter --prompts runs/cache/heldout_prompts.jsonl \\
       --beam-width 2 --beam-length 5 --json
 """
-
-
-def parse_ints(text: str) -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]``."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        msg = f"expected comma-separated integers, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
-
-
-def read_prompts(path: Path | str, limit: int) -> list[str]:
-    """First turns of a JSONL prompt file (``turns`` list, or ``prompt`` / ``text``)."""
-    prompts = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        text = rec["turns"][0] if "turns" in rec else rec.get("prompt", rec.get("text"))
-        if isinstance(text, str) and text.strip():
-            prompts.append(text)
-        if len(prompts) >= limit:
-            break
-    return prompts
 
 
 def decode_one(decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
@@ -155,17 +132,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=str(MT_BENCH),
         help="JSONL prompts: first of 'turns', or 'prompt'/'text' (default: MT-Bench)",
     )
-    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--num-prompts", type=rt.at_least(1), default=10)
     p.add_argument(
         "--every",
-        type=int,
+        type=rt.at_least(1),
         default=1,
         help="use every k-th prompt of the file (spread over MT-Bench categories)",
     )
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
-    p.add_argument("--beam-width", type=parse_ints, default=[1, 2, 3, 4])
-    p.add_argument("--beam-length", type=parse_ints, default=[3, 4, 5])
+    p.add_argument("--max-tokens", type=rt.at_least(1), default=128, help="new tokens per prompt")
+    p.add_argument(
+        "--max-prompt-tokens", type=rt.at_least(1), default=1024, help="skip longer prompts"
+    )
+    p.add_argument("--beam-width", type=rt.int_list, default=[1, 2, 3, 4])
+    p.add_argument("--beam-length", type=rt.int_list, default=[3, 4, 5])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--simulate",
@@ -178,26 +157,35 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
-    from redrafter_mlx.drafter import load_drafter
-    from redrafter_mlx.load import load_target
+    from redrafter_mlx.bench import load_prompts
+    from redrafter_mlx.decode import BeamShape
 
-    if args.model is None:
-        from redrafter_mlx.embedded import default_drafter_path, default_model_path
-
-        args.model = default_model_path()
-        args.drafter = args.drafter or default_drafter_path()
-    if args.drafter is None:
-        raise SystemExit("error: --drafter is required with --model")
-    model, tokenizer, _ = load_target(args.model)
-    drafter = load_drafter(args.drafter, model)
+    for width in args.beam_width:
+        for length in args.beam_length:
+            try:
+                BeamShape(width, length)
+            except ValueError as e:
+                rt.fail(str(e))
+    try:
+        texts = [turns[0] for turns in load_prompts(args.prompts, None, 1)]
+    except (OSError, ValueError) as e:
+        rt.fail(f"prompts: {e}")
+    if args.paths_cache:
+        rt.check_writable(Path(args.paths_cache).parent, "--paths-cache")
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
+    args.model, args.drafter = runtime.model_id, runtime.drafter_id
     prompts = [
-        p
-        for p in read_prompts(args.prompts, 10**9)[:: args.every]
-        if len(tokenizer.encode(p)) <= args.max_prompt_tokens
+        p for p in texts[:: args.every] if len(tokenizer.encode(p)) <= args.max_prompt_tokens
     ][: args.num_prompts]
     if not prompts:
-        raise SystemExit(f"error: {args.prompts}: no usable prompts")
-    rows = run_with_progress(model, tokenizer, drafter, prompts, args)
+        rt.fail(
+            f"{args.prompts}: no prompt of at most --max-prompt-tokens {args.max_prompt_tokens}"
+        )
+    try:
+        rows = run_with_progress(model, tokenizer, drafter, prompts, args)
+    except OSError as e:  # e.g. an unwritable --paths-cache
+        rt.fail(f"{e.filename or ''}: {e.strerror or e}")
     report = {
         "model": str(args.model),
         "drafter": str(args.drafter),
@@ -254,16 +242,14 @@ def print_table(report: dict) -> None:
     lengths = sorted({r["length"] for r in rows})
     cell = {(r["width"], r["length"]): r["tokens_per_step"] for r in rows}
     mode = "simulated" if report.get("simulated") else "greedy decode loop"
-    table = Table(
-        title="mean tokens/step",
-        caption=f"{report['num_prompts']} prompts x {report['max_tokens']} new tokens, {mode}",
-    )
+    table = Table(title="mean tokens/step")
     table.add_column("W \\ L")
     for length in lengths:
         table.add_column(f"L={length}", justify="right")
     for w in widths:
         table.add_row(f"W={w}", *(f"{cell.get((w, n)) or 0:.2f}" for n in lengths))
     Console().print(table)
+    Console().print(f"{report['num_prompts']} prompts x {report['max_tokens']} new tokens, {mode}")
     for r in rows:
         if r.get("real_tokens_per_step") is not None:
             Console().print(

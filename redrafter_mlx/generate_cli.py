@@ -61,8 +61,8 @@ def stats_dict(stats: GenerationStats, phase_seconds: dict[str, float] | None) -
 
 def main(args: argparse.Namespace) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.max_tokens < 1:
-        rt.fail("--max-tokens must be at least 1")
+    if not prompt.strip():
+        rt.fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
     shape, source = rt.resolve_shape(args, runtime)
     decoder = rt.make_decoder(

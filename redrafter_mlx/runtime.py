@@ -6,7 +6,10 @@ Commands turn their flags into these objects on their first lines; nothing below
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,66 @@ class Runtime:
         return self.config.get("max_position_embeddings")
 
 
+# ---------------------------------------------------------------- argument types (argparse
+# reports a bad value as "argument --flag: ..." with the usage, before anything loads)
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An int flag type that refuses values below ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def non_negative(text: str) -> float:
+    """A finite float >= 0 (temperatures, floors, minutes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A float in [0, 1]."""
+    value = non_negative(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _number_list(text: str, cast, example: str, low: float) -> list:
+    try:
+        values = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {example}: {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected {example}, got an empty list")
+    if min(values) < low:
+        raise argparse.ArgumentTypeError(f"values must be at least {low:g}: {text!r}")
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (beam widths and lengths: each at least 1)."""
+    return _number_list(text, int, "integers like 1,2,3", 1)
+
+
+def float_list(text: str) -> list[float]:
+    """``"0,0.3"`` -> ``[0.0, 0.3]`` (each at least 0)."""
+    return _number_list(text, float, "numbers like 0,0.3", 0)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help="MLX model folder or hub id (default: embedded SmolLM2-135M)"
@@ -45,16 +108,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most")
-    parser.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0 = off)")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    parser.add_argument("--beam-width", type=int, default=None, help="beams W (default: profile)")
-    parser.add_argument("--beam-length", type=int, default=None, help="tokens per beam L")
+    parser.add_argument(
+        "--max-tokens", type=at_least(1), default=max_tokens, help="new tokens at most"
+    )
+    parser.add_argument("--temp", type=non_negative, default=0.0, help="temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=probability, default=0.0, help="nucleus sampling (0 = off)")
+    parser.add_argument("--top-k", type=at_least(0), default=0, help="top-k sampling (0 = off)")
+    parser.add_argument("--seed", type=at_least(0), default=None, help="random seed for sampling")
+    parser.add_argument(
+        "--beam-width", type=at_least(1), default=None, help="beams W (default: profile)"
+    )
+    parser.add_argument("--beam-length", type=at_least(2), default=None, help="tokens per beam L")
     parser.add_argument(
         "--min-prob",
-        type=float,
+        type=probability,
         default=None,
         help="verify only draft tokens whose drafter path probability is at least this "
         "(0 = the whole tree; default: profile)",
@@ -65,6 +132,18 @@ def fail(message: str) -> None:
     """Print a one-line error and exit 1 (bad input, not a bug)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def check_writable(path: Path | str, what: str) -> None:
+    """Fail now, not after a long run, when ``path`` (a folder to create or fill, or a file's
+    folder) cannot be written: its nearest existing ancestor must be a writable folder."""
+    folder = Path(path).expanduser().absolute()
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        fail(f"{what} {path}: {folder} is a file")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"{what} {path}: {folder} is not writable")
 
 
 def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
@@ -84,10 +163,7 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
     except (ValueError, OSError, DrafterError) as e:
         fail(str(e))
     if need_drafter and beam_drafter is None:
-        fail(
-            "no drafter for this model: pass --drafter DIR (see `redrafter-mlx train`) "
-            "or use --autoregressive"
-        )
+        fail("no drafter for this model: pass --drafter DIR (make one with `redrafter-mlx train`)")
     return Runtime(
         target,
         tokenizer,
@@ -101,8 +177,8 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
 def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape, str]:
     """The beam shape to use and where it came from: flags, the autotune profile, or default."""
     if any(getattr(args, k) is not None for k in ("beam_width", "beam_length", "min_prob")):
-        width = args.beam_width or DEFAULT_SHAPE.width
-        length = args.beam_length or DEFAULT_SHAPE.length
+        width = DEFAULT_SHAPE.width if args.beam_width is None else args.beam_width
+        length = DEFAULT_SHAPE.length if args.beam_length is None else args.beam_length
         floor = DEFAULT_SHAPE.min_prob if args.min_prob is None else args.min_prob
         return _checked_shape(width, length, floor), "flags"
     try:
@@ -130,6 +206,9 @@ def make_decoder(
     seed: int | None = None,
     timing: bool = False,
 ) -> Decoder:
+    vocab = runtime.config.get("vocab_size")
+    if top_k and vocab and top_k >= vocab:
+        fail(f"--top-k {top_k}: the vocabulary has {vocab} tokens (0 turns top-k off)")
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temp, top_p=top_p, top_k=top_k)

@@ -632,7 +632,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if not value > 0:
             raise SystemExit(f"error: {flag} must be positive (got {value})")
-    if args.max_minutes < 0 or args.draft_vocab < 0 or args.topk < 0:
+    if not args.max_minutes >= 0 or args.draft_vocab < 0 or args.topk < 0:  # nan too
         raise SystemExit("error: --max-minutes, --draft-vocab and --topk cannot be negative")
     if args.source == "self" and args.topk:
         raise SystemExit("error: --topk is not stored for --source self")

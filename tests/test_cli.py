@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from redrafter_mlx import cli
@@ -24,3 +26,36 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys):
         cli.run(interrupted, None)
     assert e.value.code == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+@pytest.mark.parametrize(
+    "command,flags",
+    [
+        ("generate_cli", ["--seed", "-1"]),
+        ("generate_cli", ["--temp", "nan"]),
+        ("generate_cli", ["--top-p", "2"]),
+        ("generate_cli", ["--beam-width", "0"]),  # was taken as "unset": W=1
+        ("chat", ["--max-tokens", "0"]),
+        ("bench", ["--num-prompts", "0"]),  # was taken as "all 80"
+        ("bench", ["--beam-width", ""]),
+        ("autotune", ["--repetitions", "0"]),
+        ("eval_drafter", ["--every", "0"]),
+    ],
+)
+def test_bad_flag_values_stop_at_parsing(capsys, command, flags):
+    module = importlib.import_module(f"redrafter_mlx.{command}")
+    with pytest.raises(SystemExit) as e:
+        module.setup_arg_parser().parse_args(flags)
+    assert e.value.code == 2
+    assert f"argument {flags[0]}" in capsys.readouterr().err
+
+
+def test_prompt_files_name_their_bad_line(tmp_path):
+    from redrafter_mlx.bench import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"turns": ["hi"]}\n{"text": "yo"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3: not valid JSON"):
+        load_prompts(path, None, 1)
+    path.write_text('{"turns": ["hi"]}\n{"text": "yo"}\n')
+    assert load_prompts(path, None, 1) == [["hi"], ["yo"]]
