@@ -543,9 +543,19 @@ def test_cli_error_exit(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         conv.main(args)
     assert e.value.code == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+    lines = capsys.readouterr().err.splitlines()  # a CPU-backend note may come first
+    assert lines[-1].startswith("error: ")
+    assert all(x.startswith(("note: ", "error: ")) for x in lines)
     assert "examples:" in conv.setup_arg_parser().format_help()
+
+
+def test_drafters_are_not_quantized_and_src_must_be_named(tmp_path):
+    shipped = Path(__file__).resolve().parents[1] / "weights" / "smollm2-135m-instruct-drafter"
+    with pytest.raises(ConversionError, match="drop --quantize"):
+        conv.convert(shipped, tmp_path / "d", quantize=4)
+    with pytest.raises(ConversionError, match="--src is empty"):
+        conv.convert("", tmp_path / "e")
+    assert not (tmp_path / "d").exists()
 
 
 def test_existing_output_is_kept(convert_tiny_hf, tmp_path):
