@@ -141,7 +141,7 @@ def fit_history(
         shorter = drop_oldest_turn(messages)
         if shorter is None:
             raise ContextFull(
-                f"this message needs {len(ids)} tokens with the system prompt; the room left "
+                f"this message needs {len(ids)} tokens in the chat template; the room left "
                 f"for it in the model's context is {limit}"
             )
         messages, dropped = shorter, dropped + 1
@@ -483,6 +483,9 @@ class ChatUI:
             "mode": self.mode(),
             "messages": self.session.conversation(),
         }
+        folder = Path(arg).expanduser().parent
+        if not folder.is_dir():
+            raise ValueError(f"cannot save to {arg}: no folder {folder}")
         try:
             save_conversation(Path(arg), record)
         except OSError as e:

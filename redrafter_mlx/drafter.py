@@ -171,7 +171,11 @@ def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:
         weights = {k: v for k, v in weights.items() if not k.startswith("emb_norm")}
         drafter.load_weights(list(weights.items()), strict=True)
     except (ValueError, RuntimeError) as e:
-        raise DrafterError(f"{weights_file}: {str(e).splitlines()[0]}") from None
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) < 240 else detail[:237] + "..."
+        raise DrafterError(
+            f"{weights_file}: does not match its config.json (layers or sizes): {detail}"
+        ) from None
     mx.eval(drafter.parameters())
     if target is not None:
         drafter.bind_target(target)

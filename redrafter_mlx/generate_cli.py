@@ -61,6 +61,8 @@ def stats_dict(stats: GenerationStats, phase_seconds: dict[str, float] | None) -
 
 def main(args: argparse.Namespace) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if any(not stop for stop in args.stop):
+        rt.fail("--stop needs a non-empty string")
     if not prompt.strip():
         rt.fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)

@@ -145,9 +145,15 @@ def _load_tokenizer(path: Path, config: dict[str, Any]):
     if not any((path / f).exists() for f in TOKENIZER_FILES):
         raise LoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer.model)")
     try:
-        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         raise LoadError(f"{path}: cannot load tokenizer ({one_line(e)})") from e
+    # Prompt length is checked against the model's context where it matters, with a clear
+    # error; transformers' own "sequence length is longer than..." warning only adds noise.
+    hf = getattr(wrapper, "_tokenizer", None)
+    if hasattr(hf, "model_max_length"):
+        hf.model_max_length = 2**62
+    return wrapper
 
 
 def gguf_to_folder(path: Path) -> Path:

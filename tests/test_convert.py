@@ -645,3 +645,14 @@ def test_smollm2_keeps_4bit(tmp_path):
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
     )
     assert generate(model, tok, prompt, max_tokens=30).strip() == "The capital of France is Paris."
+
+
+def test_a_drafter_whose_weights_do_not_match_its_config_is_named(tmp_path):
+    from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+
+    save_drafter(random_drafter(64, 64, num_draft_layers=2), tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["num_draft_layers"] = 1
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterError, match=r"does not match its config.json.*layers\.1"):
+        load_drafter(tmp_path / "d")
