@@ -131,9 +131,11 @@ class Decoder:
 
         Call it when the shape or sampler is chosen, not mid-answer: a new size met in an answer
         would stop it to compile, and on the CPU backend MLX runs g++ meanwhile, which swallows
-        Ctrl-C. Costs one small forward per size (each size is traced once per model).
+        Ctrl-C. Costs one small forward per compiled size (each is traced once per model);
+        bigger trees run eagerly and need none.
         """
         sizes = [1] if autoregressive else verified_sizes(self.shape, self.tree_sizes)
+        sizes = [n for n in sizes if n <= llm.COMPILED_MAX_ROWS] or sizes[:1]  # others: eager
         cache = self.new_cache()
         for size in sizes:
             mask = llm.chain_mask(0, size) if size > 1 else None
