@@ -176,7 +176,9 @@ def main(args: argparse.Namespace) -> None:
     model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
     args.model, args.drafter = runtime.model_id, runtime.drafter_id
     prompts = [
-        p for p in texts[:: args.every] if len(tokenizer.encode(p)) <= args.max_prompt_tokens
+        p
+        for p in texts[:: args.every]
+        if p.strip() and len(tokenizer.encode(p)) <= args.max_prompt_tokens
     ][: args.num_prompts]
     if not prompts:
         rt.fail(
