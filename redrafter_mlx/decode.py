@@ -114,6 +114,7 @@ class Decoder:
     max_context: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     tree_sizes: tuple[int, ...] = ()  # verify at the smallest that fits (padded); () = exact
+    seed: int | None = None  # the sampling seed (warm_up re-seeds with it)
 
     def new_cache(self) -> KVCache:
         return llm.make_cache(self.model)
@@ -127,27 +128,36 @@ class Decoder:
 
     def warm_up(self, *, autoregressive: bool = False) -> None:
         """Trace (and build the kernels of) everything a step of the current shape and sampler
-        runs: the verify forward at each of :func:`verified_sizes`, the sampler, the beam search.
+        runs: a prompt forward (mlx-lm's modules), the verify forward at each compiled size of
+        :func:`verified_sizes`, the sampler at every size a step can sample (the prompt's one
+        row included), the beam search to its full depth. Then re-seed, if a seed was given,
+        so the warm-up's draws do not shift the answers.
 
         Call it when the shape or sampler is chosen, not mid-answer: a new size met in an answer
         would stop it to compile, and on the CPU backend MLX runs g++ meanwhile, which swallows
-        Ctrl-C. Costs one small forward per compiled size (each is traced once per model);
-        bigger trees run eagerly and need none.
+        Ctrl-C. Costs one small forward per compiled size (each is traced once per model).
         """
         sizes = [1] if autoregressive else verified_sizes(self.shape, self.tree_sizes)
-        sizes = [n for n in sizes if n <= llm.COMPILED_MAX_ROWS] or sizes[:1]  # others: eager
         cache = self.new_cache()
-        for size in sizes:
-            mask = llm.chain_mask(0, size) if size > 1 else None
-            tokens = mx.zeros((size,), mx.int32)
-            hidden = llm.forward(self.model, tokens, mx.arange(size), mask, cache)
-            mx.eval(choose(llm.lm_head(self.model, hidden), self.sampler))
+        prompt = mx.zeros((2,), mx.int32)
+        mask = llm.chain_mask(0, 2)
+        hidden = llm.forward(self.model, prompt, mx.arange(2), mask, cache, compiled=False)
+        logits = llm.lm_head(self.model, hidden)
+        for size in sorted({1, *sizes}):
+            if size <= llm.COMPILED_MAX_ROWS:  # bigger trees run eagerly: nothing to trace
+                mask = llm.chain_mask(0, size) if size > 1 else None
+                tokens = mx.zeros((size,), mx.int32)
+                hidden = llm.forward(self.model, tokens, mx.arange(size), mask, cache)
+            rows = mx.zeros((size, logits.shape[-1]), logits.dtype)
+            mx.eval(hidden, choose(rows, self.sampler))
         if not autoregressive and self.drafter is not None:
             shape = self.shape
             pending = mx.array(0, mx.int32)
             self.drafter.warm_up(
                 hidden[-1], pending, width=shape.width, length=shape.length, min_prob=shape.min_prob
             )
+        if self.seed is not None:
+            mx.random.seed(self.seed)
 
     def prefill(self, cache: KVCache, prompt: list[int]) -> tuple[mx.array, mx.array]:
         """Feed ``prompt`` after the cache; return the next token ``()`` and its context (H,)."""

@@ -220,6 +220,7 @@ def make_decoder(
         runtime.max_context,
         PhaseTimer(timing),
         tree_sizes=tree_sizes(),
+        seed=seed,
     )
 
 

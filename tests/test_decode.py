@@ -282,3 +282,42 @@ def test_verified_sizes_span_merged_to_disjoint_trees():
     assert decode.verified_sizes(BeamShape(3, 3)) == [3, 4, 5, 6, 7]
     assert decode.verified_sizes(BeamShape(3, 3, 0.3)) == [1, 2, 3, 4, 5, 6, 7]
     assert decode.verified_sizes(BeamShape(4, 5), decode.CPU_TREE_SIZES) == [5, 6, 7, 8, 16, 32]
+
+
+def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
+    """mlx-lm's samplers are compiled at import (invisible to ``traces``) and traced per row
+    count: the warm-up must sample at each count an answer does, beyond 32-row trees too."""
+    from redrafter_mlx import accept as accept_module
+
+    seen, real = [], accept_module.choose
+
+    def recording(logits, sampler):
+        seen.append(logits.shape[0])
+        return real(logits, sampler)
+
+    monkeypatch.setattr(accept_module, "choose", recording)
+    monkeypatch.setattr(decode, "choose", recording)
+    model = tiny_llama(seed=11)
+    drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
+    shape = BeamShape(16, 4)  # up to 49 nodes: trees beyond the compiled 32 rows
+    decoder = Decoder(model, our_sampler(0.8), drafter, shape)
+    decoder.warm_up()
+    warmed, seen[:] = set(seen), []
+    for seed in range(3):
+        prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=5)]
+        take(decoder.speculative(decoder.new_cache(), prompt), 24)
+    assert max(seen) > llm.COMPILED_MAX_ROWS and set(seen) <= warmed
+
+
+def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():
+    model = tiny_llama(seed=11)
+    drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
+
+    def answer(warm: bool) -> list[int]:
+        decoder = Decoder(model, our_sampler(1.0), drafter, BeamShape(2, 3), seed=7)
+        mx.random.seed(7)
+        if warm:
+            decoder.warm_up()
+        return take(decoder.speculative(decoder.new_cache(), PROMPT), 32)[0]
+
+    assert answer(warm=True) == answer(warm=False)
