@@ -430,19 +430,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     rt.add_model_args(parser)
     parser.add_argument(
         "--beam-width",
-        type=rt.int_list,
+        type=rt.widths,
         default=list(DEFAULT_WIDTHS),
         help="widths to search (default 1..8)",
     )
     parser.add_argument(
         "--beam-length",
-        type=rt.int_list,
+        type=rt.lengths,
         default=list(DEFAULT_LENGTHS),
         help="lengths to search (default 2..6)",
     )
     parser.add_argument(
         "--min-prob",
-        type=rt.float_list,
+        type=rt.floors,
         default=[0.0],
         help="drafter path-probability floors to search, e.g. 0,0.2,0.3 (default 0: whole trees)",
     )

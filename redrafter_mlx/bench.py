@@ -757,11 +757,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--num-prompts", type=rt.at_least(1), default=2, help="conversations to run"
     )
     parser.add_argument("--turns", type=int, choices=(1, 2), default=1, help="user turns each")
-    parser.add_argument("--beam-width", type=rt.int_list, help="W list, e.g. 1,2,3,4")
-    parser.add_argument("--beam-length", type=rt.int_list, help="L list, e.g. 2,3,4,5")
+    parser.add_argument("--beam-width", type=rt.widths, help="W list, e.g. 1,2,3,4")
+    parser.add_argument("--beam-length", type=rt.lengths, help="L list, e.g. 2,3,4,5")
     parser.add_argument(
         "--min-prob",
-        type=rt.float_list,
+        type=rt.floors,
         help="list of drafter path-probability floors for pruning the tree, e.g. 0,0.3 (0 = off)",
     )
     parser.add_argument(

@@ -859,6 +859,9 @@ def convert(
     if not str(src).strip():
         raise ConversionError("--src is empty: name a GGUF file, checkpoint folder or hub id")
     path = Path(src).expanduser()
+    target_dir = Path(out).expanduser().resolve()
+    if path.exists() and target_dir in (path.resolve(), *path.resolve().parents):
+        raise ConversionError(f"--src {src} is inside --out {out}: that would replace the source")
     if drafter or (path.exists() and is_drafter_folder(path)):
         if quantize:
             raise ConversionError("drafters are not quantized (they are small): drop --quantize")

@@ -76,26 +76,27 @@ def probability(text: str) -> float:
     return value
 
 
-def _number_list(text: str, cast, example: str, low: float) -> list:
-    try:
-        values = [cast(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {example}: {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected {example}, got an empty list")
-    if min(values) < low:
-        raise argparse.ArgumentTypeError(f"values must be at least {low:g}: {text!r}")
-    return values
+def _list_of(item: Callable[[str], float]) -> Callable[[str], list]:
+    """A comma-separated list flag whose items are checked by ``item`` (one of the types above)."""
+
+    def parse(text: str) -> list:
+        values = [item(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return values
+
+    return parse
 
 
-def int_list(text: str) -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]`` (beam widths and lengths: each at least 1)."""
-    return _number_list(text, int, "integers like 1,2,3", 1)
+def floor(text: str) -> float:
+    """A path-probability floor: 0 <= p < 1 (0: whole trees)."""
+    value = probability(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1 (0 = whole trees), got {text}")
+    return value
 
 
-def float_list(text: str) -> list[float]:
-    """``"0,0.3"`` -> ``[0.0, 0.3]`` (each at least 0)."""
-    return _number_list(text, float, "numbers like 0,0.3", 0)
+widths, lengths, floors = _list_of(at_least(1)), _list_of(at_least(2)), _list_of(floor)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +122,7 @@ def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -
     parser.add_argument("--beam-length", type=at_least(2), default=None, help="tokens per beam L")
     parser.add_argument(
         "--min-prob",
-        type=probability,
+        type=floor,
         default=None,
         help="verify only draft tokens whose drafter path probability is at least this "
         "(0 = the whole tree; default: profile)",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import random
 import shutil
 import sys
@@ -630,8 +631,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {flag} must be at least 1 (got {value})")
     positive = {"--epochs": args.epochs, "--lr": args.lr, "--cache-max-gb": args.cache_max_gb}
     for flag, value in positive.items():
-        if not value > 0:
-            raise SystemExit(f"error: {flag} must be positive (got {value})")
+        if not 0 < value < math.inf:
+            raise SystemExit(f"error: {flag} must be a positive number (got {value})")
     if not args.max_minutes >= 0 or args.draft_vocab < 0 or args.topk < 0:  # nan too
         raise SystemExit("error: --max-minutes, --draft-vocab and --topk cannot be negative")
     if args.source == "self" and args.topk:
@@ -640,13 +641,30 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --gen-tokens must be at least 4 and below --max-seq-len")
     if args.data and not Path(args.data).is_file():
         raise SystemExit(f"error: --data {args.data}: no such file")
-    if args.init and not (Path(args.init) / "config.json").is_file():
-        raise SystemExit(f"error: --init {args.init}: not a drafter folder (no config.json)")
+    if args.init:
+        check_init(args)
     for folder in args.extra_cache:
         if not (Path(folder) / "manifest.json").is_file():
             raise SystemExit(f"error: --extra-cache {folder}: not a cache (no manifest.json)")
     if not args.extract_only:
         check_out(args)
+
+
+def check_init(args: argparse.Namespace) -> None:
+    """--init is a drafter folder with at most --num-draft-layers layers (layers can be grown,
+    not dropped)."""
+    config_file = Path(args.init) / "config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"error: --init {args.init}: not a drafter folder (no config.json)")
+    try:
+        has = int(json.loads(config_file.read_text()).get("num_draft_layers", 0))
+    except (ValueError, AttributeError):
+        raise SystemExit(f"error: --init {config_file}: not a drafter config") from None
+    if args.num_draft_layers is not None and args.num_draft_layers < has:
+        raise SystemExit(
+            f"error: --num-draft-layers {args.num_draft_layers}: --init {args.init} has {has} "
+            "(a drafter can grow layers, not drop them)"
+        )
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -968,14 +986,8 @@ def build_trainer(model, vocab: np.ndarray | None, args) -> Trainer:
             drafter = load_drafter(args.init, model)
         except DrafterError as e:
             raise SystemExit(f"error: --init {args.init}: {e}") from None
-        layers = args.num_draft_layers
-        if layers is not None and layers < drafter.args.num_draft_layers:
-            raise SystemExit(
-                f"error: --num-draft-layers {layers}: --init {args.init} has "
-                f"{drafter.args.num_draft_layers} (a drafter can grow layers, not drop them)"
-            )
-        if (layers or 0) > drafter.args.num_draft_layers:
-            drafter = grow_layers(drafter, layers, model)
+        if (args.num_draft_layers or 0) > drafter.args.num_draft_layers:
+            drafter = grow_layers(drafter, args.num_draft_layers, model)
         vocab = np.array(drafter.draft_vocab) if drafter.args.draft_vocab_size else None
     else:
         drafter = new_drafter(model, vocab, args)
@@ -1098,17 +1110,27 @@ def train(model, cache: Cache, out: Path, args) -> dict:
     state["options"] = run_options(args)
     if args.resume and (out / "checkpoint").exists():
         state = {**load_checkpoint(trainer, out / "checkpoint"), "options": state["options"]}
-        _truncate_log(out / "train_log.jsonl", state["step"])
+        fitted = state.get("total_steps", args.total_steps)  # --max-minutes shortened it
+        args.total_steps = trainer.schedule.total = min(args.total_steps, fitted)
     elif args.resume and not args.quiet:
         print(f"note: no checkpoint in {out}: starting at step 0", file=sys.stderr)
+    _truncate_log(out / "train_log.jsonl", state["step"])
     return run_loop(trainer, examples, heldout, out, state, args)
 
 
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop log lines after ``step`` (evaluated, then killed before the checkpoint saved)."""
-    if path.exists():
-        lines = [x for x in path.read_text().splitlines() if json.loads(x)["step"] <= step]
-        write_text(path, "".join(x + "\n" for x in lines))
+    """Keep the log lines up to ``step``, the checkpoint's (a run killed after an evaluation
+    but before its checkpoint, or a fresh start over an old log, leaves lines beyond it)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut off by the kill
+    write_text(path, "".join(kept))
 
 
 def _with_extra_caches(data: dict[str, np.ndarray], cache: Cache, extra: list[str]) -> dict:
@@ -1165,7 +1187,7 @@ def run_loop(
             )
             timed_out = args.max_minutes and before + elapsed > args.max_minutes * 60
             if args.max_minutes and step - seen0 == FIT_AFTER:
-                fit_to_time(trainer, step - seen0, elapsed, step, args)
+                fit_to_time(trainer, step - seen0, elapsed, before + elapsed, step, args)
                 bar.update(task, total=args.total_steps)
             if step % args.eval_every and step < args.total_steps and not timed_out:
                 continue
@@ -1178,7 +1200,7 @@ def run_loop(
                 loss=float(np.mean(losses[-args.eval_every :])),
                 seconds=round(before + elapsed, 1),
             )
-            state["seconds"] = before + elapsed
+            state.update(seconds=before + elapsed, total_steps=args.total_steps)
             with open(log_file, "a") as f:
                 f.write(json.dumps(ev) + "\n")
             bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
@@ -1192,16 +1214,18 @@ def run_loop(
             if state["bad"] >= args.patience or timed_out:
                 break
             if args.max_minutes:
-                fit_to_time(trainer, step - seen0, time.perf_counter() - start, step, args)
+                elapsed = time.perf_counter() - start  # evaluation included
+                fit_to_time(trainer, step - seen0, elapsed, before + elapsed, step, args)
                 bar.update(task, total=args.total_steps)
     return best
 
 
-def fit_to_time(trainer: Trainer, steps: int, seconds: float, step: int, args) -> None:
+def fit_to_time(trainer: Trainer, steps: int, seconds: float, used: float, step: int, args) -> None:
     """Shorten ``args.total_steps`` (and the cosine schedule with it) to the steps that fit in
-    ``--max-minutes`` at the rate measured so far (``steps`` in ``seconds``, evaluations
-    included), so the learning rate has decayed when time runs out. Never lengthens it."""
-    left = args.max_minutes * 60 - seconds
+    what ``--max-minutes`` leaves after ``used`` seconds (before a resume too), at the rate
+    this process measured (``steps`` in ``seconds``, evaluations included), so the learning
+    rate has decayed when time runs out. Never lengthens it."""
+    left = args.max_minutes * 60 - used
     fit = step + max(int(left * steps / seconds * TIME_MARGIN), 1)
     if fit < args.total_steps:
         args.total_steps = trainer.schedule.total = fit

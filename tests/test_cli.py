@@ -38,6 +38,10 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys):
         ("chat", ["--max-tokens", "0"]),
         ("bench", ["--num-prompts", "0"]),  # was taken as "all 80"
         ("bench", ["--beam-width", ""]),
+        ("bench", ["--beam-length", "2,1"]),
+        ("autotune", ["--min-prob", "0,1.5"]),
+        ("eval_drafter", ["--beam-length", "1"]),
+        ("generate_cli", ["--min-prob", "1"]),
         ("autotune", ["--repetitions", "0"]),
         ("eval_drafter", ["--every", "0"]),
     ],

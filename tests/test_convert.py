@@ -555,6 +555,12 @@ def test_drafters_are_not_quantized_and_src_must_be_named(tmp_path):
         conv.convert(shipped, tmp_path / "d", quantize=4)
     with pytest.raises(ConversionError, match="--src is empty"):
         conv.convert("", tmp_path / "e")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConversionError, match="would replace the source"):
+        conv.convert(tmp_path / "m" / "model.gguf", tmp_path / "m", force=True)
+    assert (tmp_path / "m" / "model.gguf").is_file()
     assert not (tmp_path / "d").exists()
 
 

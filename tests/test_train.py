@@ -123,7 +123,8 @@ def parse(*flags: str):
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--eval-every", "0"], "--eval-every must be at least 1"),
         (["--max-tokens", "-5"], "--max-tokens must be at least 1"),
-        (["--epochs", "0"], "--epochs must be positive"),
+        (["--epochs", "0"], "--epochs must be a positive number"),
+        (["--epochs", "inf"], "--epochs must be a positive number"),
         (["--init", "nowhere"], "not a drafter folder"),
         ([], "--out is required"),
         (["--out", "FILE"], "is a file"),
@@ -155,43 +156,46 @@ def test_mask_covers_exactly_the_assistant_turns():
     assert masked == expected
 
 
+def trained_flags(root: Path) -> list[str]:
+    """The `train` flags of the ``trained`` fixture's run in ``root``."""
+    return [
+        "--out",
+        str(root / "out"),
+        "--cache-dir",
+        str(root / "cache"),
+        "--heldout",
+        "16",
+        "--heldout-tokens",
+        "2500",
+        "--max-tokens",
+        "16000",
+        "--head",
+        "own",
+        "--draft-vocab",
+        "48",
+        "--exit-dim",
+        "64",
+        "--batch-size",
+        "64",
+        "--epochs",
+        "2",
+        "--eval-every",
+        "100",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "0",
+        "--quiet",
+    ]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A drafter trained for a few hundred steps (shared by the tests below)."""
     root = tmp_path_factory.mktemp("distil")
     write_conversations(root / "data.json", 140)
     model = learnable_target()
-    args = T.setup_arg_parser().parse_args(
-        [
-            "--out",
-            str(root / "out"),
-            "--cache-dir",
-            str(root / "cache"),
-            "--heldout",
-            "16",
-            "--heldout-tokens",
-            "2500",
-            "--max-tokens",
-            "16000",
-            "--head",
-            "own",
-            "--draft-vocab",
-            "48",
-            "--exit-dim",
-            "64",
-            "--batch-size",
-            "64",
-            "--epochs",
-            "2",
-            "--eval-every",
-            "100",
-            "--lr",
-            "3e-3",
-            "--seed",
-            "0",
-            "--quiet",
-        ]
-    )
+    args = T.setup_arg_parser().parse_args(trained_flags(root))
     cache = T.prepare_cache(
         model, CharTokenizer(), "tiny", root / "data.json", root / "cache", args
     )
@@ -238,9 +242,9 @@ def test_checkpoint_restores_weights_and_loop_state(trained):
 
 
 def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained):
-    _, args, cache, _, _, _ = trained
-    again = argparse.Namespace(**vars(args))
-    again.resume = False
+    _, args, _, _, _, _ = trained
+    again = T.setup_arg_parser().parse_args(trained_flags(Path(args.out).parent))  # the command
+    assert again.resume is False
     with pytest.raises(SystemExit, match="--resume to continue"):
         T.check_out(again)
     again.resume = True
@@ -265,7 +269,9 @@ def test_init_can_grow_layers_but_not_drop_them(trained):
     smaller = argparse.Namespace(**vars(args))
     smaller.init, smaller.num_draft_layers = args.out, 1  # the trained drafter has 2
     with pytest.raises(SystemExit, match="grow layers, not drop them"):
-        T.build_trainer(model, None, smaller)
+        T.check_init(smaller)
+    smaller.num_draft_layers = 3
+    T.check_init(smaller)
 
 
 def test_a_run_that_would_train_nothing_is_refused(trained, tmp_path):
@@ -406,8 +412,12 @@ def test_schedule_warms_up_decays_and_fits_the_time_limit():
     trainer = T.Trainer(None, None, None, None, None, sched, None)
     args = T.setup_arg_parser().parse_args(["--max-minutes", "1"])
     args.total_steps = 1000
-    T.fit_to_time(trainer, 50, 10.0, 50, args)  # 5 steps/s, 50 s left -> 237 more steps
+    T.fit_to_time(trainer, 50, 10.0, 10.0, 50, args)  # 5 steps/s, 50 s left -> 237 more
     assert args.total_steps == sched.total == 50 + int(50 * 5 * T.TIME_MARGIN)
-    T.fit_to_time(trainer, 50, 1.0, 50, args)  # faster now: the plan is never lengthened
+    T.fit_to_time(trainer, 50, 1.0, 10.0, 50, args)  # faster now: never lengthened
     assert args.total_steps == sched.total == 287
     assert sched(mx.array(287)).item() == pytest.approx(5e-5)
+    # resumed after 40 s of the minute: 5 steps/s in this process, 10 s left -> 47 more steps
+    args.total_steps = sched.total = 1000
+    T.fit_to_time(trainer, 50, 10.0, 50.0, 100, args)
+    assert args.total_steps == 100 + int(10 * 5 * T.TIME_MARGIN)

@@ -17,13 +17,16 @@
 # 2. Three variants of INIT (default: the drafter in this folder; v5 grew from v3, see
 #    PROVENANCE.md) train on all of it at once for TRAIN_MINUTES each
 #    (the cosine schedule is fitted to that time), each keeping its best held-out agreement:
-#    grown to 3 residual layers (the new one starts as the identity) at peak lr 5e-4 or 2e-4,
-#    or kept at 2 layers at 2e-4.
+#    grown by one residual layer (the new one starts as the identity; v3's 2 -> 3 for v5) at
+#    peak lr 5e-4 or 2e-4, or kept at INIT's layers at 2e-4.
 set -uo pipefail
 prompts=$1 work=$2 out=$3 gen_seconds=${4:-210} train_minutes=${5:-4.5}
 # (PYTHON, GEN_BATCH and HELDOUT_TOKENS shrink it for a dry run on a CPU)
 python=${PYTHON:-python3} gen_batch=${GEN_BATCH:-512} heldout_tokens=${HELDOUT_TOKENS:-24000}
 init=${INIT:-$(cd "$(dirname "$0")" && pwd)}
+layers=$("$python" -c "import json, sys; print(json.load(open(sys.argv[1]))['num_draft_layers'])" \
+  "$init/config.json") || exit 1
+grown=$((layers + 1))
 mkdir -p "$work" "$out"
 common=(--source self --self-prompts all --data "$prompts" --cache-dir "$work/cache"
   --max-seq-len 512 --gen-tokens 256 --heldout-tokens "$heldout_tokens" --seed 0 --quiet)
@@ -65,8 +68,9 @@ variant() {  # NAME, then the options that differ
 # three trainings share the GPU (each is bound by kernel launches, not by the chip)
 stamp "train for ${train_minutes} min"
 variants=() pids=()
-for v in "grow3-lr5e-4 --num-draft-layers 3 --lr 5e-4" "keep2-lr2e-4 --num-draft-layers 2 \
-  --lr 2e-4" "grow3-lr2e-4 --num-draft-layers 3 --lr 2e-4"; do
+for v in "grow$grown-lr5e-4 --num-draft-layers $grown --lr 5e-4" \
+  "keep$layers-lr2e-4 --num-draft-layers $layers --lr 2e-4" \
+  "grow$grown-lr2e-4 --num-draft-layers $grown --lr 2e-4"; do
   variant $v &
   variants+=("${v%% *}") pids+=($!)
   sleep 10  # loading the cache peaks at twice its size in memory: stagger the starts
