@@ -1102,6 +1102,12 @@ def train(model, cache: Cache, out: Path, args) -> dict:
             f"{args.batch_size} in --epochs {args.epochs}: lower the batch size or add data"
         )
     vocab = frequent_tokens(train_data, args.draft_vocab) if args.draft_vocab else None
+    if vocab is not None and len(vocab) < args.draft_vocab and not args.quiet and not args.init:
+        print(
+            f"note: draft vocabulary {len(vocab):,} tokens, not {args.draft_vocab:,}: the target "
+            "predicts no more distinct tokens at the training answers' positions",
+            file=sys.stderr,
+        )
     trainer = build_trainer(model, vocab, args)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".checkpoint.*-*"):  # staged by a run killed mid-save
