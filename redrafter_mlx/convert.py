@@ -943,7 +943,9 @@ def main(args: argparse.Namespace) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except OSError as e:  # an unwritable or impossible --out
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        from redrafter_mlx.runtime import os_error_text
+
+        print(f"error: {os_error_text(e, args.out)}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"wrote {out}")
 

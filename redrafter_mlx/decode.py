@@ -143,6 +143,7 @@ class Decoder:
         mask = llm.chain_mask(0, 2)
         hidden = llm.forward(self.model, prompt, mx.arange(2), mask, cache, compiled=False)
         logits = llm.lm_head(self.model, hidden)
+        mx.eval(logits)
         for size in sorted({1, *sizes}):
             if size <= llm.COMPILED_MAX_ROWS:  # bigger trees run eagerly: nothing to trace
                 mask = llm.chain_mask(0, size) if size > 1 else None

@@ -180,7 +180,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         rows = run_with_progress(model, tokenizer, drafter, prompts, args)
     except OSError as e:  # e.g. an unwritable --paths-cache
-        rt.fail(f"{e.filename or ''}: {e.strerror or e}")
+        rt.fail(rt.os_error_text(e))
     report = {
         "model": str(args.model),
         "drafter": str(args.drafter),

@@ -135,6 +135,13 @@ def fail(message: str) -> None:
     raise SystemExit(1)
 
 
+def os_error_text(e: OSError, path: str | None = None) -> str:
+    """One line for a failed file operation: ``path: reason`` (``path`` when the error names
+    no file)."""
+    where = e.filename or path
+    return f"{where}: {e.strerror or e}" if where else str(e.strerror or e)
+
+
 def check_writable(path: Path | str, what: str) -> None:
     """Fail now, not after a long run, when ``path`` (a folder to create or fill, or a file's
     folder) cannot be written: its nearest existing ancestor must be a writable folder."""

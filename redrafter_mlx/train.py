@@ -599,8 +599,9 @@ def main(args: argparse.Namespace) -> None:
         print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
         raise SystemExit(130) from None
     except OSError as e:  # unwritable --out / --cache-dir, disk full, ...
-        where = f"{e.filename}: " if e.filename else ""
-        raise SystemExit(f"error: {where}{e.strerror or e}") from None
+        from redrafter_mlx.runtime import os_error_text
+
+        raise SystemExit(f"error: {os_error_text(e)}") from None
     print(json.dumps({"out": args.out, "best": best}))
 
 
@@ -644,8 +645,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.init:
         check_init(args)
     for folder in args.extra_cache:
-        if not (Path(folder) / "manifest.json").is_file():
-            raise SystemExit(f"error: --extra-cache {folder}: not a cache (no manifest.json)")
+        Cache.existing(Path(folder))
     if not args.extract_only:
         check_out(args)
 
@@ -726,11 +726,8 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
     extract(model, tokenizer, training, cache, "train", args.max_tokens, args)
     got = cache.tokens("train")
     if got < args.max_tokens and not args.quiet:
-        why = (
-            "--cache-max-gb is reached"
-            if cache.nbytes() >= args.cache_max_gb * 2**30
-            else ("that is all the data holds")
-        )
+        full = cache.nbytes() >= args.cache_max_gb * 2**30
+        why = "--cache-max-gb is reached" if full else "that is all the data holds"
         print(
             f"note: {got:,} training tokens, fewer than --max-tokens {args.max_tokens:,} ({why})",
             file=sys.stderr,
@@ -1193,7 +1190,7 @@ def run_loop(
             )
             timed_out = args.max_minutes and before + elapsed > args.max_minutes * 60
             if args.max_minutes and step - seen0 == FIT_AFTER:
-                fit_to_time(trainer, step - seen0, elapsed, before + elapsed, step, args)
+                fit_to_time(trainer, step - seen0, elapsed, step, args, before)
                 bar.update(task, total=args.total_steps)
             if step % args.eval_every and step < args.total_steps and not timed_out:
                 continue
@@ -1221,17 +1218,19 @@ def run_loop(
                 break
             if args.max_minutes:
                 elapsed = time.perf_counter() - start  # evaluation included
-                fit_to_time(trainer, step - seen0, elapsed, before + elapsed, step, args)
+                fit_to_time(trainer, step - seen0, elapsed, step, args, before)
                 bar.update(task, total=args.total_steps)
     return best
 
 
-def fit_to_time(trainer: Trainer, steps: int, seconds: float, used: float, step: int, args) -> None:
+def fit_to_time(
+    trainer: Trainer, steps: int, seconds: float, step: int, args, before: float = 0.0
+) -> None:
     """Shorten ``args.total_steps`` (and the cosine schedule with it) to the steps that fit in
-    what ``--max-minutes`` leaves after ``used`` seconds (before a resume too), at the rate
-    this process measured (``steps`` in ``seconds``, evaluations included), so the learning
-    rate has decayed when time runs out. Never lengthens it."""
-    left = args.max_minutes * 60 - used
+    what ``--max-minutes`` leaves after ``before`` seconds (trained before a resume) and
+    ``seconds`` (this process, evaluations included, in which it made ``steps`` steps: the
+    rate), so the learning rate has decayed when time runs out. Never lengthens it."""
+    left = args.max_minutes * 60 - before - seconds
     fit = step + max(int(left * steps / seconds * TIME_MARGIN), 1)
     if fit < args.total_steps:
         args.total_steps = trainer.schedule.total = fit

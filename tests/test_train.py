@@ -412,12 +412,12 @@ def test_schedule_warms_up_decays_and_fits_the_time_limit():
     trainer = T.Trainer(None, None, None, None, None, sched, None)
     args = T.setup_arg_parser().parse_args(["--max-minutes", "1"])
     args.total_steps = 1000
-    T.fit_to_time(trainer, 50, 10.0, 10.0, 50, args)  # 5 steps/s, 50 s left -> 237 more
+    T.fit_to_time(trainer, 50, 10.0, 50, args)  # 5 steps/s, 50 s left -> 237 more
     assert args.total_steps == sched.total == 50 + int(50 * 5 * T.TIME_MARGIN)
-    T.fit_to_time(trainer, 50, 1.0, 10.0, 50, args)  # faster now: never lengthened
+    T.fit_to_time(trainer, 50, 1.0, 50, args, before=9.0)  # faster now: never lengthened
     assert args.total_steps == sched.total == 287
     assert sched(mx.array(287)).item() == pytest.approx(5e-5)
     # resumed after 40 s of the minute: 5 steps/s in this process, 10 s left -> 47 more steps
     args.total_steps = sched.total = 1000
-    T.fit_to_time(trainer, 50, 10.0, 50.0, 100, args)
+    T.fit_to_time(trainer, 50, 10.0, 100, args, before=40.0)
     assert args.total_steps == 100 + int(10 * 5 * T.TIME_MARGIN)
