@@ -40,49 +40,112 @@ TRANSPOSED_ROWS = (2, 3)
 COMPILED_MAX_ROWS = 32
 
 
+def _matmul(weight: mx.array, x: mx.array, transposed: bool) -> mx.array:
+    """x (1, T, in) @ weight (out, in).T -> (1, T, out), as ``weight @ x.T`` when ``transposed``."""
+    return (weight @ x[0].T).T[None] if transposed else x @ weight.T
+
+
 def _project(linear: nn.Module, x: mx.array, transposed: bool) -> mx.array:
     """x (1, T, in) -> (1, T, out); as ``W @ x.T`` when ``transposed`` and ``linear`` is a plain
     (unquantized) Linear."""
     if not transposed or type(linear) is not nn.Linear:
         return linear(x)
-    y = (linear.weight @ x[0].T).T
-    if "bias" in linear:
-        y = y + linear.bias
-    return y[None]
+    y = _matmul(linear.weight, x, True)
+    return y + linear.bias if "bias" in linear else y
 
 
-def _mlp(mlp: nn.Module, x: mx.array, transposed: bool) -> mx.array:
-    """The layer's MLP, with transposed projections for mlx-lm's Llama MLP (SiLU-gated)."""
-    if not (transposed and isinstance(mlp, llama.MLP)):
+def _fuse(linears: list[nn.Module]) -> mx.array | None:
+    """Stack plain bias-free Linears' weights (out_i, in) into one (sum of out_i, in) matrix.
+
+    Each module's weight becomes its rows of the stack (a view: the weights are not held
+    twice). One matmul instead of several costs less per decode step (fewer BLAS calls).
+    None, and nothing changed, when any of them is quantized or has a bias.
+    """
+    if any(type(x) is not nn.Linear or "bias" in x for x in linears):
+        return None
+    stacked = mx.concatenate([x.weight for x in linears])
+    mx.eval(stacked)
+    start = 0
+    for x in linears:
+        rows = x.weight.shape[0]
+        x.weight = stacked[start : start + rows]
+        start += rows
+    mx.eval([x.weight for x in linears])
+    return stacked
+
+
+def _split_rows(linears: list[nn.Module]) -> list[int]:
+    """Where ``_fuse``'s stacked output splits back into each Linear's output."""
+    ends = [x.weight.shape[0] for x in linears]
+    return [sum(ends[: i + 1]) for i in range(len(ends) - 1)]
+
+
+def _mlp(mlp: nn.Module, gate_up: mx.array | None, x: mx.array, transposed: bool) -> mx.array:
+    """The layer's MLP; mlx-lm's Llama MLP (SiLU-gated) runs its own projections (gate and
+    up as one ``gate_up`` matmul when fused, transposed on request)."""
+    if not isinstance(mlp, llama.MLP):
         return mlp(x)
-    gate = _project(mlp.gate_proj, x, True)
-    return _project(mlp.down_proj, nn.silu(gate) * _project(mlp.up_proj, x, True), True)
+    if gate_up is None:
+        gate, up = _project(mlp.gate_proj, x, transposed), _project(mlp.up_proj, x, transposed)
+    else:
+        gate, up = mx.split(_matmul(gate_up, x, transposed), 2, axis=-1)
+    return _project(mlp.down_proj, nn.silu(gate) * up, transposed)
 
 
-def _before_attention(layer, cpu: bool, h: mx.array, positions: mx.array):
-    """h (1, T, H) -> queries (1, heads, T, D), keys and values (1, kv_heads, T, D)."""
+def _before_attention(layer, cpu: bool, qkv: mx.array | None, h: mx.array, positions: mx.array):
+    """h (1, T, H) -> queries (1, heads, T, D), keys and values (1, kv_heads, T, D).
+
+    ``qkv`` is the layer's fused q/k/v weight (``_fuse``), or None to run the three Linears.
+    """
     attn, t = layer.self_attn, h.shape[1]
     transposed = cpu and t in TRANSPOSED_ROWS
     x = layer.input_layernorm(h)
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if qkv is None:
+        queries, keys, values = (_project(p, x, transposed) for p in linears)
+    else:
+        queries, keys, values = mx.split(_matmul(qkv, x, transposed), _split_rows(linears), -1)
     # (T, heads, 1, D): tokens on the batch axis so RoPE applies one offset per token.
-    queries = _project(attn.q_proj, x, transposed).reshape(t, attn.n_heads, 1, -1)
-    keys = _project(attn.k_proj, x, transposed).reshape(t, attn.n_kv_heads, 1, -1)
-    queries = attn.rope(queries, offset=positions).transpose(2, 1, 0, 3)
-    keys = attn.rope(keys, offset=positions).transpose(2, 1, 0, 3)
-    values = _project(attn.v_proj, x, transposed).reshape(1, t, attn.n_kv_heads, -1)
-    return queries, keys, values.transpose(0, 2, 1, 3)
+    queries = attn.rope(queries.reshape(t, attn.n_heads, 1, -1), offset=positions)
+    keys = attn.rope(keys.reshape(t, attn.n_kv_heads, 1, -1), offset=positions)
+    values = values.reshape(1, t, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return queries.transpose(2, 1, 0, 3), keys.transpose(2, 1, 0, 3), values
 
 
-def _after_attention(layer, cpu: bool, h: mx.array, out: mx.array) -> mx.array:
+def _after_attention(
+    layer, cpu: bool, gate_up: mx.array | None, h: mx.array, out: mx.array
+) -> mx.array:
     """Residual stream h (1, T, H) and attention output (1, heads, T, D) -> the layer's output."""
     attn, t = layer.self_attn, h.shape[1]
     transposed = cpu and t in TRANSPOSED_ROWS
     h = h + _project(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(1, t, -1), transposed)
-    return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), transposed)
+    return h + _mlp(layer.mlp, gate_up, layer.post_attention_layernorm(h), transposed)
+
+
+def _attention(queries, keys, values, scale: float, mask: mx.array | None, cpu: bool):
+    """Queries (1, heads, T, D), keys/values (1, kv_heads, S, D), mask (T, S) -> (1, heads, T, D).
+
+    On the CPU each K/V head's query group runs as one matmul (heads grouped as rows), which
+    costs less than ``mx.fast.scaled_dot_product_attention``'s fallback there; other backends
+    keep that fused kernel.
+    """
+    if not cpu:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    _, heads, t, d = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = (queries * scale).reshape(1, kv_heads, heads // kv_heads * t, d)
+    scores = grouped @ keys.swapaxes(-1, -2)  # (1, kv_heads, group * T, S)
+    if mask is not None:
+        scores = scores.reshape(1, kv_heads, heads // kv_heads, t, -1)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        scores = scores.reshape(1, kv_heads, heads // kv_heads * t, -1)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ values).reshape(1, heads, t, d)
 
 
 class _CompiledLayers:
-    """Each layer's halves around attention, compiled (mlx traces them once per input shape).
+    """Each layer's halves around attention, compiled (mlx traces them once per input shape),
+    with q/k/v and gate/up fused into one matmul each where the layers allow (``_fuse``).
 
     The traces capture the layer's weights: a model changed after its first small forward (new
     weights, quantized in place) would keep computing with the old ones.
@@ -90,9 +153,14 @@ class _CompiledLayers:
 
     def __init__(self, model: nn.Module):
         cpu = mx.default_device() == mx.cpu
-        layers = model.model.layers
-        self.before = [mx.compile(partial(_before_attention, x, cpu)) for x in layers]
-        self.after = [mx.compile(partial(_after_attention, x, cpu)) for x in layers]
+        self.before, self.after = [], []
+        for x in model.model.layers:
+            attn = x.self_attn
+            qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp = x.mlp
+            gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if isinstance(mlp, llama.MLP) else None
+            self.before.append(mx.compile(partial(_before_attention, x, cpu, qkv)))
+            self.after.append(mx.compile(partial(_after_attention, x, cpu, gate_up)))
 
 
 def _layer_blocks(model: nn.Module, num_tokens: int, compiled: bool) -> tuple[list, list]:
@@ -100,8 +168,8 @@ def _layer_blocks(model: nn.Module, num_tokens: int, compiled: bool) -> tuple[li
     if not compiled or num_tokens > COMPILED_MAX_ROWS:
         layers = model.model.layers
         return (
-            [partial(_before_attention, x, False) for x in layers],
-            [partial(_after_attention, x, False) for x in layers],
+            [partial(_before_attention, x, False, None) for x in layers],
+            [partial(_after_attention, x, False, None) for x in layers],
         )
     compiled = model.__dict__.get("_redrafter_compiled")
     if compiled is None:  # a plain attribute: nn.Module would treat a list as parameters
@@ -129,12 +197,11 @@ def forward(
     positions = positions.astype(mx.int32)
     h = model.model.embed_tokens(tokens)[None]
     before, after = _layer_blocks(model, tokens.shape[0], compiled)
+    cpu = mx.default_device() == mx.cpu
     for i, layer in enumerate(model.model.layers):
         queries, keys, values = before[i](h, positions)
         keys, values = cache.write(i, keys, values)
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=layer.self_attn.scale, mask=mask
-        )
+        out = _attention(queries, keys, values, layer.self_attn.scale, mask, cpu)
         h = after[i](h, out)
     return model.model.norm(h)[0]
 

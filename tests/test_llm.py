@@ -7,6 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import tiny_llama
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -119,3 +120,34 @@ def test_compiled_small_forwards_equal_module_forward(monkeypatch, quantized):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(got_keys, want_keys, atol=1e-4, rtol=1e-4)
     assert "_redrafter_compiled" in model.__dict__ and "_redrafter_compiled" not in model
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_grouped_attention_equals_fused_kernel(t):
+    """The CPU's grouped-query attention (each K/V head's queries as one matmul) computes what
+    ``mx.fast.scaled_dot_product_attention`` does, masked tree rows included."""
+    rng = np.random.default_rng(t)
+    queries, keys, values = (
+        mx.array(rng.standard_normal(shape).astype(np.float32))
+        for shape in ((1, 6, t, 8), (1, 2, 5 + t, 8), (1, 2, 5 + t, 8))
+    )
+    mask = (
+        None if t == 1 else mx.array(rng.random((t, 5 + t)) < 0.7) | mx.eye(t, 5 + t, 5, mx.bool_)
+    )
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
+    got = llm._attention(queries, keys, values, 0.3, mask, cpu=True)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_fused_projections_keep_module_weights():
+    """The compiled forward stacks q/k/v and gate/up into one matmul each; the modules' own
+    weights (which mlx-lm's forward and prefill use) keep their values and shapes."""
+    model = tiny_llama(seed=3)
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    cache = llm.make_cache(model)
+    mx.eval(llm.forward(model, mx.array([1, 2]), mx.arange(2), llm.chain_mask(0, 2), cache))
+    after = dict(tree_flatten(model.parameters()))
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value)
+    assert _ours_greedy(model, PREFIX, 16) == _mlx_lm_greedy(model, PREFIX, 16)
