@@ -136,6 +136,21 @@ def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
     assert len(reads) == steps + 1  # one per step, plus the one after prefill
 
 
+@pytest.mark.parametrize("width", [1, 2])
+def test_context_full_only_when_the_next_step_cannot_fit(target, beam_drafter, width):
+    """Near the context's end the answer runs as far as a step fits, exact, then stops with
+    ContextFull, not earlier."""
+    length, limit = 4, len(PROMPT) + 30
+    decoder = Decoder(target, GREEDY, beam_drafter, BeamShape(width, length), limit)
+    cache, out = decoder.new_cache(), []
+    with pytest.raises(decode.ContextFull):
+        for step in decoder.speculative(cache, PROMPT):
+            out += step.tokens
+    assert out == autoregressive(target, PROMPT, len(out))
+    tree = length if width == 1 else 1 + width * (length - 1)
+    assert cache.offset + tree + 1 > limit  # the next step would not fit: no earlier
+
+
 def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
     """With a floor the drafter reads its best score after each depth but the last and stops
     once it is below the floor: a step reads 1 + (drafted depths, at most L - 2) times."""
@@ -215,8 +230,10 @@ def _target_probs(model, sampler_filter, temp, prefix):
     return np.array(mx.softmax(logprobs / temp), dtype=np.float64)
 
 
-@pytest.mark.parametrize("temp,top_p", [(0.7, 0.0), (1.5, 0.0), (1.0, 0.8)])
-def test_sampling_matches_target_distribution(temp, top_p):
+@pytest.mark.parametrize(
+    "temp,top_p,width", [(0.7, 0.0, 3), (1.5, 0.0, 3), (1.0, 0.8, 3), (1.0, 0.8, 1)]
+)
+def test_sampling_matches_target_distribution(temp, top_p, width):
     model = tiny_llama(seed=6, vocab=VOCAB, scale=1.5)
     bd = BeamDrafter(random_drafter(64, VOCAB, seed=7), model.model.embed_tokens)
     sampler = make_sampler(temp, top_p=top_p)
@@ -235,7 +252,7 @@ def test_sampling_matches_target_distribution(temp, top_p):
     runs = 1500
     counts = np.zeros((3, VOCAB))
     for _ in range(runs):
-        tokens, _ = speculative(model, bd, prompt, 3, 3, 3, sampler)
+        tokens, _ = speculative(model, bd, prompt, 3, width, 3, sampler)
         counts[np.arange(3), tokens] += 1
     for observed, probs in zip(counts, (p1, p2, p3), strict=True):
         keep = probs * runs >= 5  # pool rare cells so the chi-square approximation holds
