@@ -536,7 +536,7 @@ def main(args: argparse.Namespace) -> None:
     if not 1 <= args.num_prompts <= len(HELDOUT_PROMPTS) or args.max_tokens < 8:
         rt.fail(f"--num-prompts must be 1..{len(HELDOUT_PROMPTS)}, --max-tokens at least 8")
     if not args.no_save:
-        rt.check_writable(store_path(), "profile store")
+        rt.check_writable(store_path().parent, "profile store")  # replaced by rename
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     console.print(f"chip: {chip_info()}")
     try:

@@ -76,3 +76,20 @@ def traces(monkeypatch):
 
     monkeypatch.setattr(mx, "compile", counting_compile)
     return seen
+
+
+def toy_tokenizer():
+    """A 64-word HF tokenizer ("w0".."w63", EOS "w63") with a chat template, mlx-lm wrapped."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
+    hf.chat_template = (
+        "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}"
+    )
+    return TokenizerWrapper(hf)

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import toy_tokenizer
 
 from redrafter_mlx import autotune
 from redrafter_mlx import runtime as rt
@@ -206,3 +207,17 @@ def test_corrupt_store_never_breaks_resolve_shape(runtime, tmp_path, capsys):
     (tmp_path / "cache" / "profiles.json").write_bytes(b"\xff\x00garbage")
     assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
     assert "warning" in capsys.readouterr().err
+
+
+def test_autotune_runs_again_over_its_stored_profile(runtime, monkeypatch, capsys):
+    """The command end to end, twice on one machine: the second run finds the store file
+    already there and replaces the profile (it once refused: 'profiles.json is a file')."""
+    runtime.tokenizer = toy_tokenizer()
+    monkeypatch.setattr(rt, "load_runtime", lambda *args, **kwargs: runtime)
+    flags = ["--beam-width", "1", "--beam-length", "2,3", "--max-tokens", "8"]
+    for _ in range(2):
+        autotune.main(autotune.setup_arg_parser().parse_args([*flags, "--num-prompts", "1"]))
+    assert capsys.readouterr().out.count("best: W=1") == 2
+    data = autotune.read_store()
+    (entry,) = data["profiles"].values()
+    assert entry["max_tokens"] == 8 and entry["shape"][0] == 1

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pytest
+from conftest import toy_tokenizer
 
 from redrafter_mlx import bench
 from redrafter_mlx import runtime as rt
@@ -16,23 +17,6 @@ from redrafter_mlx.draft import BeamDrafter
 from redrafter_mlx.runtime import Runtime
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def toy_tokenizer():
-    """A 64-word HF tokenizer ("w0".."w63", EOS "w63") with a chat template, mlx-lm wrapped."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
-    hf.chat_template = (
-        "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
-        "{% if add_generation_prompt %}w4{% endif %}"
-    )
-    return TokenizerWrapper(hf)
 
 
 @pytest.fixture(scope="module")
