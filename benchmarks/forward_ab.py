@@ -1,8 +1,9 @@
 """Compiled decode forward against running mlx-lm's modules directly, in one process.
 
 For each T, interleaved repetitions of: the module forward at T = 1 (what an uncompiled
-autoregressive step costs), the module forward at T, and this package's forward at T
-(per-layer compiled halves, ``W @ x.T`` projections at 2-3 rows on the CPU). Reports medians
+autoregressive step costs: mlx-lm's modules between attentions), the module forward at T, and
+this package's forward at T (per-layer compiled halves, q/k/v and gate/up stacked, ``W @ x.T``
+projections at 2-3 rows on the CPU). Both use the CPU's grouped attention. Reports medians
 relative to the module T = 1 forward, each including the LM head:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
