@@ -81,9 +81,9 @@ def _split_rows(linears: list[nn.Module]) -> list[int]:
 
 
 def _mlp(mlp: nn.Module, gate_up: mx.array | None, x: mx.array, transposed: bool) -> mx.array:
-    """The layer's MLP; mlx-lm's Llama MLP (SiLU-gated) runs its own projections (gate and
-    up as one ``gate_up`` matmul when fused, transposed on request)."""
-    if not isinstance(mlp, llama.MLP):
+    """The layer's MLP; mlx-lm's Llama MLP (SiLU-gated) runs its own projections here when
+    they are fused (gate and up as one ``gate_up`` matmul) or transposed."""
+    if not isinstance(mlp, llama.MLP) or (gate_up is None and not transposed):
         return mlp(x)
     if gate_up is None:
         gate, up = _project(mlp.gate_proj, x, transposed), _project(mlp.up_proj, x, transposed)
