@@ -154,13 +154,14 @@ class _CompiledLayers:
     def __init__(self, model: nn.Module):
         cpu = mx.default_device() == mx.cpu
         self.before, self.after = [], []
+        self.qkv, self.gate_up = [], []  # per layer: the stacked weights, or None
         for x in model.model.layers:
-            attn = x.self_attn
-            qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp = x.mlp
-            gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if isinstance(mlp, llama.MLP) else None
-            self.before.append(mx.compile(partial(_before_attention, x, cpu, qkv)))
-            self.after.append(mx.compile(partial(_after_attention, x, cpu, gate_up)))
+            attn, mlp = x.self_attn, x.mlp
+            self.qkv.append(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+            llama_mlp = isinstance(mlp, llama.MLP)
+            self.gate_up.append(_fuse([mlp.gate_proj, mlp.up_proj]) if llama_mlp else None)
+            self.before.append(mx.compile(partial(_before_attention, x, cpu, self.qkv[-1])))
+            self.after.append(mx.compile(partial(_after_attention, x, cpu, self.gate_up[-1])))
 
 
 def _layer_blocks(model: nn.Module, num_tokens: int, compiled: bool) -> tuple[list, list]:

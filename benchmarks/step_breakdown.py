@@ -1,0 +1,137 @@
+"""Where a decode step's time goes: the target forward at T = 1 and 2 against its parts.
+
+Interleaved repetitions in one process, medians, after ``--context`` cached tokens:
+
+- ``forward``: the decode forward + LM head over T tokens, built and evaluated (a step's verify);
+- ``build``: the Python time to build that forward's graph (before evaluation);
+- ``weights``: the same projections alone (stacked q/k/v and gate/up, o, down, LM head; the
+  forward's own ``W @ x.T`` form at 2-3 rows): what reading the weights costs, with the
+  bandwidth it implies;
+- ``attention``: every layer's attention over the cache alone (the forward's own kernel);
+- ``draft``: one W = 1, L = 2 beam search of the drafter (``--drafter``; default: the shipped one).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        .venv/bin/python benchmarks/step_breakdown.py --out benchmarks/results/step_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from redrafter_mlx import llm
+from redrafter_mlx import runtime as rt
+from redrafter_mlx.bench import environment
+
+
+def _seconds(fn) -> float:
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def _forward(model, cache, count: int):
+    """The decode forward + LM head over ``count`` tokens after the cache (lazy)."""
+    positions = mx.arange(cache.offset, cache.offset + count)
+    mask = llm.chain_mask(cache.offset, count) if count > 1 else None
+    hidden = llm.forward(model, mx.zeros((count,), mx.int32), positions, mask, cache)
+    return llm.lm_head(model, hidden)
+
+
+def _weights(model) -> list[mx.array]:
+    """The matrices a decode forward multiplies by (stacked where the forward stacks them)."""
+    blocks = model._redrafter_compiled  # set by the first compiled forward
+    matrices = []
+    for layer, qkv, gate_up in zip(model.model.layers, blocks.qkv, blocks.gate_up, strict=True):
+        matrices += [qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight]
+    return [*matrices, model.model.embed_tokens.weight]
+
+
+def _products(matrices: list[mx.array], count: int) -> list[mx.array]:
+    """Each matrix times ``count`` rows of its input width, as the forward does it."""
+    outs = []
+    for w in matrices:
+        x = mx.ones((count, w.shape[1]))
+        outs.append(w @ x.T if count in llm.TRANSPOSED_ROWS else x @ w.T)
+    return outs
+
+
+def _attention(model, cache, count: int) -> list[mx.array]:
+    """Every layer's attention for ``count`` new tokens over the cache (lazy)."""
+    attn = model.model.layers[0].self_attn
+    d = cache.shape[-1]
+    queries = mx.ones((1, attn.n_heads, count, d))
+    end = cache.offset + count
+    mask = llm.chain_mask(cache.offset, count) if count > 1 else None
+    cpu = mx.default_device() == mx.cpu
+    return [
+        llm._attention(queries, k[..., :end, :], v[..., :end, :], attn.scale, mask, cpu)
+        for k, v in zip(cache.keys, cache.values, strict=True)
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model")
+    p.add_argument("--drafter")
+    p.add_argument("--context", type=int, default=256, help="cached tokens before each forward")
+    p.add_argument("--repetitions", type=int, default=15)
+    p.add_argument("--out", default="benchmarks/results/step_breakdown.json")
+    args = p.parse_args()
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    model, drafter = runtime.model, runtime.drafter
+    cache = llm.make_cache(model)
+    tokens = mx.arange(args.context) % 100 + 10
+    prefix = llm.chain_mask(0, args.context)
+    mx.eval(llm.forward(model, tokens, mx.arange(args.context), prefix, cache, compiled=False))
+    cache.commit(tokens.tolist())
+    for count in (1, 2):
+        mx.eval(_forward(model, cache, count))  # trace the compiled blocks
+    matrices = _weights(model)
+    megabytes = sum(w.nbytes for w in matrices) / 1e6
+    context = mx.zeros((model.args.hidden_size,), llm.compute_dtype(model))
+
+    def build(count: int) -> float:
+        tic = time.perf_counter()
+        logits = _forward(model, cache, count)
+        seconds = time.perf_counter() - tic
+        mx.eval(logits)
+        return seconds
+
+    parts = {"draft": lambda: mx.eval(drafter(context, mx.array(10), width=1, length=2))}
+    for count in (1, 2):
+        parts[f"forward_{count}"] = lambda c=count: mx.eval(_forward(model, cache, c))
+        parts[f"build_{count}"] = lambda c=count: build(c)
+        parts[f"weights_{count}"] = lambda c=count: mx.eval(_products(matrices, c))
+        parts[f"attention_{count}"] = lambda c=count: mx.eval(_attention(model, cache, c))
+    times = {name: [] for name in parts}
+    for rep in range(args.repetitions + 1):
+        for name, fn in parts.items():
+            seconds = fn() if name.startswith("build") else _seconds(fn)
+            if rep:  # the first round is warm-up
+                times[name].append(seconds)
+    ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
+    for name, value in ms.items():
+        print(f"{name:12s} {value:6.2f} ms", flush=True)
+    for count in (1, 2):
+        took = ms[f"weights_{count}"]
+        rate = megabytes / took
+        print(f"weights at T={count}: {megabytes:.0f} MB in {took:.1f} ms = {rate:.1f} GB/s")
+    report = {
+        "environment": environment(runtime),
+        "context": args.context,
+        "repetitions": args.repetitions,
+        "weight_megabytes": megabytes,
+        "median_ms": ms,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
