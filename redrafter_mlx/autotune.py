@@ -181,6 +181,12 @@ def save_profile(key: str, entry: dict, path: Path | None = None) -> None:
     write_store(data, path)
 
 
+def entry_shape(entry: dict) -> BeamShape:
+    """A stored profile's shape; raises (TypeError, KeyError, ValueError...) when malformed."""
+    width, length, *floor = entry["shape"]  # [W, L] or [W, L, min_prob]
+    return BeamShape(int(width), int(length), float(floor[0]) if floor else 0.0)
+
+
 def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | None:
     """The stored shape for ``key``, or None (warning on stderr when stale or corrupt)."""
     try:
@@ -194,8 +200,7 @@ def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | Non
                 "`redrafter-mlx autotune`"
             )
             return None
-        width, length, *floor = entry["shape"]  # [W, L] or [W, L, min_prob]
-        return BeamShape(int(width), int(length), float(floor[0]) if floor else 0.0)
+        return entry_shape(entry)
     except Exception as e:  # a profile must never break generation
         warn(f"ignoring the autotune profile: {e}")
         return None
@@ -472,7 +477,11 @@ def show(console) -> None:
     if not data["profiles"]:
         console.print(f"no profiles in {store_path()}")
     for key, entry in data["profiles"].items():
-        shape = BeamShape(*entry.get("shape"))
+        try:
+            shape = entry_shape(entry)
+        except Exception as e:  # shown, like find_profile, never an error
+            warn(f"ignoring a malformed profile {key!r}: {e!r}")
+            continue
         console.print(
             f"[bold]{key}[/bold]\n  {shape.describe()} "
             f"({entry.get('method')}, {entry.get('tokens_per_second')} tok/s, "
@@ -537,6 +546,8 @@ def main(args: argparse.Namespace) -> None:
         rt.fail(f"--num-prompts must be 1..{len(HELDOUT_PROMPTS)}, --max-tokens at least 8")
     if not args.no_save:
         rt.check_writable(store_path().parent, "profile store")  # replaced by rename
+        if store_path().is_dir():
+            rt.fail(f"profile store {store_path()} is a folder")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     console.print(f"chip: {chip_info()}")
     try:
@@ -556,7 +567,10 @@ def main(args: argparse.Namespace) -> None:
         out.add_row(*(str(v) for v in row.values()))
     Console().print(out)
     if not args.no_save:
-        save_profile(runtime_identity(runtime)[0], entry)
+        try:
+            save_profile(runtime_identity(runtime)[0], entry)
+        except OSError as e:
+            rt.fail(f"profile not saved: {rt.os_error_text(e, str(store_path()))}")
     Console().print(
         f"best: {result.best.describe()} "
         f"({'not saved' if args.no_save else f'saved to {store_path()}'})"

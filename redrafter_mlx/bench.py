@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import os
 import platform
@@ -27,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx import llm
+from redrafter_mlx import atomic, llm
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.data import MT_BENCH
 from redrafter_mlx.decode import PHASES, BeamShape
@@ -206,6 +207,8 @@ def load_prompts(path: Path | str | None, num: int | None, turns: int) -> list[l
         user_turns = item.get("turns") or [item.get("prompt", item.get("text"))]
         if not all(isinstance(t, str) for t in user_turns):
             raise ValueError(f'{path}:{line_no}: needs a "turns" list or a "prompt" string')
+        if not all(t.strip() for t in user_turns):
+            raise ValueError(f"{path}:{line_no}: an empty prompt")
         convs.append(user_turns[:turns])
     return convs[:num] if num else convs
 
@@ -645,11 +648,12 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     """``bench.json``, ``bench.csv`` and the PNG plots into ``out``; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json", out / "bench.csv"]
-    paths[0].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(result["results"])
+    atomic.write_text(paths[0], json.dumps(result, indent=2, default=str) + "\n")
+    rows = io.StringIO()
+    writer = csv.DictWriter(rows, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(result["results"])
+    atomic.write_text(paths[1], rows.getvalue())
     return paths + plot_all(result["results"], out)
 
 
@@ -669,7 +673,7 @@ def plot_all(rows: list[dict], out: Path) -> list[Path]:
     ):
         fig = draw(plt, shaped)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        atomic.write_with(out / name, lambda tmp, fig=fig: fig.savefig(tmp, dpi=110))
         plt.close(fig)
         paths.append(out / name)
     return paths
@@ -815,6 +819,8 @@ def main(args: argparse.Namespace) -> None:
         conversations = load_prompts(args.prompts, args.num_prompts, args.turns)
     except (OSError, ValueError) as e:
         rt.fail(f"prompts: {e}")
+    if not conversations:
+        rt.fail(f"prompts: {args.prompts or MT_BENCH} holds no prompt")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     cfg = BenchConfig(
         shapes_from_args(args, runtime),
@@ -835,8 +841,11 @@ def main(args: argparse.Namespace) -> None:
             cfg,
             lambda name: progress.update(task, advance=1, description=f"benchmarking ({name})"),
         )
-    paths = write_outputs(result, Path(args.out))
     Console(width=None if console.is_terminal else 150).print(results_table(result))
+    try:
+        paths = write_outputs(result, Path(args.out))
+    except OSError as e:
+        rt.fail(f"--out: {rt.os_error_text(e, args.out)}")
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,14 +144,18 @@ def os_error_text(e: OSError, path: str | None = None) -> str:
 
 def check_writable(path: Path | str, what: str) -> None:
     """Fail now, not after a long run, when ``path`` (a folder to create or fill, or a file's
-    folder) cannot be written: its nearest existing ancestor must be a writable folder."""
+    folder) cannot be written: its nearest existing ancestor must be a folder that takes a
+    file (probed with a temp file: permission bits say nothing to root or about /proc)."""
     folder = Path(path).expanduser().absolute()
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
         fail(f"{what} {path}: {folder} is a file")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        fail(f"{what} {path}: {folder} is not writable")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        fail(f"{what} {path}: {folder} is not writable ({e.strerror or e})")
 
 
 def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:

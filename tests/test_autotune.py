@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import os
 import numpy as np
 import pytest
 from conftest import toy_tokenizer
+from rich.console import Console
 
 from redrafter_mlx import autotune
 from redrafter_mlx import runtime as rt
@@ -221,3 +223,23 @@ def test_autotune_runs_again_over_its_stored_profile(runtime, monkeypatch, capsy
     data = autotune.read_store()
     (entry,) = data["profiles"].values()
     assert entry["max_tokens"] == 8 and entry["shape"][0] == 1
+
+
+def test_show_skips_malformed_profiles(runtime, capsys):
+    """``--show`` lists the readable profiles and warns about the rest, like generation does."""
+    good = {"shape": [2, 3, 0.3], "method": "grid", "tokens_per_second": 9.0}
+    bad = {"empty": {}, "text": "oops", "zero": {"shape": [0, 1]}}
+    autotune.write_store({"version": autotune.PROFILE_VERSION, "profiles": {"ok": good, **bad}})
+    console = Console(file=io.StringIO(), width=200)
+    autotune.show(console)
+    assert "W=2 L=3 min-prob 0.3" in console.file.getvalue()
+    err = capsys.readouterr().err
+    assert all(f"malformed profile {key!r}" in err for key in bad)
+
+
+def test_autotune_refuses_a_store_that_is_a_folder(runtime, monkeypatch, capsys):
+    autotune.store_path().mkdir(parents=True)
+    monkeypatch.setattr(rt, "load_runtime", lambda *args, **kwargs: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as e:
+        autotune.main(autotune.setup_arg_parser().parse_args(["--beam-width", "1"]))
+    assert e.value.code == 1 and "is a folder" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,30 @@ def test_prompt_files_name_their_bad_line(tmp_path):
         load_prompts(path, None, 1)
     path.write_text('{"turns": ["hi"]}\n{"text": "yo"}\n')
     assert load_prompts(path, None, 1) == [["hi"], ["yo"]]
+    path.write_text('{"turns": ["hi"]}\n{"prompt": " "}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: an empty prompt"):
+        load_prompts(path, None, 1)
+
+
+def test_bench_refuses_a_prompt_file_without_prompts(tmp_path, capsys):
+    from redrafter_mlx import bench
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    args = bench.setup_arg_parser().parse_args(
+        ["--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "out")]
+    )
+    with pytest.raises(SystemExit) as e:
+        bench.main(args)  # before any model loads
+    assert e.value.code == 1
+    assert "holds no prompt" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_unwritable_outputs_are_refused_up_front_even_as_root(capsys):
+    """Permission bits say nothing to root; /proc takes no files. Caught before a long run."""
+    from redrafter_mlx import runtime as rt
+
+    with pytest.raises(SystemExit):
+        rt.check_writable("/proc/redrafter-test/out", "--out")
+    assert "/proc is not writable" in capsys.readouterr().err
