@@ -22,6 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from redrafter_mlx import atomic
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.data import MT_BENCH
 
@@ -157,6 +158,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
+    from redrafter_mlx import llm
+    from redrafter_mlx.autotune import fingerprint
     from redrafter_mlx.bench import load_prompts
 
     try:
@@ -177,10 +180,14 @@ def main(args: argparse.Namespace) -> None:
         rt.fail(
             f"{args.prompts}: no prompt of at most --max-prompt-tokens {args.max_prompt_tokens}"
         )
+    # the target's greedy paths depend on its weights (folder + files) and dtype
+    target_id = f"{args.model} {fingerprint(args.model)} {llm.compute_dtype(model)}"
     try:
-        rows = run_with_progress(model, tokenizer, drafter, prompts, args)
+        rows = run_with_progress(model, tokenizer, drafter, prompts, args, target_id)
     except OSError as e:  # e.g. an unwritable --paths-cache
         rt.fail(rt.os_error_text(e))
+    except PathsCacheError as e:
+        rt.fail(str(e))
     report = {
         "model": str(args.model),
         "drafter": str(args.drafter),
@@ -197,7 +204,7 @@ def main(args: argparse.Namespace) -> None:
         print_table(report)
 
 
-def run_with_progress(model, tokenizer, drafter, prompts, args) -> list[dict]:
+def run_with_progress(model, tokenizer, drafter, prompts, args, target_id: str = "") -> list[dict]:
     from rich.progress import Progress
 
     total = len(prompts) * len(args.beam_width) * len(args.beam_length)
@@ -214,6 +221,7 @@ def run_with_progress(model, tokenizer, drafter, prompts, args) -> list[dict]:
                 args.max_tokens,
                 args.paths_cache,
                 progress=lambda n: bar.advance(task, n),
+                target_id=target_id,
             )
         return evaluate(
             model,
@@ -406,11 +414,13 @@ def simulate_grid(
     max_tokens: int,
     paths_file: Path | None = None,
     progress=None,
+    target_id: str = "",
 ) -> list[dict]:
     """Like :func:`evaluate`, replaying steps along greedy paths decoded once by the real loop
     at :data:`PATH_SHAPE` (cached in ``paths_file``, keyed by prompt, when given). The row of
     that shape also carries the real loop's own count (``real_tokens_per_step``) when the paths
-    were decoded with this drafter in this call."""
+    were decoded with this drafter in this call. ``target_id`` names the target in the cache
+    keys (paths of another model are not reused)."""
     import mlx.core as mx
 
     from redrafter_mlx.draft import BeamDrafter
@@ -424,6 +434,7 @@ def simulate_grid(
         paths_file,
         BeamDrafter(drafter, embed=embed),
         count_until=max_tokens,
+        target_id=target_id,
     )
     runs: dict[tuple[int, int], list[dict]] = {}
     for ids, hidden, n_prompt, _ in paths:
@@ -448,6 +459,24 @@ def simulate_grid(
     return rows
 
 
+class PathsCacheError(ValueError):
+    """A ``--paths-cache`` file that is not one."""
+
+
+def _read_paths(path: Path) -> dict:
+    """The stored paths ``{key: ids}`` of ``path`` ({} when it does not exist yet)."""
+    if not path.exists():
+        return {}
+    hint = "delete it or name another"
+    try:
+        stored = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PathsCacheError(f"{path}: not a paths cache ({e}); {hint}") from None
+    if not isinstance(stored, dict):
+        raise PathsCacheError(f"{path}: not a paths cache (no JSON object); {hint}")
+    return stored
+
+
 def load_paths(
     model,
     tokenizer,
@@ -456,17 +485,17 @@ def load_paths(
     paths_file: Path | None,
     drafter=None,
     count_until: int | None = None,
+    target_id: str = "",
 ):
     """Greedy paths per prompt ``[(ids, hidden (N, H), n_prompt, real)]``, from/into
-    ``paths_file`` (``real`` is None for stored paths)."""
+    ``paths_file`` (``real`` is None for stored paths), keyed by ``target_id``, prompt and
+    length; the file is rewritten atomically after each new path."""
     import mlx.core as mx
 
     from redrafter_mlx.load import eos_ids
 
     eos = eos_ids(tokenizer)
-    stored = (
-        json.loads(Path(paths_file).read_text()) if paths_file and Path(paths_file).exists() else {}
-    )
+    stored = _read_paths(Path(paths_file)) if paths_file else {}
     out = []
     for p in prompts:
         prompt_ids = list(
@@ -474,7 +503,7 @@ def load_paths(
                 [{"role": "user", "content": p}], add_generation_prompt=True
             )
         )
-        key = hashlib.sha1(json.dumps([p, max_tokens]).encode()).hexdigest()
+        key = hashlib.sha1(json.dumps([target_id, p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None
             hidden = path_hidden(model, ids)
@@ -484,7 +513,7 @@ def load_paths(
             )
             stored[key] = ids
             if paths_file:
-                Path(paths_file).write_text(json.dumps(stored))
+                atomic.write_text(paths_file, json.dumps(stored))
         mx.eval(hidden)
         out.append((ids, hidden, len(prompt_ids), real))
     return out

@@ -300,6 +300,26 @@ def test_eval_drafter_loop_and_simulation_agree(trained):
     assert min(r["tokens_per_step"] for r in real) > 1.5, real
 
 
+def test_paths_cache_is_per_target_and_refuses_a_foreign_file(trained, tmp_path, monkeypatch):
+    """The greedy paths cache goes into a new folder, is reused for the same target only, and
+    a file that is not one stops with a clear error instead of a traceback."""
+    model, args, _, _, _, _ = trained
+    drafter = load_drafter(args.out, model)
+    decoded, real_path = [], E.greedy_path
+    monkeypatch.setattr(E, "greedy_path", lambda *a, **k: decoded.append(1) or real_path(*a, **k))
+    cache = tmp_path / "new" / "paths.json"
+    for target_id, fresh in (("a", 2), ("a", 0), ("b", 2)):
+        before = len(decoded)
+        E.simulate_grid(
+            model, CharTokenizer(), drafter, ["ab cd", "hello"], [1], [3], max_tokens=8,
+            paths_file=cache, target_id=target_id,
+        )  # fmt: skip
+        assert len(decoded) - before == fresh
+    cache.write_text('{"prompt": "not a cache"}\n{"x": 1}\n')
+    with pytest.raises(E.PathsCacheError, match="not a paths cache"):
+        E.load_paths(model, CharTokenizer(), ["ab"], 8, cache)
+
+
 def test_self_distillation_records_are_the_targets_greedy_path():
     """Batched, left-padded greedy answers carry the same hidden states and next tokens as
     teacher forcing the finished sequence alone, and every answer token is the target's argmax."""
