@@ -82,10 +82,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"redrafter-mlx: unknown command {name!r}{hint}\n", file=sys.stderr)
         print(USAGE.format(commands=listing), file=sys.stderr)
         raise SystemExit(2)
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = module.setup_arg_parser()
-    parser.prog = f"redrafter-mlx {name}"
-    run(module.main, parser.parse_args(rest))
+
+    def command(_) -> None:  # importing a command takes seconds: Ctrl-C may come meanwhile
+        module = importlib.import_module(COMMANDS[name][0])
+        parser = module.setup_arg_parser()
+        parser.prog = f"redrafter-mlx {name}"
+        module.main(parser.parse_args(rest))
+
+    run(command, None)
 
 
 def run(command, args) -> None:

@@ -634,8 +634,11 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if not 0 < value < math.inf:
             raise SystemExit(f"error: {flag} must be a positive number (got {value})")
-    if not args.max_minutes >= 0 or args.draft_vocab < 0 or args.topk < 0:  # nan too
-        raise SystemExit("error: --max-minutes, --draft-vocab and --topk cannot be negative")
+    layers = args.num_draft_layers if args.num_draft_layers is not None else 0
+    if not args.max_minutes >= 0 or min(args.draft_vocab, args.topk, layers) < 0:  # nan too
+        raise SystemExit(
+            "error: --max-minutes, --draft-vocab, --topk and --num-draft-layers cannot be negative"
+        )
     if args.source == "self" and args.topk:
         raise SystemExit("error: --topk is not stored for --source self")
     if args.source == "self" and not 4 <= args.gen_tokens < args.max_seq_len:

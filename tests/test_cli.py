@@ -29,6 +29,17 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys):
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
+def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt", "hi"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
 @pytest.mark.parametrize(
     "command,flags",
     [

@@ -125,6 +125,7 @@ def parse(*flags: str):
         (["--max-tokens", "-5"], "--max-tokens must be at least 1"),
         (["--epochs", "0"], "--epochs must be a positive number"),
         (["--epochs", "inf"], "--epochs must be a positive number"),
+        (["--num-draft-layers", "-1"], "--num-draft-layers cannot be negative"),
         (["--init", "nowhere"], "not a drafter folder"),
         ([], "--out is required"),
         (["--out", "FILE"], "is a file"),
