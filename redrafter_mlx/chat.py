@@ -367,7 +367,8 @@ class ChatUI:
                 return
 
     def banner(self) -> None:
-        drafter = self.runtime.drafter_id or "none"
+        drafter = None if self.session.autoregressive else self.runtime.drafter_id
+        drafter = drafter or "none"
         self.out.print(f"[bold]redrafter-mlx chat[/] · model {escape(self.runtime.model_id)}")
         self.note(f"drafter {drafter} · {self.mode()} · /help for commands, Ctrl-D to quit")
 

@@ -913,8 +913,8 @@ def _cpu_notes(args: argparse.Namespace) -> None:
         return
     if args.quantize:
         print(
-            "note: quantized models run very slowly on MLX's CPU backend (measured here: under "
-            "1 token/s for SmolLM2-135M at 4 bits); keep them for Apple or CUDA GPUs",
+            f"note: {args.quantize}-bit models run very slowly on MLX's CPU backend (measured "
+            "here: under 1 token/s for SmolLM2-135M at 4 bits); keep them for Apple or CUDA GPUs",
             file=sys.stderr,
         )
     elif args.dtype in (None, "float16", "bfloat16"):
@@ -928,7 +928,10 @@ def _cpu_notes(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> None:
     """Run the conversion; errors print ``error: ...`` to stderr and exit with status 1."""
-    _cpu_notes(args)
+    from redrafter_mlx.runtime import check_writable, os_error_text
+
+    if args.out and str(args.out).strip():
+        check_writable(args.out, "--out")
     try:
         out = convert(
             args.src,
@@ -943,11 +946,10 @@ def main(args: argparse.Namespace) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except OSError as e:  # an unwritable or impossible --out
-        from redrafter_mlx.runtime import os_error_text
-
         print(f"error: {os_error_text(e, args.out)}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"wrote {out}")
+    _cpu_notes(args)
 
 
 if __name__ == "__main__":

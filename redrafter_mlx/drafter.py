@@ -152,6 +152,8 @@ def save_drafter(drafter: Drafter, out: Path | str) -> None:
 def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:
     """Load a drafter folder (reference format or ours), check it against ``target``, eval it."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DrafterError(f"{path}: a file, not a drafter folder (config.json, safetensors)")
     config_file, weights_file = path / "config.json", path / "model.safetensors"
     for f in (config_file, weights_file):
         if not f.exists():

@@ -123,7 +123,7 @@ def main(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(file=sys.stderr)
+    print()  # the answer's last line, on stdout: a piped answer ends with a newline
     print(
         f"[{stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s, "
         f"{stats.tokens_per_step:.2f} tokens/step, prompt {stats.prompt_tps:.0f} tok/s]",

@@ -653,7 +653,7 @@ def test_smollm2_keeps_4bit(tmp_path):
     assert generate(model, tok, prompt, max_tokens=30).strip() == "The capital of France is Paris."
 
 
-def test_a_drafter_whose_weights_do_not_match_its_config_is_named(tmp_path):
+def test_a_drafter_that_does_not_match_its_config_or_is_a_file_is_named(tmp_path):
     from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
 
     save_drafter(random_drafter(64, 64, num_draft_layers=2), tmp_path / "d")
@@ -662,3 +662,6 @@ def test_a_drafter_whose_weights_do_not_match_its_config_is_named(tmp_path):
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
     with pytest.raises(DrafterError, match=r"does not match its config.json.*lm_head\.1\.linear"):
         load_drafter(tmp_path / "d")
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(DrafterError, match=r"file: a file, not a drafter folder"):
+        load_drafter(tmp_path / "file")
