@@ -386,10 +386,14 @@ class ChatUI:
     def answer(self, text: str) -> None:
         """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text."""
         responses = self.session.reply(text)
+        shown = False
         try:
             for response in responses:
                 self.show(response.text)
+                shown = True
         except ContextFull as e:
+            if shown or not self.interactive:  # piped: still one output line per input line
+                self.end_answer()
             self.note(f"cannot answer: {e}. Shorten the message or lower --max-tokens.", "bold red")
             return
         except KeyboardInterrupt:

@@ -422,3 +422,27 @@ def test_chat_piped_stdin(drafter_dir):
     fast, slow = (done.stdout for done in runs)
     assert fast == slow
     assert "answers 1" in runs[0].stderr  # piped: notices and /stats go to stderr
+
+
+def test_piped_chat_keeps_one_output_line_per_input_line(target, capsys):
+    """A message too long for the context gets an empty answer line on stdout (the reason on
+    stderr), so the answers stay aligned with the input lines."""
+    import argparse
+    from types import SimpleNamespace
+
+    from redrafter_mlx.chat import ChatUI
+
+    runtime = SimpleNamespace(model_id="tiny", drafter_id=None)
+    ui = ChatUI(
+        session(target, max_tokens=4, max_context=48),
+        runtime,
+        argparse.Namespace(),
+        "default",
+        interactive=False,
+    )
+    for text in ("hi", "x" * 60, "ok"):
+        ui.answer(text)
+    out, err = capsys.readouterr()
+    lines = out.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[-1] == ""  # 3 answers, the 2nd empty
+    assert "cannot answer" in err
