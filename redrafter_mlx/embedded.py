@@ -70,6 +70,18 @@ def default_model_path() -> Path:
     return cached_conversion(embedded_gguf(), name=DEFAULT_NAME)
 
 
+def is_embedded_model(model: str) -> bool:
+    """Whether ``model`` names the embedded SmolLM2: its GGUF, or its conversion in the cache
+    (any dtype), so its shipped drafter applies."""
+    path = Path(model).expanduser().resolve()
+    if path.parent == (cache_dir() / "models").expanduser().resolve():
+        return path.name.startswith(f"{DEFAULT_NAME}-")
+    try:
+        return path == embedded_gguf().resolve()
+    except EmbeddedModelError:
+        return False
+
+
 def default_drafter_path() -> Path | None:
     """The repository's trained SmolLM2 drafter folder, if present."""
     path = Path(__file__).resolve().parent.parent / DRAFTER_DIR

@@ -161,13 +161,14 @@ def check_writable(path: Path | str, what: str) -> None:
 def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
     """Load the target (embedded default when None) and its drafter, evaluated and checked."""
     from redrafter_mlx.drafter import DrafterError, load_drafter
-    from redrafter_mlx.embedded import default_drafter_path, default_model_path
+    from redrafter_mlx.embedded import default_drafter_path, default_model_path, is_embedded_model
     from redrafter_mlx.load import load_target
 
     try:
         model_path = model or str(default_model_path())
         target, tokenizer, config = load_target(model_path)
-        drafter_path = drafter or (None if model else default_drafter_path())
+        embedded = not model or is_embedded_model(model)
+        drafter_path = drafter or (default_drafter_path() if embedded else None)
         beam_drafter = None
         if drafter_path is not None:
             loaded = load_drafter(drafter_path, target)
