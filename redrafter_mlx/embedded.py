@@ -58,6 +58,10 @@ def cached_conversion(gguf: Path, *, name: str | None = None, dtype: str | None 
     out = cache_dir() / "models" / f"{name}-{dtype}"
     if (out / "config.json").is_file():
         return out
+    if cache_dir().exists() and not cache_dir().is_dir():
+        raise EmbeddedModelError(
+            f"the model cache {cache_dir()} is a file: point REDRAFTER_CACHE at a folder"
+        )
     print(f"note: converting {gguf.name} to MLX ({dtype}) once, into {out}", file=sys.stderr)
     convert_gguf(gguf, out, dtype=dtype, force=True)
     if not (out / "config.json").is_file():

