@@ -726,6 +726,12 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
         lines = [json.dumps({"turns": [t]}) for t in first_user_turns(heldout)]
         prompts.write_text("\n".join(lines) + "\n")
     extract(model, tokenizer, heldout, cache, "heldout", args.heldout_tokens, args)
+    if not cache.tokens("heldout"):  # say so now, not after the (long) training extraction
+        raise SystemExit(
+            f"error: {cache.root}: the {heldout_n} held-out conversations gave no tokens within "
+            "--max-seq-len (prompts too long for it, or no answers): raise --max-seq-len or "
+            "--heldout"
+        )
     extract(model, tokenizer, training, cache, "train", args.max_tokens, args)
     got = cache.tokens("train")
     if got < args.max_tokens and not args.quiet:

@@ -442,3 +442,17 @@ def test_schedule_warms_up_decays_and_fits_the_time_limit():
     args.total_steps = sched.total = 1000
     T.fit_to_time(trainer, 50, 10.0, 100, args, before=40.0)
     assert args.total_steps == 100 + int(10 * 5 * T.TIME_MARGIN)
+
+
+def test_a_held_out_split_without_tokens_stops_before_the_training_split(tmp_path):
+    """Prompts too long for --max-seq-len leave the held-out split empty: that is said right
+    after its (short) extraction, not after generating the whole training split."""
+    write_conversations(tmp_path / "data.json", 40)
+    args = T.setup_arg_parser().parse_args(
+        ["--source", "self", "--gen-tokens", "16", "--max-seq-len", "20", "--heldout", "4"]
+        + ["--heldout-tokens", "50", "--max-tokens", "300", "--quiet"]
+    )
+    with pytest.raises(SystemExit, match="held-out conversations gave no tokens"):
+        data, cache = tmp_path / "data.json", tmp_path / "c"
+        T.prepare_cache(learnable_target(), CharTokenizer(), "tiny", data, cache, args)
+    assert not list((tmp_path / "c").glob("train-*.npz"))  # no training split generated
