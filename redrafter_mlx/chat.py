@@ -371,6 +371,8 @@ class ChatUI:
         drafter = drafter or "none"
         self.out.print(f"[bold]redrafter-mlx chat[/] · model {escape(self.runtime.model_id)}")
         self.note(f"drafter {drafter} · {self.mode()} · /help for commands, Ctrl-D to quit")
+        if ignored := rt.ignored_when_autoregressive(self.args):
+            self.note(f"ignored with --autoregressive: {', '.join(ignored)}", "yellow")
 
     def read_line(self) -> str | None:
         """The next input line; None at end of input or Ctrl-C / Ctrl-D at the prompt."""

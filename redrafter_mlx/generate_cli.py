@@ -87,6 +87,8 @@ def main(args: argparse.Namespace) -> None:
     mode = "autoregressive" if args.autoregressive else "redrafter"
     if not args.json:
         note = "" if args.autoregressive else f" {shape.describe()} ({source})"
+        if ignored := rt.ignored_when_autoregressive(args):
+            note += f" (ignored: {', '.join(ignored)})"
         timing = " (timing on: evaluates at phase boundaries, adds syncs)" if args.timing else ""
         print(f"[{mode}{note}]{timing}", file=sys.stderr)
     text, tokens = [], []

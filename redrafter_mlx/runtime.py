@@ -129,6 +129,13 @@ def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -
     )
 
 
+def ignored_when_autoregressive(args: argparse.Namespace) -> list[str]:
+    """The ReDrafter flags given on a command line that also says --autoregressive."""
+    flags = ("drafter", "beam_width", "beam_length", "min_prob")
+    given = [f for f in flags if getattr(args, f, None) is not None]
+    return [f"--{f.replace('_', '-')}" for f in given] if args.autoregressive else []
+
+
 def fail(message: str) -> None:
     """Print a one-line error and exit 1 (bad input, not a bug)."""
     print(f"error: {message}", file=sys.stderr)

