@@ -131,9 +131,10 @@ def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -
 
 def ignored_when_autoregressive(args: argparse.Namespace) -> list[str]:
     """The ReDrafter flags given on a command line that also says --autoregressive."""
+    if not getattr(args, "autoregressive", False):
+        return []
     flags = ("drafter", "beam_width", "beam_length", "min_prob")
-    given = [f for f in flags if getattr(args, f, None) is not None]
-    return [f"--{f.replace('_', '-')}" for f in given] if args.autoregressive else []
+    return [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f, None) is not None]
 
 
 def fail(message: str) -> None:
