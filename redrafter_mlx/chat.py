@@ -224,6 +224,8 @@ class ChatSession:
         self.decoder.warm_up(autoregressive=self.autoregressive)
 
     def set_shape(self, shape: BeamShape) -> None:
+        """Switch to ``shape`` (ValueError, and the shape unchanged, if the drafter can't)."""
+        self.decoder.check_shape(shape)
         self.decoder.shape = shape
         self.warm_up()
 

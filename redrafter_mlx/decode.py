@@ -126,6 +126,14 @@ class Decoder:
                 f"model's {self.max_context}-token context"
             )
 
+    def check_shape(self, shape: BeamShape) -> None:
+        """ValueError when the drafter cannot search ``shape``: more beams than draft tokens."""
+        args = getattr(getattr(self.drafter, "drafter", None), "args", None)
+        if args is not None and shape.width > args.draft_vocab:
+            raise ValueError(
+                f"beam width {shape.width} exceeds the drafter's vocabulary ({args.draft_vocab})"
+            )
+
     def warm_up(self, *, autoregressive: bool = False) -> None:
         """Trace (and build the kernels of) everything a step of the current shape and sampler
         runs: a prompt forward (mlx-lm's modules), the verify forward at each compiled size of

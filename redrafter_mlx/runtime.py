@@ -238,7 +238,7 @@ def make_decoder(
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temp, top_p=top_p, top_k=top_k)
-    return Decoder(
+    decoder = Decoder(
         runtime.model,
         sampler,
         runtime.drafter,
@@ -248,6 +248,11 @@ def make_decoder(
         tree_sizes=tree_sizes(),
         seed=seed,
     )
+    try:
+        decoder.check_shape(shape)
+    except ValueError as e:
+        fail(f"{shape.describe()}: {e}")
+    return decoder
 
 
 def tree_sizes() -> tuple[int, ...]:

@@ -446,3 +446,15 @@ def test_piped_chat_keeps_one_output_line_per_input_line(target, capsys):
     lines = out.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[-1] == ""  # 3 answers, the 2nd empty
     assert "cannot answer" in err
+
+
+def test_a_beam_wider_than_the_draft_vocabulary_is_refused_and_nothing_changes(target):
+    """/beam 65 3 with a 64-token drafter: refused, and the session keeps its shape and works
+    (it used to keep the refused shape and crash on the next answer)."""
+    beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
+    chat = session(target, beam, max_tokens=6)
+    ask(chat, "abc")
+    with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
+        chat.set_shape(BeamShape(65, 3))
+    assert chat.decoder.shape == BeamShape(2, 3)
+    assert ask(chat, "def") and chat.messages[-1]["role"] == "assistant"
