@@ -91,7 +91,19 @@ def read_config(path: Path) -> dict[str, Any]:
             f"{cfg_file}: unsupported architecture model_type={model_type!r} "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    check_attention(config, cfg_file)
     return config
+
+
+def check_attention(config: dict[str, Any], where: Path) -> None:
+    """Refuse what the verify forward (explicit masks, per-token RoPE offsets) does not do:
+    sliding-window layers and dynamic RoPE scaling (it needs the sequence length)."""
+    if "sliding_attention" in (config.get("layer_types") or []):
+        raise LoadError(f"{where}: unsupported: sliding-window attention layers (layer_types)")
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind == "dynamic":
+        raise LoadError(f"{where}: unsupported: dynamic RoPE scaling (rope_scaling)")
 
 
 def check_structure(model: nn.Module, where: Path) -> None:

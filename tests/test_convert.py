@@ -466,6 +466,11 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
         cfg["model_type"] = "gpt_bogus"
     elif kind == "shape":
         cfg["intermediate_size"] = 6
+    elif kind == "sliding":
+        cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+        cfg["sliding_window"] = 4
+    elif kind == "dynamic-rope":
+        cfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     elif kind == "truncated":
         data = (src / "model.safetensors").read_bytes()
         (src / "model.safetensors").write_bytes(data[: len(data) - 100])
@@ -479,6 +484,8 @@ BAD_HF = {
     "architecture": "unsupported architecture",
     "shape": "do not match config",
     "truncated": "truncated safetensors",
+    "sliding": "unsupported: sliding-window attention",
+    "dynamic-rope": "unsupported: dynamic RoPE",
 }
 
 
@@ -492,7 +499,7 @@ def test_bad_hf_input_is_rejected(convert_tiny_hf, tmp_path, kind):
     assert not leftovers(out)
 
 
-@pytest.mark.parametrize("kind", ["missing-config", "architecture", "shape", "truncated"])
+@pytest.mark.parametrize("kind", list(BAD_HF))
 def test_bad_target_folder_load_error(convert_tiny_mlx, tmp_path, kind):
     src = bad_hf(kind, convert_tiny_mlx, tmp_path)
     with pytest.raises(LoadError, match=BAD_HF[kind]) as e:
