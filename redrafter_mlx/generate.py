@@ -72,6 +72,9 @@ def stream_generate(
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids), one response per step.
 
     ``cache`` may already hold a prefix (a chat); ``prompt`` is then only the new tokens.
+    Stop strings are looked for token by token and text that may begin one is held back, so
+    the text and tokens returned do not depend on how tokens were grouped into steps: a
+    ReDrafter answer stops exactly where the autoregressive one does.
     """
     cache = decoder.new_cache() if cache is None else cache
     steps = (decoder.autoregressive if autoregressive else decoder.speculative)(cache, prompt)
@@ -82,11 +85,12 @@ def stream_generate(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     first = True
+    shown = 0  # characters of the text already returned
     while True:
         try:
             step = next(steps)
         except ContextFull:
-            yield _finish(detokenizer, stats, tic, "context")
+            yield _finish(detokenizer, stats, tic, "context", shown)
             return
         now = time.perf_counter()
         if first:
@@ -98,15 +102,18 @@ def stream_generate(
             stats.accept_histogram[len(step.tokens)] += 1
             stats.generation_seconds = now - tic
         emitted, reason = _apply_stops(step.tokens, eos, max_tokens - stats.generation_tokens)
-        for token in emitted:
-            detokenizer.add_token(token)
+        emitted, cut = _add_until_stop_string(detokenizer, emitted, stop_strings)
         stats.generation_tokens += len(emitted)
-        text, hit_stop_string = _cut_at_stop_string(detokenizer, stop_strings)
-        if hit_stop_string:
-            reason = "stop"
+        if cut is None and reason is not None:
+            detokenizer.finalize()  # may flush held characters: look at them too
+            cut = _find_stop_string(detokenizer.text, stop_strings, shown)
+        if cut is not None:
+            reason, end = "stop", cut
         elif reason is not None:
-            detokenizer.finalize()
-            text += detokenizer.last_segment
+            end = len(detokenizer.text)
+        else:
+            end = len(detokenizer.text) - _stop_string_start(detokenizer.text, stop_strings)
+        text, shown = detokenizer.text[shown:end], max(shown, end)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         yield GenerationResponse(text, emitted, stats, reason)
         if reason is not None:
@@ -124,17 +131,42 @@ def _apply_stops(tokens: list[int], eos: set[int], room: int) -> tuple[list[int]
     return tokens, None
 
 
-def _cut_at_stop_string(detokenizer, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
-    """The new text segment, cut before the first stop string if one appeared in the text."""
-    segment = detokenizer.last_segment
-    text = detokenizer.text
-    hits = [text.find(s) for s in stop_strings if s in text]
-    if not hits:
-        return segment, False
-    start = len(text) - len(segment)
-    return segment[: max(min(hits) - start, 0)], True
+def _add_until_stop_string(
+    detokenizer, tokens: list[int], stop_strings: tuple[str, ...]
+) -> tuple[list[int], int | None]:
+    """Feed ``tokens`` one by one; stop after the one that completes a stop string. Returns
+    the tokens fed and where the stop string starts in the text (None if none appeared)."""
+    if not stop_strings:
+        for token in tokens:
+            detokenizer.add_token(token)
+        return tokens, None
+    for i, token in enumerate(tokens):
+        before = len(detokenizer.text)
+        detokenizer.add_token(token)
+        cut = _find_stop_string(detokenizer.text, stop_strings, before)
+        if cut is not None:
+            return tokens[: i + 1], cut
+    return tokens, None
 
 
-def _finish(detokenizer, stats: GenerationStats, tic: float, reason: str) -> GenerationResponse:
+def _find_stop_string(text: str, stop_strings: tuple[str, ...], since: int) -> int | None:
+    """Start of the first stop string in ``text`` that ends after position ``since``."""
+    hits = [text.find(s, max(since - len(s) + 1, 0)) for s in stop_strings]
+    hits = [h for h in hits if h >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_string_start(text: str, stop_strings: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins a stop string (held back: the next
+    tokens may complete it)."""
+    return max(
+        (k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+    )
+
+
+def _finish(
+    detokenizer, stats: GenerationStats, tic: float, reason: str, shown: int
+) -> GenerationResponse:
+    """The last response of an answer cut short (the context is full): the rest of the text."""
     detokenizer.finalize()
-    return GenerationResponse(detokenizer.last_segment, [], stats, reason)
+    return GenerationResponse(detokenizer.text[shown:], [], stats, reason)
