@@ -244,9 +244,8 @@ class ChatSession:
         context = self.decoder.max_context
         if context is None:
             return None
-        shape = self.decoder.shape
-        slack = 1 if self.autoregressive else shape.width * shape.length + 1
-        return max(context - min(self.max_tokens, context // 2) - slack, 1)
+        # an answer's last steps verify shorter beams: it needs no more room than plain decoding
+        return max(context - min(self.max_tokens, context // 2) - 1, 1)
 
     def prepare(self, user_text: str) -> tuple[list[int], Turn]:
         """Append the user message (trimming old turns to fit), rewind the cache to the prefix it

@@ -237,17 +237,25 @@ class Decoder:
         (and their drafted tokens' ``logprobs (W, L - 1)`` when pruning)."""
         timer = self.timer
         timer.start()
+        shape = beams.shape
+        self._check_room(cache, 1)  # the root's position
+        room = None if self.max_context is None else self.max_context - cache.offset
+        if room is not None and room < shape[1]:  # near the context's end: shorter beams,
+            beams = beams[:, :room]  # so the answer stops where the autoregressive one does
+            logprobs = None if logprobs is None else logprobs[:, : room - 1]
         tree = pack_beams(beams)
         if logprobs is not None:
             tree = prune(tree, logprobs, self.shape.min_prob, self.tree_sizes)
-        self._check_room(cache, tree.size + 1)
         size = tree.size
         tree = pad_tree(tree, verified_size(size, self.tree_sizes))
         mask = tree_mask(tree, cache.offset)
         positions = mx.array(cache.offset + tree.depths)
         timer.mark("pack", mask)
         cache.reserve(max(tree.size, beams.shape[1]))  # compaction writes L slots
-        hidden = llm.forward(self.model, mx.array(tree.tokens), positions, mask, cache)
+        tokens = mx.array(tree.tokens)
+        # shortened beams make sizes warm_up did not compile: run those few eagerly
+        compiled = beams.shape == shape
+        hidden = llm.forward(self.model, tokens, positions, mask, cache, compiled=compiled)
         logits = llm.lm_head(self.model, hidden)
         timer.mark("verify", logits)
         pruned = tree.unpack < 0  # never accepted: a token id no choice can equal
@@ -280,7 +288,7 @@ class Decoder:
         cache.commit(root_and_accepted)
         emitted = root_and_accepted[1:] + [next_token]
         step = Step(emitted, tree_size=size, syncs=1 + draft_syncs)
-        return (read[3:].reshape(beams.shape), next_logprobs), step
+        return (read[3:].reshape(shape), next_logprobs), step
 
 
 def _host_read(*values: mx.array) -> np.ndarray | tuple[np.ndarray, ...]:

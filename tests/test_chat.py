@@ -458,3 +458,17 @@ def test_a_beam_wider_than_the_draft_vocabulary_is_refused_and_nothing_changes(t
         chat.set_shape(BeamShape(65, 3))
     assert chat.decoder.shape == BeamShape(2, 3)
     assert ask(chat, "def") and chat.messages[-1]["role"] == "assistant"
+
+
+def test_redrafter_chat_drops_old_turns_exactly_when_plain_decoding_does(target):
+    """Near the context's end the two modes keep the same history and give the same answers
+    (ReDrafter used to reserve W * L tokens more and drop turns earlier)."""
+    beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
+    decoders = [Decoder(target, GREEDY, beam, BeamShape(4, 4), 64) for _ in range(2)]
+    fast = ChatSession(decoders[0], ToyTokenizer(), toy_template, max_tokens=8)
+    slow = ChatSession(decoders[1], ToyTokenizer(), toy_template, max_tokens=8, autoregressive=True)
+    assert fast.room() == slow.room()
+    for question in ("one two three", "four five", "six", "seven eight nine ten"):
+        assert ask(fast, question) == ask(slow, question)
+        assert fast.last.dropped_turns == slow.last.dropped_turns
+    assert fast.messages == slow.messages

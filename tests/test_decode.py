@@ -136,19 +136,23 @@ def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
     assert len(reads) == steps + 1  # one per step, plus the one after prefill
 
 
-@pytest.mark.parametrize("width", [1, 2])
-def test_context_full_only_when_the_next_step_cannot_fit(target, beam_drafter, width):
-    """Near the context's end the answer runs as far as a step fits, exact, then stops with
-    ContextFull, not earlier."""
-    length, limit = 4, len(PROMPT) + 30
-    decoder = Decoder(target, GREEDY, beam_drafter, BeamShape(width, length), limit)
-    cache, out = decoder.new_cache(), []
-    with pytest.raises(decode.ContextFull):
-        for step in decoder.speculative(cache, PROMPT):
-            out += step.tokens
-    assert out == autoregressive(target, PROMPT, len(out))
-    tree = length if width == 1 else 1 + width * (length - 1)
-    assert cache.offset + tree + 1 > limit  # the next step would not fit: no earlier
+@pytest.mark.parametrize("shape", [BeamShape(1, 4), BeamShape(2, 4), BeamShape(3, 5, 0.05)])
+def test_near_the_context_end_redrafter_stops_where_plain_decoding_does(
+    target, beam_drafter, shape
+):
+    """The last steps verify shorter beams, so the answer runs exactly as far as the
+    autoregressive one before ContextFull (whole trees used to stop it up to W * L early)."""
+    limit = len(PROMPT) + 30
+    answers = []
+    for speculative in (False, True):
+        decoder = Decoder(target, GREEDY, beam_drafter, shape, limit)
+        cache, out = decoder.new_cache(), []
+        steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, PROMPT)
+        with pytest.raises(decode.ContextFull):
+            for step in steps:
+                out += step.tokens
+        answers.append((out, cache.offset))
+    assert answers[0] == answers[1] and answers[0][1] == limit
 
 
 def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
