@@ -90,7 +90,7 @@ def stream_generate(
         try:
             step = next(steps)
         except ContextFull:
-            yield _finish(detokenizer, stats, tic, "context", shown)
+            yield _finish(detokenizer, stats, "context", shown)
             return
         now = time.perf_counter()
         if first:
@@ -164,9 +164,7 @@ def _stop_string_start(text: str, stop_strings: tuple[str, ...]) -> int:
     )
 
 
-def _finish(
-    detokenizer, stats: GenerationStats, tic: float, reason: str, shown: int
-) -> GenerationResponse:
+def _finish(detokenizer, stats: GenerationStats, reason: str, shown: int) -> GenerationResponse:
     """The last response of an answer cut short (the context is full): the rest of the text."""
     detokenizer.finalize()
     return GenerationResponse(detokenizer.text[shown:], [], stats, reason)
