@@ -24,7 +24,7 @@ import numpy as np
 from redrafter_mlx import llm
 from redrafter_mlx.accept import Sampler, accept, choose
 from redrafter_mlx.cache import KVCache
-from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.draft import BeamDrafter, check_width
 from redrafter_mlx.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
 
 PREFILL_CHUNK = 512
@@ -128,11 +128,8 @@ class Decoder:
 
     def check_shape(self, shape: BeamShape) -> None:
         """ValueError when the drafter cannot search ``shape``: more beams than draft tokens."""
-        args = getattr(getattr(self.drafter, "drafter", None), "args", None)
-        if args is not None and shape.width > args.draft_vocab:
-            raise ValueError(
-                f"beam width {shape.width} exceeds the drafter's vocabulary ({args.draft_vocab})"
-            )
+        if isinstance(self.drafter, BeamDrafter):
+            check_width(self.drafter.drafter, shape.width)
 
     def warm_up(self, *, autoregressive: bool = False) -> None:
         """Trace (and build the kernels of) everything a step of the current shape and sampler

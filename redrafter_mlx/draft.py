@@ -40,11 +40,16 @@ def beam_search(
     return search[0], search[2]
 
 
-def start(drafter: Drafter, context: mx.array, pending: mx.array, width: int) -> tuple:
-    """The search before any expansion: one live beam ``[pending]`` with score 0."""
+def check_width(drafter: Drafter, width: int) -> None:
+    """ValueError when ``width`` beams cannot be drafted: more than the drafter's tokens."""
     vocab = drafter.args.draft_vocab
     if width > vocab:
-        raise ValueError(f"beam width {width} exceeds the draft vocabulary ({vocab})")
+        raise ValueError(f"beam width {width} exceeds the drafter's vocabulary ({vocab})")
+
+
+def start(drafter: Drafter, context: mx.array, pending: mx.array, width: int) -> tuple:
+    """The search before any expansion: one live beam ``[pending]`` with score 0."""
+    check_width(drafter, width)
     beams = pending.reshape(1, 1).astype(mx.int32)
     state = mx.zeros((1, context.shape[-1]), context.dtype)
     return beams, mx.zeros((1,)), mx.zeros((1, 0)), state

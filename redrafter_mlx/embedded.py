@@ -55,12 +55,13 @@ def cached_conversion(gguf: Path, *, name: str | None = None, dtype: str | None 
         st = gguf.stat()
         key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
         name = f"{gguf.stem.lower()}-{key.hexdigest()[:10]}"
-    out = cache_dir() / "models" / f"{name}-{dtype}"
+    root = cache_dir()
+    out = root / "models" / f"{name}-{dtype}"
     if (out / "config.json").is_file():
         return out
-    if cache_dir().exists() and not cache_dir().is_dir():
+    if root.exists() and not root.is_dir():
         raise EmbeddedModelError(
-            f"the model cache {cache_dir()} is a file: point REDRAFTER_CACHE at a folder"
+            f"the model cache {root} is a file: point REDRAFTER_CACHE at a folder"
         )
     print(f"note: converting {gguf.name} to MLX ({dtype}) once, into {out}", file=sys.stderr)
     convert_gguf(gguf, out, dtype=dtype, force=True)
