@@ -79,7 +79,7 @@ def chip_info() -> dict:
     import mlx.core as mx
 
     from redrafter_mlx.bench import backend, cpu_model
-    from redrafter_mlx.cli import blas_in_use
+    from redrafter_mlx.blas import blas_in_use
 
     kind = backend()
     info = mx.device_info() if hasattr(mx, "device_info") else {}

@@ -7,6 +7,11 @@ drift of a shared machine hits all methods alike; figures are medians of per-pro
 Tokens/s is computed the same way for every method from the stream's own timestamps:
 ``(tokens - 1) / (time of last token - time of first token)``. Library functions return
 numbers; only ``main`` prints.
+
+When the small-row BLAS kernel is preloaded (``blas.py``, Linux x86-64), mlx-lm runs twice: with
+it, as everything else in the process does (``mlx-lm``: the same matmuls as ours, so the ratio
+is the decoding's alone), and with it switched off (``mlx-lm-stock``: what mlx-lm gets without
+this package).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 
 from redrafter_mlx import atomic, llm
 from redrafter_mlx import runtime as rt
+from redrafter_mlx.blas import smallrows_loaded, smallrows_off
 from redrafter_mlx.data import MT_BENCH
 from redrafter_mlx.decode import PHASES, BeamShape
 from redrafter_mlx.generate import stream_generate
@@ -37,6 +43,9 @@ from redrafter_mlx.generate import stream_generate
 DEFAULT_WIDTHS = (1, 2)
 DEFAULT_LENGTHS = (2, 3)
 MLX_LM, AUTOREGRESSIVE, REDRAFTER = "mlx-lm", "autoregressive", "redrafter"
+# mlx-lm with the small-row BLAS kernel switched off (blas.py): what a user of mlx-lm gets
+MLX_LM_STOCK = "mlx-lm-stock"
+BASELINES = (MLX_LM, MLX_LM_STOCK, AUTOREGRESSIVE)
 
 EXAMPLES = """examples:
   redrafter-mlx bench                                   # short: 2 MT-Bench prompts, W 1,2 x L 2,3
@@ -50,7 +59,8 @@ EXAMPLES = """examples:
 
 @dataclass(frozen=True)
 class Method:
-    """What generates: ``kind`` is mlx-lm, autoregressive or redrafter (with a ``shape``)."""
+    """What generates: ``kind`` is mlx-lm (-stock), autoregressive or redrafter (with a
+    ``shape``)."""
 
     kind: str
     shape: BeamShape | None = None
@@ -185,6 +195,9 @@ def measure(
         mx.random.seed(seed)
     if method.kind == MLX_LM:
         return run_mlx_lm(runtime, prompt, max_tokens=max_tokens, temp=temp)
+    if method.kind == MLX_LM_STOCK:
+        with smallrows_off():
+            return run_mlx_lm(runtime, prompt, max_tokens=max_tokens, temp=temp)
     return run_decoder(runtime, method, prompt, max_tokens=max_tokens, temp=temp, timing=timing)
 
 
@@ -271,7 +284,7 @@ def warm_up(
     """Compile every tree size and beam search each method can run (:meth:`Decoder.warm_up`),
     then page everything in with a short generation, so no timed run pays for either."""
     for method in methods:
-        if method.kind != MLX_LM:
+        if method.kind not in (MLX_LM, MLX_LM_STOCK):
             shape = method.shape or rt.DEFAULT_SHAPE
             decoder = rt.make_decoder(runtime, shape, temp=temp)
             decoder.warm_up(autoregressive=method.kind == AUTOREGRESSIVE)
@@ -420,7 +433,9 @@ def summarize_method(
         "peak_memory_gb": max((run.peak_memory_gb for run in runs), default=0.0),
         "exact": all(r.run.tokens == reference.get(r.case) for r in mine) if reference else None,
     }
-    for base in (MLX_LM, AUTOREGRESSIVE):
+    for base in BASELINES:
+        if not any(r.method == base for r in records):
+            continue
         sp = speedups(records, method.name, base)
         row[f"speedup_vs_{base}"] = sp["ratio_of_medians"]
         row[f"speedup_vs_{base}_median_of_ratios"] = sp["median_of_ratios"]
@@ -431,7 +446,7 @@ def summarize_method(
 def _tree_fields(method: Method, trees: list[int], phases: dict[str, float] | None) -> dict:
     """Tree size and compression (T / (W*L)), and the per-phase fractions of a timed run."""
     if method.shape is None:
-        return {"mean_tree_size": 1.0 if trees or method.kind != MLX_LM else None}
+        return {"mean_tree_size": 1.0 if method.kind == AUTOREGRESSIVE else None}
     full = method.shape.width * method.shape.length
     compression = [t / full for t in trees]
     total = sum(phases.values()) if phases else 0.0
@@ -480,7 +495,7 @@ def environment(runtime: rt.Runtime) -> dict:
     """What the numbers depend on: chip, backend, BLAS, dtype, quantization, versions, ids."""
     import mlx_lm
 
-    from redrafter_mlx.cli import blas_in_use
+    from redrafter_mlx.blas import blas_in_use
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     quant = runtime.config.get("quantization") or runtime.config.get("quantization_config")
@@ -524,6 +539,8 @@ def run_bench(
 ) -> dict:
     """The full benchmark -> one JSON-able result (environment, settings, rows, cost ratios)."""
     methods = [Method(MLX_LM), Method(AUTOREGRESSIVE)] + [Method(REDRAFTER, s) for s in cfg.shapes]
+    if smallrows_loaded():
+        methods.insert(1, Method(MLX_LM_STOCK))
     records, prompts, reference = [], [], {}
     warmed = False
     for conv in cfg.conversations:
@@ -624,6 +641,8 @@ CSV_FIELDS = (
     "prompt_tps",
     "speedup_vs_mlx-lm",
     "speedup_vs_mlx-lm_median_of_ratios",
+    "speedup_vs_mlx-lm-stock",
+    "speedup_vs_mlx-lm-stock_median_of_ratios",
     "speedup_vs_autoregressive",
     "speedup_vs_autoregressive_median_of_ratios",
     "tokens_per_step",
@@ -833,7 +852,8 @@ def main(args: argparse.Namespace) -> None:
     )
     console = Console(stderr=True)
     cases = sum(len(c) for c in conversations)
-    total = cases * args.repetitions * (len(cfg.shapes) + 2) + 2
+    baselines = 3 if smallrows_loaded() else 2
+    total = cases * args.repetitions * (len(cfg.shapes) + baselines) + 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=total)
         result = run_bench(
@@ -858,11 +878,13 @@ def results_table(result: dict):
         title=f"{env['device']} | {env['backend']} | {env['blas']} | {env['dtype']} | "
         f"{Path(env['model']).name}"
     )
+    stock = any("speedup_vs_mlx-lm-stock" in row for row in result["results"])
     for col in (
         "method",
         "tok/s",
         "spread",
         "x mlx-lm",
+        *(["x stock"] if stock else []),
         "x AR",
         "tok/step",
         "tree",
@@ -878,6 +900,7 @@ def results_table(result: dict):
             f"{row['generation_tps']:.2f}",
             f"{row['rep_spread']:.0%}",
             _fmt(row.get("speedup_vs_mlx-lm"), "{:.2f}x"),
+            *([_fmt(row.get("speedup_vs_mlx-lm-stock"), "{:.2f}x")] if stock else []),
             _fmt(row.get("speedup_vs_autoregressive"), "{:.2f}x"),
             f"{row['tokens_per_step']:.2f}",
             _fmt(row.get("mean_tree_size"), "{:.1f}"),

@@ -1,8 +1,9 @@
 """`redrafter-mlx <command>`: dispatch to one module per command.
 
-On Linux the CPU backend's matmul speed depends on BLAS: when Debian's OpenBLAS is installed and
-not yet preloaded, the process re-executes itself with it in ``LD_PRELOAD`` (set
-``REDRAFTER_NO_OPENBLAS=1`` to opt out). This must happen before MLX is imported.
+On Linux the CPU backend's matmul speed depends on BLAS: the process re-executes itself with
+Debian's OpenBLAS and the small-row decode kernel in ``LD_PRELOAD`` when they are available and
+not yet preloaded (``blas.py``; ``REDRAFTER_NO_OPENBLAS=1`` / ``REDRAFTER_NO_SMALLROWS=1`` opt
+out). This must happen before MLX is imported.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import difflib
 import importlib
 import os
 import sys
-
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 COMMANDS = {
     "generate": ("redrafter_mlx.generate_cli", "generate text (ReDrafter by default)"),
@@ -40,31 +39,20 @@ examples:
 """
 
 
-def blas_in_use() -> str:
-    """Which BLAS this process runs with (Linux CPU backend); 'Accelerate' on macOS."""
-    if sys.platform == "darwin":
-        return "Accelerate"
-    if "openblas" in os.environ.get("LD_PRELOAD", ""):
-        return "OpenBLAS (LD_PRELOAD)"
-    return "mlx built-in (no OpenBLAS)"
-
-
-def maybe_reexec_with_openblas() -> None:
-    """Re-exec this process with OpenBLAS preloaded on Linux, when it is installed."""
-    if not sys.platform.startswith("linux") or os.environ.get("REDRAFTER_NO_OPENBLAS"):
-        return
-    if "openblas" in os.environ.get("LD_PRELOAD", "") or not os.path.exists(OPENBLAS):
-        return
+def maybe_reexec_with_blas() -> None:
+    """Re-exec this process with the BLAS libraries of :func:`blas.preload_env` preloaded."""
     if "mlx" in sys.modules:  # too late: MLX already loaded its BLAS
         return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (OPENBLAS, env.get("LD_PRELOAD")) if p)
-    os.execve(sys.executable, [sys.executable, "-m", "redrafter_mlx", *sys.argv[1:]], env)
+    from redrafter_mlx.blas import preload_env
+
+    env = preload_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "redrafter_mlx", *sys.argv[1:]], env)
 
 
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
-        maybe_reexec_with_openblas()
+        maybe_reexec_with_blas()
         argv = sys.argv[1:]
     listing = "\n".join(f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items())
     if not argv or argv[0] in ("-h", "--help"):

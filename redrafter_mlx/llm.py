@@ -38,6 +38,7 @@ TRANSPOSED_ROWS = (2, 3)
 # Forwards of up to this many tokens (decode steps, trees) run per-layer compiled blocks, traced
 # once per T; longer ones (prefill chunks, whose lengths vary) run the modules directly.
 COMPILED_MAX_ROWS = 32
+ROPE_TABLES = True
 
 
 def _matmul(weight: mx.array, x: mx.array, transposed: bool) -> mx.array:
@@ -92,10 +93,40 @@ def _mlp(mlp: nn.Module, gate_up: mx.array | None, x: mx.array, transposed: bool
     return _project(mlp.down_proj, nn.silu(gate) * up, transposed)
 
 
-def _before_attention(layer, cpu: bool, qkv: mx.array | None, h: mx.array, positions: mx.array):
+def rope_tables(
+    attn, positions: mx.array, dtype: mx.Dtype, cpu: bool
+) -> tuple[mx.array, mx.array] | None:
+    """RoPE's cos and sin at ``positions (T,)``, each (1, T, 1, D / 2), for every layer to share.
+
+    On the CPU, ``mx.fast.rope`` with per-token offsets runs as a graph that recomputes the
+    angles for every call (~40 us per call here, two per layer); a forward computes them once.
+    The tables come from the layer's own RoPE module applied to ``[1, .., 1, 0, .., 0]``, which
+    returns exactly the cos and sin it rotates with (any base, scaling or frequencies). None
+    elsewhere, and for RoPE that is traditional (interleaved) or partial, or not an ``nn.RoPE``-
+    like module.
+    """
+    rope, d = attn.rope, attn.k_proj.weight.shape[0] // attn.n_kv_heads
+    if not cpu or getattr(rope, "traditional", True) or getattr(rope, "dims", None) != d:
+        return None
+    t, half = positions.shape[0], d // 2
+    basis = mx.concatenate([mx.ones((half,)), mx.zeros((half,))]).astype(dtype)
+    rotated = rope(mx.broadcast_to(basis, (t, 1, 1, d)), offset=positions).reshape(1, t, 1, d)
+    return rotated[..., :half], rotated[..., half:]
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x (1, T, heads, D) rotated as ``mx.fast.rope`` rotates (halves, not interleaved)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _before_attention(layer, cpu: bool, qkv: mx.array | None, h: mx.array, *rope_args):
     """h (1, T, H) -> queries (1, heads, T, D), keys and values (1, kv_heads, T, D).
 
     ``qkv`` is the layer's fused q/k/v weight (``_fuse``), or None to run the three Linears.
+    ``rope_args``: ``(cos, sin)`` from :func:`rope_tables`, or ``(positions,)`` for the layer's
+    own RoPE module.
     """
     attn, t = layer.self_attn, h.shape[1]
     transposed = cpu and t in TRANSPOSED_ROWS
@@ -105,10 +136,15 @@ def _before_attention(layer, cpu: bool, qkv: mx.array | None, h: mx.array, posit
         queries, keys, values = (_project(p, x, transposed) for p in linears)
     else:
         queries, keys, values = mx.split(_matmul(qkv, x, transposed), _split_rows(linears), -1)
+    values = values.reshape(1, t, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if len(rope_args) == 2:
+        queries = _rotate(queries.reshape(1, t, attn.n_heads, -1), *rope_args)
+        keys = _rotate(keys.reshape(1, t, attn.n_kv_heads, -1), *rope_args)
+        return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values
+    (positions,) = rope_args
     # (T, heads, 1, D): tokens on the batch axis so RoPE applies one offset per token.
     queries = attn.rope(queries.reshape(t, attn.n_heads, 1, -1), offset=positions)
     keys = attn.rope(keys.reshape(t, attn.n_kv_heads, 1, -1), offset=positions)
-    values = values.reshape(1, t, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     return queries.transpose(2, 1, 0, 3), keys.transpose(2, 1, 0, 3), values
 
 
@@ -199,8 +235,12 @@ def forward(
     h = model.model.embed_tokens(tokens)[None]
     before, after = _layer_blocks(model, tokens.shape[0], compiled)
     cpu = mx.default_device() == mx.cpu
-    for i, layer in enumerate(model.model.layers):
-        queries, keys, values = before[i](h, positions)
+    layers = model.model.layers
+    dtype = compute_dtype(model)
+    rope_args = rope_tables(layers[0].self_attn, positions, dtype, cpu) if ROPE_TABLES else None
+    rope_args = rope_args or (positions,)
+    for i, layer in enumerate(layers):
+        queries, keys, values = before[i](h, *rope_args)
         keys, values = cache.write(i, keys, values)
         out = _attention(queries, keys, values, layer.self_attn.scale, mask, cpu)
         h = after[i](h, out)

@@ -31,8 +31,10 @@ def tiny_llama(
     layers: int = 2,
     tie: bool = False,
     scale: float = 4.0,
+    **overrides,
 ) -> llama.Model:
-    """A random Llama whose greedy continuations vary (weights scaled up from the init)."""
+    """A random Llama whose greedy continuations vary (weights scaled up from the init);
+    ``overrides``: more ``llama.ModelArgs`` fields (RoPE settings)."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
@@ -45,6 +47,7 @@ def tiny_llama(
         vocab_size=vocab,
         tie_word_embeddings=tie,
         max_position_embeddings=4096,
+        **overrides,
     )
     model = llama.Model(args)
     model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))

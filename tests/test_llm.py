@@ -122,6 +122,38 @@ def test_compiled_small_forwards_equal_module_forward(monkeypatch, quantized):
     assert "_redrafter_compiled" in model.__dict__ and "_redrafter_compiled" not in model
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    "rope", [{}, {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, {"rope_traditional": True}]
+)
+def test_rope_tables_rotate_as_the_layers_rope(monkeypatch, rope):
+    """On the CPU a forward computes RoPE's cos/sin once for all layers (``rope_tables``); the
+    result is the same as each layer running its RoPE module, bit for bit, for plain and
+    llama3-scaled RoPE (traditional RoPE keeps the module)."""
+    model = tiny_llama(seed=5, **rope)
+    tables = llm.rope_tables(model.model.layers[0].self_attn, mx.arange(3), mx.float32, cpu=True)
+    assert (tables is None) == bool(rope.get("rope_traditional"))
+    for t in (1, 2, 40):  # compiled decode steps and a module-run prompt
+        results = []
+        for flag in (True, False):
+            monkeypatch.setattr(llm, "ROPE_TABLES", flag)
+            cache = llm.make_cache(model)
+            positions = mx.arange(100, 100 + t)  # after 100 (empty) cached positions
+            cache.offset = 100
+            hidden = llm.forward(model, mx.arange(t) % 64, positions, llm.chain_mask(100, t), cache)
+            results.append((hidden, cache.keys[0][..., 100 : 100 + t, :]))
+        (got, got_keys), (want, want_keys) = results
+        assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_grouped_attention_equals_fused_kernel(t):
     """The CPU's grouped-query attention (each K/V head's queries as one matmul) computes what

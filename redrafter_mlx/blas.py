@@ -1,0 +1,167 @@
+"""The BLAS that MLX's Linux CPU backend multiplies with, chosen before MLX is imported.
+
+MLX calls ``cblas_sgemm`` for every float32 matmul. On Linux its wheel bundles the reference
+BLAS; two libraries preloaded ahead of it (``LD_PRELOAD``, set by :func:`preload_env` when
+``cli.main`` re-executes the process) make decoding faster here (benchmarks/README.md):
+
+- Debian's OpenBLAS (``libopenblas0-pthread``), for every product;
+- ``csrc/smallrows.c``, built on first use with the system C compiler into the cache folder
+  and preloaded before OpenBLAS: it takes the products of decode steps (1-8 activation rows
+  against a weight matrix, ~2.5x OpenBLAS's speed on x86-64 with AVX2) and passes every other
+  product on.
+
+``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either. This module
+must not import MLX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from redrafter_mlx.embedded import cache_dir
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+SMALLROWS_SOURCE = Path(__file__).parent / "csrc" / "smallrows.c"
+# When no BLAS is preloaded after the kernel, it finds the one to pass products on to here.
+NEXT_ENV = "REDRAFTER_SMALLROWS_NEXT"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    line = next((x for x in flags.splitlines() if x.startswith("flags")), "")
+    return {"avx2", "fma"} <= set(line.split())
+
+
+def smallrows_library() -> Path | None:
+    """The small-row kernel's shared library, built once per source version (atomically, into
+    ``<cache>/blas``); None where it cannot run (not Linux x86-64 with AVX2 + FMA, opted out,
+    no C compiler or a failed build, which prints one note)."""
+    if os.environ.get("REDRAFTER_NO_SMALLROWS") or not sys.platform.startswith("linux"):
+        return None
+    if platform.machine() != "x86_64" or not _cpu_has_avx2_fma():
+        return None
+    source = SMALLROWS_SOURCE.read_bytes()
+    path = cache_dir() / "blas" / f"smallrows-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return _note("no C compiler (cc) found")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [compiler, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SMALLROWS_SOURCE)]
+        done = subprocess.run(
+            [*cmd, "-ldl", "-lpthread"], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return _note(f"{compiler} failed: {last}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        return _note(str(e))
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _note(why: str) -> None:
+    print(f"note: decode steps run without the small-row BLAS kernel ({why})", file=sys.stderr)
+    return None
+
+
+def _bundled_blas() -> str | None:
+    """The reference BLAS inside mlx's Linux wheel (``mlx_cpu.libs``), found without importing
+    MLX."""
+    spec = importlib.util.find_spec("mlx")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(root).parent.glob("mlx_cpu.libs/libblas*.so*"))
+        if found:
+            return str(found[0])
+    return None
+
+
+def preload_env(env: dict[str, str]) -> dict[str, str] | None:
+    """``env`` with the BLAS libraries this machine should preload added to ``LD_PRELOAD``
+    (the kernel first, then OpenBLAS); None when nothing is missing from it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    current = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    wanted = []
+    if not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS):
+        wanted.append(OPENBLAS)
+    kernel = smallrows_library()
+    if kernel:
+        wanted.insert(0, str(kernel))
+    missing = [p for p in wanted if not any(Path(p).name == Path(c).name for c in current)]
+    if not missing:
+        return None
+    env = dict(env)
+    env["LD_PRELOAD"] = ":".join(missing + current)
+    if kernel and OPENBLAS not in env["LD_PRELOAD"] and NEXT_ENV not in env:
+        bundled = _bundled_blas()
+        if bundled:
+            env[NEXT_ENV] = bundled
+    return env
+
+
+def _preloaded(marker: str) -> str | None:
+    for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":"):
+        if marker in Path(p).name:
+            return p
+    return None
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process runs with (Linux CPU backend); 'Accelerate' on macOS."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    base = "OpenBLAS" if _preloaded("openblas") else "mlx built-in"
+    return f"{base} + small-row kernel" if _smallrows() else base
+
+
+def _smallrows() -> ctypes.CDLL | None:
+    """The preloaded small-row kernel (the same loaded copy), or None."""
+    path = _preloaded("smallrows")
+    try:
+        return ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+
+
+def smallrows_loaded() -> bool:
+    return _smallrows() is not None
+
+
+@contextmanager
+def smallrows_off():
+    """Within the block every product goes to the next BLAS (a stock baseline, same process)."""
+    lib = _smallrows()
+    previous = lib.redrafter_smallrows_enable(0) if lib else None
+    try:
+        yield
+    finally:
+        if lib:
+            lib.redrafter_smallrows_enable(previous)
+
+
+def smallrows_counts() -> tuple[int, int] | None:
+    """(products computed by the kernel, products passed on) in this process, or None."""
+    lib = _smallrows()
+    if lib is None:
+        return None
+    mine, passed = ctypes.c_long(), ctypes.c_long()
+    lib.redrafter_smallrows_counts(ctypes.byref(mine), ctypes.byref(passed))
+    return mine.value, passed.value

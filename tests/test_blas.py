@@ -1,0 +1,101 @@
+"""The small-row BLAS kernel (csrc/smallrows.c) and how the CLI preloads it (blas.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from redrafter_mlx import blas
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    path = blas.smallrows_library()
+    if path is None:
+        pytest.skip("the small-row kernel cannot be built here (needs Linux x86-64, AVX2, cc)")
+    return path
+
+
+def run_preloaded(kernel, code: str, **extra_env) -> str:
+    """Run ``code`` in a fresh Python with the kernel preloaded before the next BLAS."""
+    env = dict(os.environ, **extra_env)
+    env.pop("LD_PRELOAD", None)
+    env.pop(blas.NEXT_ENV, None)
+    env = blas.preload_env(env)
+    assert env is not None and env["LD_PRELOAD"].split(":")[0] == str(kernel)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+PRODUCTS = """
+    import json, numpy as np, mlx.core as mx
+    from redrafter_mlx import blas
+
+    rng = np.random.default_rng(0)
+    before = blas.smallrows_counts()
+    worst = 0.0
+    for rows, out, k in [(1, 3072, 576), (2, 3072, 576), (3, 49152, 64), (8, 576, 1536),
+                         (9, 576, 576), (5, 10, 7), (2, 1000, 13), (4, 700, 300)]:
+        w = rng.standard_normal((out, k)).astype(np.float32)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        for got in (mx.array(x) @ mx.array(w).T, (mx.array(w) @ mx.array(x).T).T):
+            worst = max(worst, float(np.abs(np.array(got) - want).max() / np.abs(want).max()))
+    mid = blas.smallrows_counts()
+    # a row's products do not depend on which rows come with it (one token vs a tree)
+    w = mx.array(rng.standard_normal((3072, 576)).astype(np.float32))
+    x = mx.array(rng.standard_normal((4, 576)).astype(np.float32))
+    same = all(mx.array_equal((x[i:i + 1] @ w.T)[0], (x @ w.T)[i]).item() for i in range(4))
+    with blas.smallrows_off():
+        mx.eval(x @ w.T)
+    after = blas.smallrows_counts()
+    print(json.dumps([blas.blas_in_use(), worst, mid[0] - before[0], mid[1] - before[1], same,
+                      after[0] - mid[0] - 4 * 2, after[1] - mid[1]]))
+"""
+
+
+def test_kernel_computes_small_products_and_passes_on_the_rest(kernel):
+    out = json.loads(run_preloaded(kernel, PRODUCTS))
+    name, worst, mine, passed, same, mine_off, passed_off = out
+    assert name.startswith("OpenBLAS" if os.path.exists(blas.OPENBLAS) else "mlx")
+    assert name.endswith("+ small-row kernel")
+    assert worst < 1e-5  # float32 sums against float64 ones
+    assert mine == 14  # 7 shapes with a side of at most 8 rows, two forms each
+    assert passed == 2  # 9 rows against 576: the next BLAS's
+    assert same is True
+    assert mine_off == 0 and passed_off == 1  # switched off: everything passes on
+
+
+def test_kernel_without_openblas_passes_on_to_mlx_bundled_blas(kernel):
+    out = json.loads(run_preloaded(kernel, PRODUCTS, REDRAFTER_NO_OPENBLAS="1"))
+    name, worst, mine, passed, *_ = out
+    assert name == "mlx built-in + small-row kernel"
+    assert worst < 1e-5 and mine == 14 and passed == 2
+
+
+def test_preload_env_order_idempotence_and_opt_out(kernel, monkeypatch):
+    env = blas.preload_env({"PATH": os.environ["PATH"]})
+    libs = env["LD_PRELOAD"].split(":")
+    assert libs[0] == str(kernel)
+    if os.path.exists(blas.OPENBLAS):
+        assert libs[1] == blas.OPENBLAS
+    assert blas.preload_env(env) is None  # nothing missing: no second re-exec
+    monkeypatch.setenv("REDRAFTER_NO_SMALLROWS", "1")
+    plain = blas.preload_env({"PATH": os.environ["PATH"]})
+    assert plain is None or str(kernel) not in plain["LD_PRELOAD"]
+
+
+def test_failed_build_is_a_note_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    if not sys.platform.startswith("linux") or not blas._cpu_has_avx2_fma():
+        pytest.skip("the kernel is only built on Linux x86-64 with AVX2")
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert blas.smallrows_library() is None
+    assert "without the small-row BLAS kernel" in capsys.readouterr().err
+    assert list((tmp_path / "blas").iterdir()) == []
