@@ -70,6 +70,9 @@ def smallrows_library() -> Path | None:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             return _note(f"{compiler} failed: {last}")
         os.replace(tmp, path)
+        for old in path.parent.glob("smallrows-*.so"):  # builds of earlier versions
+            if old != path:
+                old.unlink(missing_ok=True)
     except (OSError, subprocess.SubprocessError) as e:
         return _note(str(e))
     finally:

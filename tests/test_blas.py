@@ -45,8 +45,14 @@ PRODUCTS = """
         w = rng.standard_normal((out, k)).astype(np.float32)
         x = rng.standard_normal((rows, k)).astype(np.float32)
         want = x.astype(np.float64) @ w.T.astype(np.float64)
-        for got in (mx.array(x) @ mx.array(w).T, (mx.array(w) @ mx.array(x).T).T):
-            worst = max(worst, float(np.abs(np.array(got) - want).max() / np.abs(want).max()))
+        bias = rng.standard_normal((out,)).astype(np.float32)
+        biased = 0.5 * want + 2.0 * bias  # MLX's addmm: a Linear with a bias
+        for got, ref in (
+            (mx.array(x) @ mx.array(w).T, want),
+            ((mx.array(w) @ mx.array(x).T).T, want),
+            (mx.addmm(mx.array(bias), mx.array(x), mx.array(w).T, alpha=0.5, beta=2.0), biased),
+        ):
+            worst = max(worst, float(np.abs(np.array(got) - ref).max() / np.abs(ref).max()))
     mid = blas.smallrows_counts()
     # a row's products do not depend on which rows come with it (one token vs a tree)
     w = mx.array(rng.standard_normal((3072, 576)).astype(np.float32))
@@ -66,8 +72,8 @@ def test_kernel_computes_small_products_and_passes_on_the_rest(kernel):
     assert name.startswith("OpenBLAS" if os.path.exists(blas.OPENBLAS) else "mlx")
     assert name.endswith("+ small-row kernel")
     assert worst < 1e-5  # float32 sums against float64 ones
-    assert mine == 14  # 7 shapes with a side of at most 8 rows, two forms each
-    assert passed == 2  # 9 rows against 576: the next BLAS's
+    assert mine == 21  # 7 shapes with a side of at most 8 rows, three forms each
+    assert passed == 3  # 9 rows against 576: the next BLAS's
     assert same is True
     assert mine_off == 0 and passed_off == 1  # switched off: everything passes on
 
@@ -76,7 +82,7 @@ def test_kernel_without_openblas_passes_on_to_mlx_bundled_blas(kernel):
     out = json.loads(run_preloaded(kernel, PRODUCTS, REDRAFTER_NO_OPENBLAS="1"))
     name, worst, mine, passed, *_ = out
     assert name == "mlx built-in + small-row kernel"
-    assert worst < 1e-5 and mine == 14 and passed == 2
+    assert worst < 1e-5 and mine == 21 and passed == 3
 
 
 def test_preload_env_order_idempotence_and_opt_out(kernel, monkeypatch):

@@ -6,8 +6,7 @@
 // memory. OpenBLAS reads them at ~17 GB/s on the 2-core box this was written on (its 2-row
 // products slower still); the loop below reads them at ~50 GB/s. It also takes attention's
 // query-key products (a few query rows against the cached keys). Every other product (prompt
-// chunks, attention's probabilities times values, alpha != 1, beta != 0, transposed
-// activations) goes to the next BLAS in the search order, untouched.
+// chunks, attention's probabilities times values, transposed activations) goes to the next BLAS in the search order, untouched.
 //
 // Each output is one row of the big matrix dotted with one small row, summed in the same order
 // whatever n is and however the rows are split between threads: a token's logits do not
@@ -36,10 +35,12 @@ enum { MAX_SMALL = 8, CHUNK_BYTES = 64 * 1024, MIN_SPLIT_BYTES = 256 * 1024, MAX
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
 
-// One product: C[r * c_big + t * c_small] = big[r] . small[t], r < rows, t < n.
+// One product: C[r * c_big + t * c_small] = alpha * big[r] . small[t] (+ beta * C when beta is
+// not 0: MLX's addmm, a Linear with a bias, passes the bias in C with beta 1), r < rows, t < n.
 typedef struct {
   const float *big, *small;
   float *c;
+  float alpha, beta;
   long ld_big, ld_small, c_big, c_small;
   int rows, n, k, chunk_rows, chunks;
 } job_t;
@@ -62,7 +63,8 @@ typedef struct {
         s = _mm_hadd_ps(s, s);                                                                \
         float sum = _mm_cvtss_f32(s);                                                         \
         for (int kk = k; kk < j->k; kk++) sum += w[kk] * j->small[t * j->ld_small + kk];     \
-        j->c[r * j->c_big + t * j->c_small] = sum;                                            \
+        float *out = j->c + r * j->c_big + t * j->c_small;                                    \
+        *out = j->beta == 0.0f ? j->alpha * sum : j->alpha * sum + j->beta * *out;            \
       }                                                                                       \
     }                                                                                         \
   }
@@ -220,26 +222,25 @@ static int usable(void) {
 }
 
 // The products this file takes: row-major, both operands as rows of length K (A untransposed,
-// B transposed), alpha 1, beta 0, and one side of at most MAX_SMALL rows.
+// B transposed), and one side of at most MAX_SMALL rows.
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
-  int ours = usable() && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS &&
-             alpha == 1.0f && beta == 0.0f && k > 0 && (m <= MAX_SMALL || n <= MAX_SMALL) &&
-             m > 0 && n > 0;
+  int ours = usable() && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && k > 0 &&
+             m > 0 && n > 0 && (m <= MAX_SMALL || n <= MAX_SMALL);
   if (!ours) {
     atomic_fetch_add(&calls_forwarded, 1);
     next_sgemm()(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   atomic_fetch_add(&calls_mine, 1);
-  job_t j = {.k = k};
+  job_t j;
   if (m <= n) {  // C (m, n): small rows from A, big rows from B
-    j = (job_t){.big = b, .small = a, .c = c, .ld_big = ldb, .ld_small = lda, .c_big = 1,
-                .c_small = ldc, .rows = n, .n = m, .k = k};
+    j = (job_t){.big = b, .small = a, .c = c, .alpha = alpha, .beta = beta, .ld_big = ldb,
+                .ld_small = lda, .c_big = 1, .c_small = ldc, .rows = n, .n = m, .k = k};
   } else {
-    j = (job_t){.big = a, .small = b, .c = c, .ld_big = lda, .ld_small = ldb, .c_big = ldc,
-                .c_small = 1, .rows = m, .n = n, .k = k};
+    j = (job_t){.big = a, .small = b, .c = c, .alpha = alpha, .beta = beta, .ld_big = lda,
+                .ld_small = ldb, .c_big = ldc, .c_small = 1, .rows = m, .n = n, .k = k};
   }
   run(&j);
 }
