@@ -51,18 +51,24 @@ PRODUCTS = """
             (mx.array(x) @ mx.array(w).T, want),
             ((mx.array(w) @ mx.array(x).T).T, want),
             (mx.addmm(mx.array(bias), mx.array(x), mx.array(w).T, alpha=0.5, beta=2.0), biased),
+            (mx.array(x) @ mx.array(np.ascontiguousarray(w.T)), want),  # B untransposed
         ):
             worst = max(worst, float(np.abs(np.array(got) - ref).max() / np.abs(ref).max()))
     mid = blas.smallrows_counts()
     # a row's products do not depend on which rows come with it (one token vs a tree)
     w = mx.array(rng.standard_normal((3072, 576)).astype(np.float32))
     x = mx.array(rng.standard_normal((4, 576)).astype(np.float32))
-    same = all(mx.array_equal((x[i:i + 1] @ w.T)[0], (x @ w.T)[i]).item() for i in range(4))
+    wt = mx.array(np.ascontiguousarray(np.array(w).T))
+    same = all(
+        mx.array_equal((x[i:i + 1] @ w.T)[0], (x @ w.T)[i]).item()
+        and mx.array_equal((x[i:i + 1] @ wt)[0], (x @ wt)[i]).item()
+        for i in range(4)
+    )
     with blas.smallrows_off():
         mx.eval(x @ w.T)
     after = blas.smallrows_counts()
     print(json.dumps([blas.blas_in_use(), worst, mid[0] - before[0], mid[1] - before[1], same,
-                      after[0] - mid[0] - 4 * 2, after[1] - mid[1]]))
+                      after[0] - mid[0] - 4 * 4, after[1] - mid[1]]))
 """
 
 
@@ -72,8 +78,8 @@ def test_kernel_computes_small_products_and_passes_on_the_rest(kernel):
     assert name.startswith("OpenBLAS" if os.path.exists(blas.OPENBLAS) else "mlx")
     assert name.endswith("+ small-row kernel")
     assert worst < 1e-5  # float32 sums against float64 ones
-    assert mine == 21  # 7 shapes with a side of at most 8 rows, three forms each
-    assert passed == 3  # 9 rows against 576: the next BLAS's
+    assert mine == 28  # 7 shapes with a side of at most 8 rows, four forms each
+    assert passed == 4  # 9 rows against 576: the next BLAS's
     assert same is True
     assert mine_off == 0 and passed_off == 1  # switched off: everything passes on
 
@@ -82,7 +88,7 @@ def test_kernel_without_openblas_passes_on_to_mlx_bundled_blas(kernel):
     out = json.loads(run_preloaded(kernel, PRODUCTS, REDRAFTER_NO_OPENBLAS="1"))
     name, worst, mine, passed, *_ = out
     assert name == "mlx built-in + small-row kernel"
-    assert worst < 1e-5 and mine == 21 and passed == 3
+    assert worst < 1e-5 and mine == 28 and passed == 4
 
 
 def test_preload_env_order_idempotence_and_opt_out(kernel, monkeypatch):

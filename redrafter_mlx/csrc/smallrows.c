@@ -35,15 +35,25 @@ enum { MAX_SMALL = 8, CHUNK_BYTES = 64 * 1024, MIN_SPLIT_BYTES = 256 * 1024, MAX
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
 
-// One product: C[r * c_big + t * c_small] = alpha * big[r] . small[t] (+ beta * C when beta is
-// not 0: MLX's addmm, a Linear with a bias, passes the bias in C with beta 1), r < rows, t < n.
-typedef struct {
+// One product, with small rows small[t] (t < n) of length k:
+// - dots: C[r * c_big + t * c_small] = alpha * big[r] . small[t], r < items (rows of big);
+// - axpys: C[t * c_small + col] = alpha * sum_i small[t][i] * big[i][col], col < items (big is
+//   k rows of items columns).
+// Plus beta * C when beta is not 0 (MLX's addmm, a Linear with a bias, passes the bias in C
+// with beta 1). ``fn`` computes items [i0, i1); threads take chunks of ``chunk`` items.
+typedef struct job job_t;
+struct job {
+  void (*fn)(const job_t *, int, int);
   const float *big, *small;
   float *c;
   float alpha, beta;
   long ld_big, ld_small, c_big, c_small;
-  int rows, n, k, chunk_rows, chunks;
-} job_t;
+  int items, n, k, chunk, chunks;
+};
+
+static inline float finish(const job_t *j, float sum, const float *out) {
+  return j->beta == 0.0f ? j->alpha * sum : j->alpha * sum + j->beta * *out;
+}
 
 #define DEFINE_DOTS(N)                                                                        \
   __attribute__((target("avx2,fma"))) static void dots_##N(const job_t *j, int r0, int r1) {                                      \
@@ -64,7 +74,7 @@ typedef struct {
         float sum = _mm_cvtss_f32(s);                                                         \
         for (int kk = k; kk < j->k; kk++) sum += w[kk] * j->small[t * j->ld_small + kk];     \
         float *out = j->c + r * j->c_big + t * j->c_small;                                    \
-        *out = j->beta == 0.0f ? j->alpha * sum : j->alpha * sum + j->beta * *out;            \
+        *out = finish(j, sum, out);                                                           \
       }                                                                                       \
     }                                                                                         \
   }
@@ -79,6 +89,34 @@ DEFINE_DOTS(8)
 
 static void (*const DOTS[MAX_SMALL + 1])(const job_t *, int, int) = {
     0, dots_1, dots_2, dots_3, dots_4, dots_5, dots_6, dots_7, dots_8};
+
+// Columns [c0, c1) of every small row's product with big (k, items): 32 columns at a time in
+// registers, each column summed over i in order (so a column's value never depends on the
+// split), then 8 at a time, then one at a time with the same fused multiply-adds.
+__attribute__((target("avx2,fma"))) static void axpys(const job_t *j, int c0, int c1) {
+  for (int t = 0; t < j->n; t++) {
+    const float *a = j->small + t * j->ld_small;
+    float *row = j->c + t * j->c_small;
+    int col = c0;
+    for (; col + 32 <= c1; col += 32) {
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      for (int i = 0; i < j->k; i++) {
+        __m256 av = _mm256_broadcast_ss(a + i);
+        const float *b = j->big + i * j->ld_big + col;
+        for (int q = 0; q < 4; q++) acc[q] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + 8 * q), acc[q]);
+      }
+      float sums[32];
+      for (int q = 0; q < 4; q++) _mm256_storeu_ps(sums + 8 * q, acc[q]);
+      for (int q = 0; q < 32; q++) row[col + q] = finish(j, sums[q], row + col + q);
+    }
+    for (; col < c1; col++) {
+      float sum = 0.0f;
+      for (int i = 0; i < j->k; i++) sum = __builtin_fmaf(a[i], j->big[i * j->ld_big + col], sum);
+      row[col] = finish(j, sum, row + col);
+    }
+  }
+}
 
 // Shared state: the job, and a counter whose high 32 bits are the job's generation and low 32
 // bits the next unclaimed chunk. A claim succeeds only while the generation is unchanged, and
@@ -99,9 +137,8 @@ static int claim_and_run(uint32_t gen) {
     uint64_t v = atomic_load(&counter);
     if ((uint32_t)(v >> 32) != gen || (int)(uint32_t)v >= job.chunks) return ran;
     if (!atomic_compare_exchange_weak(&counter, &v, v + 1)) continue;
-    int chunk = (int)(uint32_t)v;
-    int r0 = chunk * job.chunk_rows, r1 = r0 + job.chunk_rows;
-    DOTS[job.n](&job, r0, r1 < job.rows ? r1 : job.rows);
+    int i0 = (int)(uint32_t)v * job.chunk, i1 = i0 + job.chunk;
+    job.fn(&job, i0, i1 < job.items ? i1 : job.items);
     atomic_fetch_add(&done_chunks, 1);
     ran = 1;
   }
@@ -170,21 +207,23 @@ static void start_workers(void) {
 
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static void run(const job_t *j) {
-  size_t bytes = (size_t)j->rows * j->k * sizeof(float);
-  if (bytes < MIN_SPLIT_BYTES || thread_count() < 2) {
-    DOTS[j->n](j, 0, j->rows);
+// Run a job on this thread, or split into chunks of ~CHUNK_BYTES of big (a multiple of
+// ``align`` items) over the workers too.
+static void run(const job_t *j, int align) {
+  size_t item_bytes = (size_t)j->k * sizeof(float);
+  if (item_bytes * j->items < MIN_SPLIT_BYTES || thread_count() < 2) {
+    j->fn(j, 0, j->items);
     return;
   }
   if (workers < 0) start_workers();
   if (workers == 0 || pthread_mutex_trylock(&run_lock) != 0) {  // busy: another thread's job
-    DOTS[j->n](j, 0, j->rows);
+    j->fn(j, 0, j->items);
     return;
   }
   job = *j;
-  int row_bytes = j->k * (int)sizeof(float);
-  job.chunk_rows = CHUNK_BYTES / row_bytes > 0 ? CHUNK_BYTES / row_bytes : 1;
-  job.chunks = (j->rows + job.chunk_rows - 1) / job.chunk_rows;
+  int chunk = (int)(CHUNK_BYTES / item_bytes);
+  job.chunk = chunk < align ? align : chunk / align * align;
+  job.chunks = (j->items + job.chunk - 1) / job.chunk;
   atomic_store(&done_chunks, 0);
   uint32_t gen = (uint32_t)(atomic_load(&counter) >> 32) + 1;
   atomic_store(&counter, (uint64_t)gen << 32);
@@ -221,28 +260,35 @@ static int usable(void) {
   return cpu && atomic_load_explicit(&enabled, memory_order_relaxed);
 }
 
-// The products this file takes: row-major, both operands as rows of length K (A untransposed,
-// B transposed), and one side of at most MAX_SMALL rows.
+// The products this file takes (row-major, A untransposed, every size positive):
+// - B transposed (both operands rows of length K) and one side of at most MAX_SMALL rows;
+// - B untransposed (K rows) and A of at most MAX_SMALL rows.
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
-  int ours = usable() && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && k > 0 &&
-             m > 0 && n > 0 && (m <= MAX_SMALL || n <= MAX_SMALL);
+  int ours = usable() && order == ROW_MAJOR && trans_a == NO_TRANS && m > 0 && n > 0 && k > 0 &&
+             ((trans_b == TRANS && (m <= MAX_SMALL || n <= MAX_SMALL)) ||
+              (trans_b == NO_TRANS && m <= MAX_SMALL));
   if (!ours) {
     atomic_fetch_add(&calls_forwarded, 1);
     next_sgemm()(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   atomic_fetch_add(&calls_mine, 1);
-  job_t j;
-  if (m <= n) {  // C (m, n): small rows from A, big rows from B
-    j = (job_t){.big = b, .small = a, .c = c, .alpha = alpha, .beta = beta, .ld_big = ldb,
-                .ld_small = lda, .c_big = 1, .c_small = ldc, .rows = n, .n = m, .k = k};
+  job_t j = {.c = c, .alpha = alpha, .beta = beta, .k = k};
+  if (trans_b == NO_TRANS) {  // C (m, n) = A (m, k) B (k, n): columns of B as items
+    j.fn = axpys, j.big = b, j.small = a, j.ld_big = ldb, j.ld_small = lda, j.c_small = ldc;
+    j.items = n, j.n = m;
+    run(&j, 32);
+  } else if (m <= n) {  // C (m, n): small rows from A, big rows from B
+    j.fn = DOTS[m], j.big = b, j.small = a, j.ld_big = ldb, j.ld_small = lda, j.c_big = 1;
+    j.c_small = ldc, j.items = n, j.n = m;
+    run(&j, 1);
   } else {
-    j = (job_t){.big = a, .small = b, .c = c, .alpha = alpha, .beta = beta, .ld_big = lda,
-                .ld_small = ldb, .c_big = ldc, .c_small = 1, .rows = m, .n = n, .k = k};
+    j.fn = DOTS[n], j.big = a, j.small = b, j.ld_big = lda, j.ld_small = ldb, j.c_big = ldc;
+    j.c_small = 1, j.items = m, j.n = n;
+    run(&j, 1);
   }
-  run(&j);
 }
 
 // Switch this file's products off (0) or on again (1): benchmarks time a baseline with the
