@@ -39,6 +39,11 @@ TRANSPOSED_ROWS = (2, 3)
 # once per T; longer ones (prefill chunks, whose lengths vary) run the modules directly.
 COMPILED_MAX_ROWS = 32
 ROPE_TABLES = True
+# On the CPU the forward hands every this many layers to MLX to evaluate (``mx.async_eval``), so
+# building the rest of the graph in Python overlaps computing the start of it: a one-token step
+# 22.6 -> 20.2 ms, a 2-token verify 27.1 -> 23.5 ms here (interleaved, same process). Each
+# evaluation costs a little, so not every layer.
+ASYNC_LAYERS = 2
 
 
 def _matmul(weight: mx.array, x: mx.array, transposed: bool) -> mx.array:
@@ -244,6 +249,8 @@ def forward(
         keys, values = cache.write(i, keys, values)
         out = _attention(queries, keys, values, layer.self_attn.scale, mask, cpu)
         h = after[i](h, out)
+        if cpu and (i + 1) % ASYNC_LAYERS == 0 and i + 1 < len(layers):
+            mx.async_eval(h)  # start computing while Python builds the next layers
     return model.model.norm(h)[0]
 
 
