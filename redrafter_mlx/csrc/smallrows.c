@@ -184,10 +184,14 @@ static void *worker_main(void *unused) {
   return NULL;
 }
 
-static int thread_count(void) {
-  const char *env = getenv("REDRAFTER_SMALLROWS_THREADS");
-  long n = env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
-  return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
+static int thread_count(void) {  // read once: sysconf opens a /sys file per call
+  static int cached = 0;
+  if (!cached) {
+    const char *env = getenv("REDRAFTER_SMALLROWS_THREADS");
+    long n = env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    cached = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
+  }
+  return cached;
 }
 
 static void start_workers(void) {
