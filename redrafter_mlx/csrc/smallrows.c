@@ -31,6 +31,10 @@
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 enum { MAX_SMALL = 8, CHUNK_BYTES = 64 * 1024, MIN_SPLIT_BYTES = 256 * 1024, MAX_THREADS = 16 };
+// Software prefetch distance in the weight stream (2 KB). All decode products of the 135M model
+// through MLX here: 34 GB/s with the hardware prefetchers alone, 37-39 GB/s with this (128
+// floats: slower, 256-1024: alike, 2048-4096: 35-36).
+enum { PREFETCH_FLOATS = 512 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
@@ -62,6 +66,15 @@ static inline float finish(const job_t *j, float sum, const float *out) {
       __m256 acc[N];                                                                          \
       for (int t = 0; t < N; t++) acc[t] = _mm256_setzero_ps();                               \
       int k = 0;                                                                              \
+      for (; k + 16 <= j->k; k += 16) { /* a cache line per pass, prefetched rows ahead */    \
+        _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);                   \
+        __m256 wv = _mm256_loadu_ps(w + k), wv2 = _mm256_loadu_ps(w + k + 8);                 \
+        for (int t = 0; t < N; t++) {                                                         \
+          const float *x = j->small + t * j->ld_small + k;                                    \
+          acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x), acc[t]);                           \
+          acc[t] = _mm256_fmadd_ps(wv2, _mm256_loadu_ps(x + 8), acc[t]);                      \
+        }                                                                                     \
+      }                                                                                       \
       for (; k + 8 <= j->k; k += 8) {                                                         \
         __m256 wv = _mm256_loadu_ps(w + k);                                                   \
         for (int t = 0; t < N; t++)                                                           \
