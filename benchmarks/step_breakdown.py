@@ -5,13 +5,15 @@ Interleaved repetitions in one process, medians, after ``--context`` cached toke
 - ``forward``: the decode forward + LM head over T tokens, built and evaluated (a step's verify);
 - ``build``: the Python time to build that forward's graph (before evaluation);
 - ``weights``: the same projections alone (stacked q/k/v and gate/up, o, down, LM head; the
-  forward's own ``W @ x.T`` form at 2-3 rows): what reading the weights costs, with the
-  bandwidth it implies;
+  forward's own ``W @ x.T`` form at 2-3 rows without the small-row kernel): what reading the
+  weights costs, with the bandwidth it implies;
 - ``attention``: every layer's attention over the cache alone (the forward's own kernel);
 - ``draft``: one W = 1, L = 2 beam search of the drafter (``--drafter``; default: the shipped one).
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        .venv/bin/python benchmarks/step_breakdown.py --out benchmarks/results/step_breakdown.json
+    .venv/bin/python benchmarks/step_breakdown.py --out benchmarks/results/step_breakdown.json
+
+Like the CLI, it re-executes itself with OpenBLAS and the small-row kernel preloaded
+(``redrafter_mlx/blas.py``; ``REDRAFTER_NO_SMALLROWS=1`` / ``REDRAFTER_NO_OPENBLAS=1`` opt out).
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+from redrafter_mlx.blas import reexec_with_blas
 
-from redrafter_mlx import llm
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import environment
+if __name__ == "__main__":
+    reexec_with_blas(sys.argv)
+
+import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloaded BLAS)
+
+from redrafter_mlx import llm  # noqa: E402
+from redrafter_mlx import runtime as rt  # noqa: E402
+from redrafter_mlx.bench import environment  # noqa: E402
 
 
 def _seconds(fn) -> float:

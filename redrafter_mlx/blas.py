@@ -2,7 +2,8 @@
 
 MLX calls ``cblas_sgemm`` for every float32 matmul. On Linux its wheel bundles the reference
 BLAS; two libraries preloaded ahead of it (``LD_PRELOAD``, set by :func:`preload_env` when
-``cli.main`` re-executes the process) make decoding faster here (benchmarks/README.md):
+``cli.main`` or a benchmark script re-executes itself, :func:`reexec_with_blas`) make decoding
+faster here (benchmarks/README.md):
 
 - Debian's OpenBLAS (``libopenblas0-pthread``), for every product;
 - ``csrc/smallrows.c``, built on first use with the system C compiler into the cache folder
@@ -118,6 +119,16 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
         if bundled:
             env[NEXT_ENV] = bundled
     return env
+
+
+def reexec_with_blas(argv: list[str]) -> None:
+    """Re-execute ``python argv`` with :func:`preload_env`'s libraries preloaded, unless MLX is
+    already imported (too late) or nothing is missing."""
+    if "mlx" in sys.modules:
+        return
+    env = preload_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *argv], env)
 
 
 def _preloaded(marker: str) -> str | None:

@@ -39,20 +39,11 @@ examples:
 """
 
 
-def maybe_reexec_with_blas() -> None:
-    """Re-exec this process with the BLAS libraries of :func:`blas.preload_env` preloaded."""
-    if "mlx" in sys.modules:  # too late: MLX already loaded its BLAS
-        return
-    from redrafter_mlx.blas import preload_env
-
-    env = preload_env(dict(os.environ))
-    if env is not None:
-        os.execve(sys.executable, [sys.executable, "-m", "redrafter_mlx", *sys.argv[1:]], env)
-
-
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
-        maybe_reexec_with_blas()
+        from redrafter_mlx.blas import reexec_with_blas
+
+        reexec_with_blas(["-m", "redrafter_mlx", *sys.argv[1:]])
         argv = sys.argv[1:]
     listing = "\n".join(f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items())
     if not argv or argv[0] in ("-h", "--help"):
