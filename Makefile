@@ -18,6 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	   echo "installing OpenBLAS (Debian libopenblas0-pthread)"; \
 	   (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null \
 	   || echo "warning: could not install OpenBLAS; MLX will use its slower built-in BLAS"; fi
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(uname -m)" = x86_64 ] && ! command -v cc >/dev/null \
+	   && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	   echo "installing a C compiler (Debian gcc) for the small-row decode kernel"; \
+	   (apt-get update -qq && apt-get install -y -qq gcc libc6-dev) >/dev/null \
+	   || echo "warning: could not install gcc; decoding runs without the small-row kernel"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

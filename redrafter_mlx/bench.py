@@ -54,6 +54,7 @@ EXAMPLES = """examples:
   redrafter-mlx bench --turns 2 --num-prompts 5 --beam-width 2 --beam-length 4
   redrafter-mlx bench --prompts my_prompts.jsonl --temp 0.7 --seed 0 --repetitions 3
   REDRAFTER_NO_OPENBLAS=1 redrafter-mlx bench --num-prompts 1 --beam-width 1 --beam-length 3
+  REDRAFTER_NO_SMALLROWS=1 redrafter-mlx bench --num-prompts 2   # without the small-row kernel
 """
 
 
