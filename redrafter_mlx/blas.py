@@ -8,7 +8,7 @@ faster here (benchmarks/README.md):
 - Debian's OpenBLAS (``libopenblas0-pthread``), for every product;
 - ``csrc/smallrows.c``, built on first use with the system C compiler into the cache folder
   and preloaded before OpenBLAS: it takes the products of decode steps (1-8 activation rows
-  against a weight matrix, ~2.5x OpenBLAS's speed on x86-64 with AVX2) and passes every other
+  against a weight matrix, about 2x OpenBLAS's speed on x86-64 with AVX2) and passes every other
   product on.
 
 ``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either. This module
@@ -18,6 +18,7 @@ must not import MLX.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import os
@@ -146,6 +147,7 @@ def blas_in_use() -> str:
     return f"{base} + small-row kernel" if _smallrows() else base
 
 
+@functools.cache
 def _smallrows() -> ctypes.CDLL | None:
     """The preloaded small-row kernel (the same loaded copy), or None."""
     path = _preloaded("smallrows")

@@ -4,8 +4,9 @@ Legend: T new tokens, S cached tokens, H hidden size, V vocab.
 
 Every token carries an explicit position, and attention uses an explicit boolean mask over
 ``cache + T``, so the same forward serves prefill (a chain), autoregressive steps (T = 1) and
-tree verification (a packed tree of draft tokens). RoPE takes per-row offsets, so tokens are
-moved to the batch axis to give each its own position.
+tree verification (a packed tree of draft tokens). Each token gets its own RoPE position: on
+the CPU from cos/sin tables computed once per forward (``rope_tables``), elsewhere by moving
+tokens to the batch axis, where RoPE applies one offset per row.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ TRANSPOSED_ROWS = (2, 3)
 # Forwards of up to this many tokens (decode steps, trees) run per-layer compiled blocks, traced
 # once per T; longer ones (prefill chunks, whose lengths vary) run the modules directly.
 COMPILED_MAX_ROWS = 32
+# On the CPU RoPE's cos/sin are computed once per forward (``rope_tables``); False runs each
+# layer's own RoPE module (the same numbers: tests and A/B timing switch it).
 ROPE_TABLES = True
 # On the CPU the forward hands every this many layers to MLX to evaluate (``mx.async_eval``), so
 # building the rest of the graph in Python overlaps computing the start of it: a one-token step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 from collections import Counter
@@ -79,6 +80,8 @@ def test_result_fields(result):
         assert row["latency_p95_ms"] >= row["latency_p50_ms"] > 0
     assert rows["autoregressive"]["tokens_per_step"] == 1.0
     assert rows["autoregressive"]["speedup_vs_autoregressive"] == pytest.approx(1.0)
+    headers = [c.header for c in bench.results_table(result).columns]
+    assert "x stock" not in headers and "x mlx-lm" in headers  # no kernel: no stock baseline
 
 
 def test_writes_json_csv_and_plots(result, tmp_path):
@@ -100,6 +103,30 @@ def test_writes_json_csv_and_plots(result, tmp_path):
     for p in paths:
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_stock_mlx_lm_baseline_when_the_kernel_is_loaded(runtime, monkeypatch):
+    """With the small-row kernel preloaded, mlx-lm also runs with it switched off
+    (``mlx-lm-stock``), interleaved like every method, and each row gets its ratio to it."""
+    switched_off = []
+
+    @contextlib.contextmanager
+    def off():
+        switched_off.append(True)
+        yield
+
+    monkeypatch.setattr(bench, "smallrows_loaded", lambda: True)
+    monkeypatch.setattr(bench, "smallrows_off", off)
+    cfg = BenchConfig([BeamShape(1, 2)], [["w5 w6 w7"]], max_tokens=8, repetitions=2)
+    result = bench.run_bench(runtime, cfg)
+    rows = {r["method"]: r for r in result["results"]}
+    assert list(rows) == ["mlx-lm", "mlx-lm-stock", "autoregressive", "W1L2"]
+    assert rows["mlx-lm-stock"]["runs"] == 2 and rows["mlx-lm-stock"]["exact"] is True
+    assert len(switched_off) == 3  # warm-up + two repetitions
+    assert rows["W1L2"]["speedup_vs_mlx-lm-stock"] > 0
+    assert rows["mlx-lm-stock"]["speedup_vs_mlx-lm-stock"] == pytest.approx(1.0)
+    columns = [c.header for c in bench.results_table(result).columns]
+    assert columns[3:6] == ["x mlx-lm", "x stock", "x AR"]
 
 
 def test_greedy_runs_match_across_methods(runtime):
