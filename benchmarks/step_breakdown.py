@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from redrafter_mlx.blas import reexec_with_blas
 
 if __name__ == "__main__":
-    reexec_with_blas(sys.argv)
+    reexec_with_blas()
 
 import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloaded BLAS)
 

@@ -10,8 +10,8 @@ numbers; only ``main`` prints.
 
 When the small-row BLAS kernel is preloaded (``blas.py``, Linux x86-64), mlx-lm runs twice: with
 it, as everything else in the process does (``mlx-lm``: the same matmuls as ours, so the ratio
-is the decoding's alone), and with it switched off (``mlx-lm-stock``: what mlx-lm gets without
-this package).
+is the decoding's alone), and with it switched off (``mlx-lm-stock``: the BLAS behind it alone,
+OpenBLAS where it is installed).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from redrafter_mlx.generate import stream_generate
 DEFAULT_WIDTHS = (1, 2)
 DEFAULT_LENGTHS = (2, 3)
 MLX_LM, AUTOREGRESSIVE, REDRAFTER = "mlx-lm", "autoregressive", "redrafter"
-# mlx-lm with the small-row BLAS kernel switched off (blas.py): what a user of mlx-lm gets
+# mlx-lm with the small-row BLAS kernel switched off (blas.py): the BLAS behind it alone
 MLX_LM_STOCK = "mlx-lm-stock"
 BASELINES = (MLX_LM, MLX_LM_STOCK, AUTOREGRESSIVE)
 

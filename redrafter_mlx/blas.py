@@ -17,12 +17,14 @@ must not import MLX.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import importlib.util
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -49,40 +51,43 @@ def _cpu_has_avx2_fma() -> bool:
 def smallrows_library() -> Path | None:
     """The small-row kernel's shared library, built once per source version (atomically, into
     ``<cache>/blas``); None where it cannot run (not Linux x86-64 with AVX2 + FMA, opted out,
-    no C compiler or a failed build, which prints one note)."""
+    no C compiler, a failed build or an unusable cache folder: those print one note)."""
     if os.environ.get("REDRAFTER_NO_SMALLROWS") or not sys.platform.startswith("linux"):
         return None
     if platform.machine() != "x86_64" or not _cpu_has_avx2_fma():
         return None
     source = SMALLROWS_SOURCE.read_bytes()
     path = cache_dir() / "blas" / f"smallrows-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return _note("no C compiler (cc) found")
+    if any(c in str(path) for c in " :"):  # LD_PRELOAD splits on both
+        return _note(f"{path.parent}: a space or ':' in the path cannot be preloaded")
+    compiler = shlex.split(os.environ.get("CC") or "") or [shutil.which("cc") or "gcc"]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        if path.exists():
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [compiler, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SMALLROWS_SOURCE)]
+        cmd = [*compiler, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SMALLROWS_SOURCE)]
         done = subprocess.run(
-            [*cmd, "-ldl", "-lpthread"], capture_output=True, text=True, timeout=120
+            [*cmd, "-ldl", "-lpthread"], capture_output=True, text=True, timeout=60
         )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return _note(f"{compiler} failed: {last}")
+            return _note(f"{compiler[0]} failed: {last}")
         os.replace(tmp, path)
-        for old in path.parent.glob("smallrows-*.so"):  # builds of earlier versions
-            if old != path:
-                old.unlink(missing_ok=True)
     except (OSError, subprocess.SubprocessError) as e:
         return _note(str(e))
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return path
 
 
+_failed = False  # a build failed in this process: the re-executed one should not try again
+
+
 def _note(why: str) -> None:
+    global _failed
+    _failed = True
     print(f"note: decode steps run without the small-row BLAS kernel ({why})", file=sys.stderr)
     return None
 
@@ -99,37 +104,45 @@ def _bundled_blas() -> str | None:
 
 
 def preload_env(env: dict[str, str]) -> dict[str, str] | None:
-    """``env`` with the BLAS libraries this machine should preload added to ``LD_PRELOAD``
-    (the kernel first, then OpenBLAS); None when nothing is missing from it."""
+    """``env`` with ``LD_PRELOAD`` listing the kernel, then OpenBLAS, then whatever it held
+    (the first library that defines ``cblas_sgemm`` is the one MLX calls); None when that is
+    what it holds already. The kernel comes only with a BLAS to pass other products on to."""
     if not sys.platform.startswith("linux"):
         return None
     current = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
-    wanted = []
-    if not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS):
-        wanted.append(OPENBLAS)
+    kept = current
+    if env.get("REDRAFTER_NO_SMALLROWS"):  # also when inherited from a parent that had it
+        kept = [p for p in current if "smallrows" not in Path(p).name]
+    ours = []
     kernel = smallrows_library()
-    if kernel:
-        wanted.insert(0, str(kernel))
-    missing = [p for p in wanted if not any(Path(p).name == Path(c).name for c in current)]
-    if not missing:
+    openblas = not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS)
+    bundled = None if openblas else env.get(NEXT_ENV) or _bundled_blas()
+    if kernel and (openblas or bundled):
+        ours.append(str(kernel))
+    if openblas:
+        ours.append(OPENBLAS)
+    names = {Path(p).name for p in ours}
+    wanted = ours + [p for p in kept if Path(p).name not in names]
+    next_blas = bundled if str(kernel) in wanted and not openblas else env.get(NEXT_ENV)
+    if wanted == current and next_blas == env.get(NEXT_ENV):
         return None
-    env = dict(env)
-    env["LD_PRELOAD"] = ":".join(missing + current)
-    if kernel and OPENBLAS not in env["LD_PRELOAD"] and NEXT_ENV not in env:
-        bundled = _bundled_blas()
-        if bundled:
-            env[NEXT_ENV] = bundled
+    env = dict(env, LD_PRELOAD=":".join(wanted))
+    if next_blas:
+        env[NEXT_ENV] = next_blas
+    if _failed:
+        env["REDRAFTER_NO_SMALLROWS"] = "1"  # noted once: no second build in the child
     return env
 
 
-def reexec_with_blas(argv: list[str]) -> None:
-    """Re-execute ``python argv`` with :func:`preload_env`'s libraries preloaded, unless MLX is
-    already imported (too late) or nothing is missing."""
+def reexec_with_blas() -> None:
+    """Re-execute this process (same interpreter flags and arguments, ``sys.orig_argv``) with
+    :func:`preload_env`'s libraries preloaded, unless MLX is already imported (too late) or
+    nothing is missing."""
     if "mlx" in sys.modules:
         return
     env = preload_env(dict(os.environ))
     if env is not None:
-        os.execve(sys.executable, [sys.executable, *argv], env)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def _preloaded(marker: str) -> str | None:
@@ -149,12 +162,16 @@ def blas_in_use() -> str:
 
 @functools.cache
 def _smallrows() -> ctypes.CDLL | None:
-    """The preloaded small-row kernel (the same loaded copy), or None."""
+    """The preloaded small-row kernel (the same loaded copy) when it is the ``cblas_sgemm`` the
+    process calls (preloaded before any other BLAS), or None."""
     path = _preloaded("smallrows")
     try:
-        return ctypes.CDLL(path) if path else None
-    except OSError:
+        lib = ctypes.CDLL(path) if path else None
+        resolved = ctypes.CDLL(None).cblas_sgemm  # the process-wide lookup MLX's calls get
+    except (OSError, AttributeError):
         return None
+    address = ctypes.cast(resolved, ctypes.c_void_p).value
+    return lib if lib and address == ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value else None
 
 
 def smallrows_loaded() -> bool:
@@ -163,7 +180,8 @@ def smallrows_loaded() -> bool:
 
 @contextmanager
 def smallrows_off():
-    """Within the block every product goes to the next BLAS (a stock baseline, same process)."""
+    """Within the block every product goes to the next BLAS (a stock baseline, same process).
+    A process-wide switch: not for use from several threads at once."""
     lib = _smallrows()
     previous = lib.redrafter_smallrows_enable(0) if lib else None
     try:

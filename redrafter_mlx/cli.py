@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:
         from redrafter_mlx.blas import reexec_with_blas
 
-        reexec_with_blas(["-m", "redrafter_mlx", *sys.argv[1:]])
+        reexec_with_blas()
         argv = sys.argv[1:]
     listing = "\n".join(f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items())
     if not argv or argv[0] in ("-h", "--help"):

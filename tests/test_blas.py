@@ -104,17 +104,50 @@ def test_preload_env_order_idempotence_and_opt_out(kernel, monkeypatch):
     assert libs[0] == str(kernel)
     if os.path.exists(blas.OPENBLAS):
         assert libs[1] == blas.OPENBLAS
+        # the kernel behind OpenBLAS would never be called: put back in front
+        wrong = blas.preload_env({"LD_PRELOAD": f"{blas.OPENBLAS}:{kernel}:/x/other.so"})
+        assert wrong["LD_PRELOAD"] == f"{kernel}:{blas.OPENBLAS}:/x/other.so"
     assert blas.preload_env(env) is None  # nothing missing: no second re-exec
     monkeypatch.setenv("REDRAFTER_NO_SMALLROWS", "1")
-    plain = blas.preload_env({"PATH": os.environ["PATH"]})
+    plain = blas.preload_env({"PATH": os.environ["PATH"], "REDRAFTER_NO_SMALLROWS": "1"})
     assert plain is None or str(kernel) not in plain["LD_PRELOAD"]
+    inherited = blas.preload_env({**env, "REDRAFTER_NO_SMALLROWS": "1"})
+    assert str(kernel) not in inherited["LD_PRELOAD"]
 
 
-def test_failed_build_is_a_note_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+def test_kernel_needs_a_blas_behind_it(kernel, monkeypatch):
+    """Without OpenBLAS or MLX's bundled BLAS the kernel would have nowhere to pass prompt
+    products: it is not preloaded then."""
+    monkeypatch.setattr(blas, "OPENBLAS", "/nonexistent/libopenblas.so.0")
+    monkeypatch.setattr(blas, "_bundled_blas", lambda: None)
+    assert blas.preload_env({"PATH": os.environ["PATH"]}) is None
+
+
+def test_kernel_behind_another_blas_is_not_reported(kernel):
+    """The first preloaded ``cblas_sgemm`` is the one MLX calls: a kernel behind OpenBLAS is
+    dead code, and the process must not claim (or benchmark) it."""
+    if not os.path.exists(blas.OPENBLAS):
+        pytest.skip("needs Debian's OpenBLAS")
+    code = "from redrafter_mlx import blas; print(blas.blas_in_use(), blas.smallrows_loaded())"
+    env = dict(os.environ, LD_PRELOAD=f"{blas.OPENBLAS}:{kernel}")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["OpenBLAS", "False"], done.stderr
+
+
+@pytest.mark.parametrize("why", ["compiler", "cache-under-a-file"])
+def test_failed_build_is_a_note_and_leaves_nothing(tmp_path, monkeypatch, capsys, why):
     if not sys.platform.startswith("linux") or not blas._cpu_has_avx2_fma():
         pytest.skip("the kernel is only built on Linux x86-64 with AVX2")
-    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
+    if why == "compiler":
+        monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path))
+        monkeypatch.setenv("CC", "false --flag")
+    else:
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr(blas, "_failed", False)
     assert blas.smallrows_library() is None
     assert "without the small-row BLAS kernel" in capsys.readouterr().err
-    assert list((tmp_path / "blas").iterdir()) == []
+    if why == "compiler":
+        assert list((tmp_path / "blas").iterdir()) == []
+    child = blas.preload_env({"PATH": os.environ["PATH"]})  # the re-executed process
+    assert child is None or child["REDRAFTER_NO_SMALLROWS"] == "1"

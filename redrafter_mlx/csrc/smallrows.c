@@ -148,7 +148,7 @@ static int claim_and_run(uint32_t gen) {
   int ran = 0;
   for (;;) {
     uint64_t v = atomic_load(&counter);
-    if ((uint32_t)(v >> 32) != gen || (int)(uint32_t)v >= job.chunks) return ran;
+    if ((uint32_t)(v >> 32) != gen || (uint32_t)v >= (uint32_t)job.chunks) return ran;
     if (!atomic_compare_exchange_weak(&counter, &v, v + 1)) continue;
     int i0 = (int)(uint32_t)v * job.chunk, i1 = i0 + job.chunk;
     job.fn(&job, i0, i1 < job.items ? i1 : job.items);
@@ -237,6 +237,10 @@ static void run(const job_t *j, int align) {
     j->fn(j, 0, j->items);
     return;
   }
+  // Close the last generation before rewriting the job: a worker still in claim_and_run for it
+  // would otherwise compare a stale chunk index with the new job's count and claim a chunk of
+  // the new job under the old generation (found by an audit with injected delays).
+  atomic_store(&counter, atomic_load(&counter) | 0xFFFFFFFFu);
   job = *j;
   int chunk = (int)(CHUNK_BYTES / item_bytes);
   job.chunk = chunk < align ? align : chunk / align * align;
@@ -261,8 +265,9 @@ static sgemm_fn next_sgemm(void) {
       void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
       if (lib) next = (sgemm_fn)dlsym(lib, "cblas_sgemm");
     }
-    if (!next) {
-      fprintf(stderr, "redrafter smallrows: no cblas_sgemm after this library\n");
+    if (!next) {  // blas.py preloads this file only with a BLAS to pass products on to
+      fprintf(stderr, "redrafter smallrows: no cblas_sgemm after this library (set %s)\n",
+              "REDRAFTER_NO_SMALLROWS=1");
       abort();
     }
   }
@@ -284,6 +289,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
   int ours = usable() && order == ROW_MAJOR && trans_a == NO_TRANS && m > 0 && n > 0 && k > 0 &&
+             alpha != 0.0f &&  // BLAS reads neither A nor B then (NaN/Inf must not leak)
              ((trans_b == TRANS && (m <= MAX_SMALL || n <= MAX_SMALL)) ||
               (trans_b == NO_TRANS && m <= MAX_SMALL));
   if (!ours) {
