@@ -114,7 +114,7 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     if env.get("REDRAFTER_NO_SMALLROWS"):  # also when inherited from a parent that had it
         kept = [p for p in current if "smallrows" not in Path(p).name]
     ours = []
-    kernel = smallrows_library()
+    kernel = None if env.get("REDRAFTER_NO_SMALLROWS") else smallrows_library()
     openblas = not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS)
     bundled = None if openblas else env.get(NEXT_ENV) or _bundled_blas()
     if kernel and (openblas or bundled):
