@@ -535,13 +535,18 @@ class BenchConfig:
     timed_prompts: int = 1
 
 
+def bench_methods(shapes: list[BeamShape]) -> list[Method]:
+    """The baselines (mlx-lm twice when the small-row kernel is loaded, our autoregressive
+    loop), then ReDrafter at each shape, in the order the table shows them."""
+    stock = [Method(MLX_LM_STOCK)] if smallrows_loaded() else []
+    return [Method(MLX_LM), *stock, Method(AUTOREGRESSIVE)] + [Method(REDRAFTER, s) for s in shapes]
+
+
 def run_bench(
     runtime: rt.Runtime, cfg: BenchConfig, on_run: Callable[[str], None] | None = None
 ) -> dict:
     """The full benchmark -> one JSON-able result (environment, settings, rows, cost ratios)."""
-    methods = [Method(MLX_LM), Method(AUTOREGRESSIVE)] + [Method(REDRAFTER, s) for s in cfg.shapes]
-    if smallrows_loaded():
-        methods.insert(1, Method(MLX_LM_STOCK))
+    methods = bench_methods(cfg.shapes)
     records, prompts, reference = [], [], {}
     warmed = False
     for conv in cfg.conversations:
@@ -853,8 +858,7 @@ def main(args: argparse.Namespace) -> None:
     )
     console = Console(stderr=True)
     cases = sum(len(c) for c in conversations)
-    baselines = 3 if smallrows_loaded() else 2
-    total = cases * args.repetitions * (len(cfg.shapes) + baselines) + 2
+    total = cases * args.repetitions * len(bench_methods(cfg.shapes)) + 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=total)
         result = run_bench(

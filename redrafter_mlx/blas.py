@@ -109,7 +109,7 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     what it holds already. The kernel comes only with a BLAS to pass other products on to."""
     if not sys.platform.startswith("linux"):
         return None
-    current = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    current = _preload_list(env)
     kept = current
     if env.get("REDRAFTER_NO_SMALLROWS"):  # also when inherited from a parent that had it
         kept = [p for p in current if "smallrows" not in Path(p).name]
@@ -145,11 +145,13 @@ def reexec_with_blas() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def _preload_list(env) -> list[str]:
+    """``LD_PRELOAD``'s entries (ld.so splits it on spaces and colons)."""
+    return [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+
+
 def _preloaded(marker: str) -> str | None:
-    for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":"):
-        if marker in Path(p).name:
-            return p
-    return None
+    return next((p for p in _preload_list(os.environ) if marker in Path(p).name), None)
 
 
 def blas_in_use() -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_llama
 
+from redrafter_mlx import blas
 from redrafter_mlx.accept import greedy
 from redrafter_mlx.chat import (
     ChatSession,
@@ -31,7 +32,6 @@ from redrafter_mlx.drafter import random_drafter
 from redrafter_mlx.generate import stream_generate
 
 ROOT = Path(__file__).resolve().parent.parent
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 # ---------------------------------------------------------------- a toy tokenizer + template
 
@@ -306,8 +306,8 @@ print(json.dumps(out))
 
 def env(**extra: str) -> dict:
     e = dict(os.environ, NO_COLOR="1", TERM="dumb", COLUMNS="200", **extra)
-    if os.path.exists(OPENBLAS):
-        e["LD_PRELOAD"] = OPENBLAS
+    if os.path.exists(blas.OPENBLAS):
+        e["LD_PRELOAD"] = blas.OPENBLAS
     return e
 
 
