@@ -17,17 +17,14 @@ import json
 import math
 import signal
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
 from rich.console import Console
 from rich.markup import escape
 
-from redrafter_mlx import llm
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.accept import make_sampler
 from redrafter_mlx.atomic import write_text
@@ -289,25 +286,6 @@ class ChatSession:
         self.warm_up()
 
 
-def time_autoregressive_step(decoder: Decoder, cache, reps: int = 4) -> float:
-    """Seconds of one plain one-token target step at the cache's current length.
-
-    Writes scratch K/V after ``cache.offset`` and commits nothing, so the conversation is intact.
-    """
-    token = mx.array([cache.ids[-1] if cache.ids else 0])
-    position = mx.array([cache.offset])
-
-    def one() -> None:
-        hidden = llm.forward(decoder.model, token, position, None, cache)
-        mx.eval(mx.argmax(llm.lm_head(decoder.model, hidden), axis=-1))
-
-    one()  # warm-up
-    tic = time.perf_counter()
-    for _ in range(reps):
-        one()
-    return (time.perf_counter() - tic) / reps
-
-
 def save_conversation(path: Path, record: dict) -> None:
     """Write ``record`` as JSON atomically: a temp file in the same folder, then rename."""
     write_text(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
@@ -514,18 +492,23 @@ class ChatUI:
             self.info.print(escape(line))
 
     def speedup_line(self, totals: Totals) -> str:
-        """Speedup estimate = tokens/step ÷ (ReDrafter step time / one-token step time)."""
+        """Speedup estimate = tokens/step ÷ (ReDrafter step time / one-token step time), both
+        step times measured now, alike (the answers' own step times include terminal output)."""
         if self.session.autoregressive:
             return "speedup: none (autoregressive mode, 1 token per step)"
         if totals.steps == 0:
             return "speedup: no decode steps yet"
-        single = time_autoregressive_step(self.session.decoder, self.session.cache)
-        ratio = totals.seconds_per_step / single
+        try:
+            single, step = self.session.decoder.time_steps(self.session.cache)
+        except ContextFull:
+            return "speedup: not measured (the context is full)"
+        ratio = step / single
         return (
             f"speedup estimate {totals.tokens_per_step / ratio:.2f}x = tokens/step "
             f"{totals.tokens_per_step:.2f} ÷ step cost ratio {ratio:.2f} (a ReDrafter step "
-            f"{totals.seconds_per_step * 1e3:.1f} ms vs a one-token step {single * 1e3:.1f} ms "
-            f"measured now)"
+            f"{step * 1e3:.1f} ms vs a one-token step {single * 1e3:.1f} ms, both timed now; "
+            f"in the answers a step took {totals.seconds_per_step * 1e3:.1f} ms, terminal "
+            f"output included)"
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -219,6 +220,51 @@ class Decoder:
             draft, step = self._step(cache, *draft)
             yield step
 
+    def time_steps(self, cache: KVCache, reps: int = 4) -> tuple[float, float]:
+        """Seconds of a one-token step and of a ReDrafter step of the current shape at the
+        cache's length, timed alike: interleaved, each warmed up, each ending in its host read.
+
+        Both write only scratch K/V after ``cache.offset`` and the cache is rewound after each
+        step, so the conversation is intact. The drafted beams come from the last cached token's
+        hidden state, so the tree's size is the one this shape verifies there.
+        """
+        if self.drafter is None:
+            raise ValueError("timing a speculative step needs a drafter")
+        self._check_room(cache, self.shape.length + 1)
+        with _same_random_stream():  # sampled answers after the timing stay as without it
+            return self._time_steps(cache, reps)
+
+    def _time_steps(self, cache: KVCache, reps: int) -> tuple[float, float]:
+        offset = cache.offset
+        cache.reserve(1)
+        token = mx.array([cache.ids[-1] if cache.ids else 0])
+
+        def one_token() -> tuple[np.ndarray, mx.array]:
+            hidden = llm.forward(self.model, token, mx.array([offset]), None, cache)
+            return _host_read(choose(llm.lm_head(self.model, hidden), self.sampler)), hidden
+
+        pending, hidden = one_token()
+        pending = mx.array(int(pending[0]), mx.int32)
+        width, length = self.shape.width, self.shape.length
+        beams, logprobs = self.drafter(
+            hidden[-1], pending, width=width, length=length, min_prob=self.shape.min_prob
+        )
+        read, logprobs = self._read(pending[None], beams, logprobs)
+        draft = (read[1:].reshape(width, length), logprobs)
+
+        def speculative() -> None:
+            self._step(cache, *draft)
+            cache.rewind(offset)
+
+        seconds = {one_token: 0.0, speculative: 0.0}
+        for rep in range(reps + 1):  # the first round warms up
+            for run in seconds:
+                tic = time.perf_counter()
+                run()
+                if rep:
+                    seconds[run] += time.perf_counter() - tic
+        return seconds[one_token] / reps, seconds[speculative] / reps
+
     def _read(self, values: mx.array, beams: mx.array, logprobs: mx.array | None):
         """The step's one host read: ``values`` then ``beams`` flattened (int), plus the drafted
         tokens' log-probs when the tree is pruned by them (None otherwise)."""
@@ -286,6 +332,17 @@ class Decoder:
         emitted = root_and_accepted[1:] + [next_token]
         step = Step(emitted, tree_size=size, syncs=1 + draft_syncs)
         return (read[3:].reshape(shape), next_logprobs), step
+
+
+@contextmanager
+def _same_random_stream() -> Iterator[None]:
+    """Restore MLX's global random key on exit: draws made inside do not shift later ones."""
+    key = mx.array(mx.random.state[0])
+    mx.eval(key)
+    try:
+        yield
+    finally:
+        mx.random.state[0][...] = key  # in place: the state holds this array
 
 
 def _host_read(*values: mx.array) -> np.ndarray | tuple[np.ndarray, ...]:

@@ -342,3 +342,27 @@ def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():
         return take(decoder.speculative(decoder.new_cache(), PROMPT), 32)[0]
 
     assert answer(warm=True) == answer(warm=False)
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_timing_steps_mid_answer_changes_nothing(temp):
+    """chat's /stats times a one-token and a ReDrafter step between answers: the cache, the
+    conversation's next tokens and a seeded sampling stream must come out as without it."""
+    model = tiny_llama(seed=11)
+    drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
+
+    def answer(timed: bool) -> tuple[list[int], list[int]]:
+        decoder = Decoder(model, our_sampler(temp), drafter, BeamShape(3, 4), seed=7)
+        mx.random.seed(7)
+        cache = decoder.new_cache()
+        steps = decoder.speculative(cache, PROMPT)
+        first, _ = take(steps, 12)
+        if timed:
+            before = (cache.offset, list(cache.ids))
+            single, step = decoder.time_steps(cache, reps=2)
+            assert 0 < single and 0 < step
+            assert (cache.offset, cache.ids) == before
+        rest, _ = take(steps, 24)
+        return first + rest, cache.ids
+
+    assert answer(timed=True) == answer(timed=False)
