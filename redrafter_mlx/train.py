@@ -376,6 +376,8 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, args) 
     with Progress(*columns, disable=args.quiet) as bar:
         task = bar.add_task("", total=budget, completed=have, rate="")
         i = first = cache.manifest["next"][split]
+        if split == "train":
+            first = max(first, args.skip_prompts)
         for i, arrays, boundary in records(model, tokenizer, convs, first, args):
             arrays["doc"] = np.full(len(arrays["tokens"]), len(buf), np.int32)
             buf.append(arrays)
@@ -496,6 +498,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default="first",
         help="--source self: answer each training conversation's first user turn, or every "
         "distinct user turn as a prompt of its own (about 3x the prompts on ShareGPT)",
+    )
+    p.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start the training extraction at conversation (--source self: prompt) N, "
+        "leaving out what an earlier run on another machine distilled; held-out unchanged",
     )
     p.add_argument(
         "--extra-cache",
@@ -635,10 +645,16 @@ def check_args(args: argparse.Namespace) -> None:
         if not 0 < value < math.inf:
             raise SystemExit(f"error: {flag} must be a positive number (got {value})")
     layers = args.num_draft_layers if args.num_draft_layers is not None else 0
-    if not args.max_minutes >= 0 or min(args.draft_vocab, args.topk, layers) < 0:  # nan too
-        raise SystemExit(
-            "error: --max-minutes, --draft-vocab, --topk and --num-draft-layers cannot be negative"
-        )
+    non_negative = {
+        "--max-minutes": args.max_minutes,
+        "--draft-vocab": args.draft_vocab,
+        "--topk": args.topk,
+        "--num-draft-layers": layers,
+        "--skip-prompts": args.skip_prompts,
+    }
+    for flag, value in non_negative.items():
+        if not value >= 0:  # nan too
+            raise SystemExit(f"error: {flag} cannot be negative (got {value})")
     if args.source == "self" and args.topk:
         raise SystemExit("error: --topk is not stored for --source self")
     if args.source == "self" and not 4 <= args.gen_tokens < args.max_seq_len:

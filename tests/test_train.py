@@ -126,6 +126,7 @@ def parse(*flags: str):
         (["--epochs", "0"], "--epochs must be a positive number"),
         (["--epochs", "inf"], "--epochs must be a positive number"),
         (["--num-draft-layers", "-1"], "--num-draft-layers cannot be negative"),
+        (["--skip-prompts", "-1"], "--skip-prompts cannot be negative"),
         (["--init", "nowhere"], "not a drafter folder"),
         ([], "--out is required"),
         (["--out", "FILE"], "is a file"),
@@ -456,3 +457,38 @@ def test_a_held_out_split_without_tokens_stops_before_the_training_split(tmp_pat
         data, cache = tmp_path / "data.json", tmp_path / "c"
         T.prepare_cache(learnable_target(), CharTokenizer(), "tiny", data, cache, args)
     assert not list((tmp_path / "c").glob("train-*.npz"))  # no training split generated
+
+
+def test_skip_prompts_leaves_out_the_first_training_prompts_only(tmp_path):
+    """--skip-prompts N: a run on another machine answered prompts 0..N-1; this cache starts at
+    N (new data for a drafter trained on those), with the same held-out split."""
+    write_conversations(tmp_path / "data.json", 20)
+    tok = CharTokenizer()
+
+    def recorded(skip: int) -> dict[str, set]:
+        args = T.setup_arg_parser().parse_args(
+            ["--source", "self", "--self-prompts", "all", "--gen-tokens", "8", "--gen-batch", "4"]
+            + ["--heldout", "2", "--heldout-tokens", "20", "--max-tokens", "100000", "--quiet"]
+            + ["--skip-prompts", str(skip)]
+        )
+        cache = T.prepare_cache(
+            learnable_target(), tok, "tiny", tmp_path / "data.json", tmp_path / f"c{skip}", args
+        )
+        out = {}
+        for split in ("heldout", "train"):
+            data = cache.load(split)
+            out[split] = {
+                tuple(data["tokens"][(data["doc"] == d) & ~data["mask"]])
+                for d in np.unique(data["doc"])
+            }
+        return out
+
+    convs = T.read_conversations(tmp_path / "data.json")
+    heldout, training = T.split_conversations(convs, 0, 2)
+    turns = [
+        tuple(tok.apply_chat_template([t[0]], add_generation_prompt=True))
+        for t in T.every_user_turn(training, heldout)
+    ]
+    every, skipped = recorded(0), recorded(10)
+    assert every["train"] == set(turns) and skipped["train"] == set(turns[10:])
+    assert skipped["heldout"] == every["heldout"]
