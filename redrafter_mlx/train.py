@@ -698,6 +698,11 @@ def check_out(args: argparse.Namespace) -> None:
     if not state_file.is_file():
         return
     state = json.loads(state_file.read_text())
+    if not args.resume and finished(state, args):
+        raise SystemExit(
+            f"error: {out} holds a finished run (step {state['step']}; its best drafter is "
+            "there): choose another --out"
+        )
     if not args.resume:
         raise SystemExit(
             f"error: {out} holds the checkpoint of an earlier run (step {state['step']}): rerun "
@@ -710,6 +715,13 @@ def check_out(args: argparse.Namespace) -> None:
             f"--{k.replace('_', '-')} {saved[k]!r} (now {now.get(k)!r})" for k in changed
         )
         raise SystemExit(f"error: --resume needs the checkpoint's options: {diffs}")
+
+
+def finished(state: dict, args: argparse.Namespace) -> bool:
+    """Whether a checkpoint's run ended: all its steps, early stopping, or its --max-minutes."""
+    ran_out = "total_steps" in state and state["step"] >= state["total_steps"]
+    timed_out = args.max_minutes and state.get("seconds", 0.0) >= args.max_minutes * 60
+    return bool(ran_out or state.get("bad", 0) >= args.patience or timed_out)
 
 
 def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, args) -> Cache:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -243,12 +244,24 @@ def test_checkpoint_restores_weights_and_loop_state(trained):
         assert mx.array_equal(got, value)
 
 
-def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained):
+def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained, tmp_path):
     _, args, _, _, _, _ = trained
     again = T.setup_arg_parser().parse_args(trained_flags(Path(args.out).parent))  # the command
     assert again.resume is False
+    with pytest.raises(SystemExit, match="holds a finished run"):  # it ran all its steps
+        T.check_out(again)
+    # the same run stopped one step short (killed): --resume is the way on
+    again.out = str(tmp_path / "cut")
+    shutil.copytree(args.out, again.out)
+    state_file = Path(again.out) / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "step": state["step"] - 1}))
     with pytest.raises(SystemExit, match="--resume to continue"):
         T.check_out(again)
+    again.max_minutes = state["seconds"] / 60  # ... unless its time was up
+    with pytest.raises(SystemExit, match="holds a finished run"):
+        T.check_out(again)
+    again.out, again.max_minutes = args.out, args.max_minutes
     again.resume = True
     T.check_out(again)  # the same options: fine
     again.batch_size = 32

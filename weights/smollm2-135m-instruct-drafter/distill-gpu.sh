@@ -21,8 +21,10 @@
 #    peak lr 5e-4 or 2e-4, or kept at INIT's layers at 2e-4.
 set -uo pipefail
 prompts=$1 work=$2 out=$3 gen_seconds=${4:-210} train_minutes=${5:-4.5}
-# (PYTHON, GEN_BATCH and HELDOUT_TOKENS shrink it for a dry run on a CPU)
+# (PYTHON, GEN_BATCH and HELDOUT_TOKENS shrink it for a dry run on a CPU; SKIP = prompts to
+# leave out, those INIT's data already answered: see PROVENANCE.md)
 python=${PYTHON:-python3} gen_batch=${GEN_BATCH:-512} heldout_tokens=${HELDOUT_TOKENS:-24000}
+skip=${SKIP:-0}
 init=${INIT:-$(cd "$(dirname "$0")" && pwd)}
 layers=$("$python" -c "import json, sys; print(json.load(open(sys.argv[1]))['num_draft_layers'])" \
   "$init/config.json") || exit 1
@@ -34,7 +36,7 @@ common=(--source self --self-prompts all --data "$prompts" --cache-dir "$work/ca
 stamp() { echo "[$(date +%T)] $*"; }
 stamp "generate for ${gen_seconds}s"
 timeout "$gen_seconds" "$python" -m redrafter_mlx train --extract-only "${common[@]}" \
-  --gen-batch "$gen_batch" --max-tokens 100000000 --cache-max-gb 40
+  --gen-batch "$gen_batch" --max-tokens 100000000 --cache-max-gb 40 --skip-prompts "$skip"
 rc=$?
 [ $rc -eq 0 ] || [ $rc -eq 124 ] || { stamp "generation failed ($rc)"; exit $rc; }
 [ -f "$work/cache/manifest.json" ] || { stamp "no shard finished in ${gen_seconds}s"; exit 1; }
