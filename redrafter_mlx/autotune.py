@@ -451,7 +451,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=[0.0],
         help="drafter path-probability floors to search, e.g. 0,0.2,0.3 (default 0: whole trees)",
     )
-    parser.add_argument("--max-tokens", type=rt.at_least(1), default=48, help="new tokens per run")
+    parser.add_argument("--max-tokens", type=rt.at_least(8), default=48, help="new tokens per run")
     parser.add_argument(
         "--num-prompts",
         type=rt.at_least(1),
@@ -542,8 +542,8 @@ def main(args: argparse.Namespace) -> None:
     if args.show:
         show(Console())
         return
-    if not 1 <= args.num_prompts <= len(HELDOUT_PROMPTS) or args.max_tokens < 8:
-        rt.fail(f"--num-prompts must be 1..{len(HELDOUT_PROMPTS)}, --max-tokens at least 8")
+    if not 1 <= args.num_prompts <= len(HELDOUT_PROMPTS):
+        rt.fail(f"--num-prompts must be 1..{len(HELDOUT_PROMPTS)}")
     if not args.no_save:
         rt.check_writable(store_path().parent, "profile store")  # replaced by rename
         if store_path().is_dir():

@@ -49,12 +49,14 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
         ("generate_cli", ["--beam-width", "0"]),  # was taken as "unset": W=1
         ("chat", ["--max-tokens", "0"]),
         ("bench", ["--num-prompts", "0"]),  # was taken as "all 80"
+        ("bench", ["--max-tokens", "1"]),  # no decode step to time
         ("bench", ["--beam-width", ""]),
         ("bench", ["--beam-length", "2,1"]),
         ("autotune", ["--min-prob", "0,1.5"]),
         ("eval_drafter", ["--beam-length", "1"]),
         ("generate_cli", ["--min-prob", "1"]),
         ("autotune", ["--repetitions", "0"]),
+        ("autotune", ["--max-tokens", "7"]),
         ("eval_drafter", ["--every", "0"]),
     ],
 )
