@@ -195,11 +195,7 @@ class Decoder:
         yield Step([token])
         while True:
             self._check_room(cache, 1)
-            hidden = llm.forward(
-                self.model, mx.array([token]), mx.array([cache.offset]), None, cache
-            )
-            logits = llm.lm_head(self.model, hidden)
-            choice = choose(logits, self.sampler)
+            choice, _ = self._one_token(cache, mx.array([token]))
             cache.commit([token])
             token = choice.item()  # host read: the next token
             yield Step([token])
@@ -208,14 +204,9 @@ class Decoder:
         """ReDrafter decoding: each step emits 1..L tokens with one target pass."""
         if self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
-        width, length = self.shape.width, self.shape.length
         pending, context = self.prefill(cache, prompt)
-        beams, logprobs = self.drafter(
-            context, pending, width=width, length=length, min_prob=self.shape.min_prob
-        )
-        read, logprobs = self._read(pending[None], beams, logprobs)
+        read, draft = self._first_draft(context, pending)
         yield Step([int(read[0])])
-        draft = (read[1:].reshape(width, length), logprobs)
         while True:
             draft, step = self._step(cache, *draft)
             yield step
@@ -240,17 +231,11 @@ class Decoder:
         token = mx.array([cache.ids[-1] if cache.ids else 0])
 
         def one_token() -> tuple[np.ndarray, mx.array]:
-            hidden = llm.forward(self.model, token, mx.array([offset]), None, cache)
-            return _host_read(choose(llm.lm_head(self.model, hidden), self.sampler)), hidden
+            choice, hidden = self._one_token(cache, token)
+            return _host_read(choice), hidden
 
         pending, hidden = one_token()
-        pending = mx.array(int(pending[0]), mx.int32)
-        width, length = self.shape.width, self.shape.length
-        beams, logprobs = self.drafter(
-            hidden[-1], pending, width=width, length=length, min_prob=self.shape.min_prob
-        )
-        read, logprobs = self._read(pending[None], beams, logprobs)
-        draft = (read[1:].reshape(width, length), logprobs)
+        _, draft = self._first_draft(hidden[-1], mx.array(int(pending[0]), mx.int32))
 
         def speculative() -> None:
             self._step(cache, *draft)
@@ -264,6 +249,26 @@ class Decoder:
                 if rep:
                     seconds[run] += time.perf_counter() - tic
         return seconds[one_token] / reps, seconds[speculative] / reps
+
+    def _one_token(self, cache: KVCache, token: mx.array) -> tuple[mx.array, mx.array]:
+        """Feed ``token (1,)`` at ``cache.offset`` (not committed) -> the sampler's next token
+        ``(1,)`` and the hidden state ``(1, H)``, lazily."""
+        hidden = llm.forward(self.model, token, mx.array([cache.offset]), None, cache)
+        return choose(llm.lm_head(self.model, hidden), self.sampler), hidden
+
+    def _draft(self, context: mx.array, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The drafter's beams ``(W, L)`` (and log-probs) of the current shape from the
+        hidden state ``context (H,)`` and the pending ``token ()``, lazily."""
+        shape = self.shape
+        return self.drafter(
+            context, token, width=shape.width, length=shape.length, min_prob=shape.min_prob
+        )
+
+    def _first_draft(self, context: mx.array, pending: mx.array):
+        """Draft from the prompt's (or any) state: one host read -> ``(read, draft)``, where
+        ``read[0]`` is ``pending`` and ``draft`` is what :meth:`_step` takes."""
+        read, logprobs = self._read(pending[None], *self._draft(context, pending))
+        return read, (read[1:].reshape(self.shape.width, self.shape.length), logprobs)
 
     def _read(self, values: mx.array, beams: mx.array, logprobs: mx.array | None):
         """The step's one host read: ``values`` then ``beams`` flattened (int), plus the drafted
@@ -312,13 +317,7 @@ class Decoder:
         if not tree.paths_in_place:
             cache.compact(result.path)
         timer.mark("compact", *cache.state())
-        next_beams, next_logprobs = self.drafter(
-            hidden[result.last_node],
-            result.next_token,
-            width=self.shape.width,
-            length=self.shape.length,
-            min_prob=self.shape.min_prob,
-        )
+        next_beams, next_logprobs = self._draft(hidden[result.last_node], result.next_token)
         draft_syncs = getattr(self.drafter, "syncs", 0)
         read, next_logprobs = self._read(
             mx.stack([result.best, result.num_accepted, result.next_token]),

@@ -698,12 +698,12 @@ def check_out(args: argparse.Namespace) -> None:
     if not state_file.is_file():
         return
     state = json.loads(state_file.read_text())
-    if not args.resume and finished(state, args):
-        raise SystemExit(
-            f"error: {out} holds a finished run (step {state['step']}; its best drafter is "
-            "there): choose another --out"
-        )
     if not args.resume:
+        if finished(state, args):
+            raise SystemExit(
+                f"error: {out} holds a finished run (step {state['step']}; its best drafter is "
+                "there): choose another --out"
+            )
         raise SystemExit(
             f"error: {out} holds the checkpoint of an earlier run (step {state['step']}): rerun "
             "that command with --resume to continue it, or choose another --out"
