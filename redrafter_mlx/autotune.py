@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from redrafter_mlx.atomic import write_text
-from redrafter_mlx.decode import BeamShape
+from redrafter_mlx.decode import BeamShape, shape_grid
 
 PROFILE_VERSION = 1
 DEFAULT_WIDTHS = tuple(range(1, 9))
@@ -62,6 +62,7 @@ EXAMPLES = """examples:
   redrafter-mlx autotune --model models/vicuna-7b --drafter models/vicuna-7b-drafter
   redrafter-mlx autotune --beam-width 1,2,3,4 --beam-length 3,4,5 --max-tokens 32
   redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
+  redrafter-mlx autotune --beam-width 2,4 --beam-length 4,5 --search-width 1,8,16
   redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
   redrafter-mlx autotune --show                   # stored profiles
 """
@@ -183,8 +184,10 @@ def save_profile(key: str, entry: dict, path: Path | None = None) -> None:
 
 def entry_shape(entry: dict) -> BeamShape:
     """A stored profile's shape; raises (TypeError, KeyError, ValueError...) when malformed."""
-    width, length, *floor = entry["shape"]  # [W, L] or [W, L, min_prob]
-    return BeamShape(int(width), int(length), float(floor[0]) if floor else 0.0)
+    width, length, *more = entry["shape"]  # [W, L], [W, L, min_prob] or [W, L, p, search]
+    floor = float(more[0]) if more else 0.0
+    search = int(more[1]) if len(more) > 1 else 0
+    return BeamShape(int(width), int(length), floor, search if search > width else 0)
 
 
 def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | None:
@@ -240,8 +243,8 @@ Measure = Callable[[BeamShape, int], Observation]
 
 
 def _features(shape: BeamShape, tree: float) -> list[float]:
-    w, n = shape.width, shape.length
-    return [1.0, tree, tree * tree / 16.0, n - 1.0, w * (n - 1.0)]
+    searched, n = shape.searched, shape.length  # drafting: L - 1 depths of S beams
+    return [1.0, tree, tree * tree / 16.0, n - 1.0, searched * (n - 1.0)]
 
 
 def fit_cost(observations: Sequence[Observation]) -> Callable[[BeamShape, float], float]:
@@ -389,6 +392,7 @@ def table(result: SearchResult) -> list[dict]:
                 "beam_width": shape.width,
                 "beam_length": shape.length,
                 "min_prob": shape.min_prob,
+                "search_width": shape.searched,
                 "runs": len(own),
                 "tokens_per_step": round(statistics.fmean(o.tokens_per_step for o in own), 3),
                 "mean_tree_size": round(statistics.fmean(o.tree_size for o in own), 2),
@@ -406,7 +410,12 @@ def profile_entry(
 
     _, fp = runtime_identity(runtime)
     return {
-        "shape": [result.best.width, result.best.length, result.best.min_prob],
+        "shape": [
+            result.best.width,
+            result.best.length,
+            result.best.min_prob,
+            result.best.searched,
+        ],
         "method": method,
         "fingerprint": fp,
         "chip": chip_info(),
@@ -451,6 +460,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=[0.0],
         help="drafter path-probability floors to search, e.g. 0,0.2,0.3 (default 0: whole trees)",
     )
+    parser.add_argument(
+        "--search-width",
+        type=rt.widths,
+        default=[0],
+        help="drafter search widths S to try, e.g. 1,8,16: search with S beams, verify the W "
+        "with the most expected accepted tokens (S <= W: plain; default: plain only)",
+    )
     parser.add_argument("--max-tokens", type=rt.at_least(8), default=48, help="new tokens per run")
     parser.add_argument(
         "--num-prompts",
@@ -493,12 +509,7 @@ def show(console) -> None:
 def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResult, float]:
     """Warm up, then the search (or grid) with a progress bar; returns the result and seconds."""
     try:
-        shapes = [
-            BeamShape(w, n, p)
-            for w in args.beam_width
-            for n in args.beam_length
-            for p in args.min_prob
-        ]
+        shapes = shape_grid(args.beam_width, args.beam_length, args.min_prob, args.search_width)
     except ValueError as e:
         from redrafter_mlx.runtime import fail
 

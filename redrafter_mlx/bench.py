@@ -37,7 +37,7 @@ from redrafter_mlx import atomic, llm
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.blas import smallrows_loaded, smallrows_off
 from redrafter_mlx.data import MT_BENCH
-from redrafter_mlx.decode import PHASES, BeamShape
+from redrafter_mlx.decode import PHASES, BeamShape, shape_grid
 from redrafter_mlx.generate import stream_generate
 
 DEFAULT_WIDTHS = (1, 2)
@@ -51,6 +51,7 @@ EXAMPLES = """examples:
   redrafter-mlx bench                                   # short: 2 MT-Bench prompts, W 1,2 x L 2,3
   redrafter-mlx bench --num-prompts 10 --beam-width 1,2,3,4 --beam-length 2,3,4,5 --out runs/b
   redrafter-mlx bench --num-prompts 5 --beam-width 1 --beam-length 2,3,4 --min-prob 0,0.3
+  redrafter-mlx bench --num-prompts 5 --beam-width 4 --beam-length 5 --search-width 1,8,16
   redrafter-mlx bench --turns 2 --num-prompts 5 --beam-width 2 --beam-length 4
   redrafter-mlx bench --prompts my_prompts.jsonl --temp 0.7 --seed 0 --repetitions 3
   REDRAFTER_NO_OPENBLAS=1 redrafter-mlx bench --num-prompts 1 --beam-width 1 --beam-length 3
@@ -418,6 +419,7 @@ def summarize_method(
         "beam_width": method.shape.width if method.shape else None,
         "beam_length": method.shape.length if method.shape else None,
         "min_prob": method.shape.min_prob if method.shape else None,
+        "search_width": method.shape.searched if method.shape else None,
         "runs": len(runs),
         "generation_tps": statistics.median(tps) if tps else 0.0,
         "generation_tps_p25": _pct(tps, 25),
@@ -625,7 +627,7 @@ def cost_fields(runtime: rt.Runtime, shape: BeamShape, row: dict) -> dict:
 
 def settings_dict(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     d = asdict(cfg)
-    d["shapes"] = [[s.width, s.length, s.min_prob] for s in cfg.shapes]
+    d["shapes"] = [[s.width, s.length, s.min_prob, s.searched] for s in cfg.shapes]
     d["conversations"] = len(cfg.conversations)
     d["cases"] = len(prompts)
     d["prompt_tokens"] = [len(p) for p in prompts]
@@ -640,6 +642,7 @@ CSV_FIELDS = (
     "beam_width",
     "beam_length",
     "min_prob",
+    "search_width",
     "generation_tps",
     "generation_tps_p25",
     "generation_tps_p75",
@@ -705,8 +708,10 @@ def plot_all(rows: list[dict], out: Path) -> list[Path]:
 
 
 def _heatmap(plt, rows: list[dict]):
-    floor = min(r.get("min_prob") or 0.0 for r in rows)  # one cell per (W, L): the lowest floor
+    # one cell per (W, L): the lowest floor, then the narrowest search
+    floor = min(r.get("min_prob") or 0.0 for r in rows)
     rows = [r for r in rows if (r.get("min_prob") or 0.0) == floor]
+    rows = [r for r in rows if r.get("search_width") in (None, r["beam_width"])] or rows
     widths = sorted({r["beam_width"] for r in rows})
     lengths = sorted({r["beam_length"] for r in rows})
     grid = np.full((len(widths), len(lengths)), np.nan)
@@ -794,6 +799,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="list of drafter path-probability floors for pruning the tree, e.g. 0,0.3 (0 = off)",
     )
     parser.add_argument(
+        "--search-width",
+        type=rt.widths,
+        help="list of search widths S, e.g. 1,16: search with S beams, verify the W with the "
+        "most expected accepted tokens (S <= W: plain beam search)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=rt.at_least(2),  # a speed needs decode steps after the prompt's token
         default=128,
@@ -819,12 +830,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
     """The grid from flags; without flags the short default grid plus the decoder's default
     shape and the autotuned one."""
-    if args.beam_width or args.beam_length or args.min_prob:
+    if args.beam_width or args.beam_length or args.min_prob or args.search_width:
         widths = args.beam_width or [rt.DEFAULT_SHAPE.width]
         lengths = args.beam_length or [rt.DEFAULT_SHAPE.length]
         floors = args.min_prob or [rt.DEFAULT_SHAPE.min_prob]
+        searches = args.search_width or [rt.DEFAULT_SHAPE.search_width]
         try:
-            return [BeamShape(w, n, p) for w in widths for n in lengths for p in floors]
+            return shape_grid(widths, lengths, floors, searches)
         except ValueError as e:
             rt.fail(str(e))
     shapes = [BeamShape(w, n) for w in DEFAULT_WIDTHS for n in DEFAULT_LENGTHS]

@@ -69,9 +69,9 @@ def parse_command(line: str) -> Command | None:
     return Command(name.lower(), arg.strip())
 
 
-def parse_beam(arg: str, min_prob: float = 0.0) -> BeamShape:
-    """``"W L [P]"`` -> BeamShape (``min_prob`` unless P is given); ValueError with a usage
-    message otherwise."""
+def parse_beam(arg: str, min_prob: float = 0.0, search_width: int = 0) -> BeamShape:
+    """``"W L [P]"`` -> BeamShape (``min_prob`` unless P is given, and ``search_width``);
+    ValueError with a usage message otherwise."""
     usage = "usage: /beam W L [P]  (two integers, optional path-probability floor: /beam 2 4 0.3)"
     parts = arg.split()
     if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
@@ -80,7 +80,7 @@ def parse_beam(arg: str, min_prob: float = 0.0) -> BeamShape:
         floor = float(parts[2]) if len(parts) == 3 else min_prob
     except ValueError:
         raise ValueError(usage) from None
-    return BeamShape(int(parts[0]), int(parts[1]), floor)
+    return BeamShape(int(parts[0]), int(parts[1]), floor, search_width)
 
 
 def parse_temp(arg: str) -> float:
@@ -442,7 +442,8 @@ class ChatUI:
         self.note("conversation cleared")
 
     def cmd_beam(self, arg: str) -> None:
-        shape = parse_beam(arg, self.session.decoder.shape.min_prob)
+        current = self.session.decoder.shape
+        shape = parse_beam(arg, current.min_prob, current.search_width)
         self.session.set_shape(shape)
         self.shape_source = "/beam"
         extra = " (ignored: --autoregressive)" if self.session.autoregressive else ""

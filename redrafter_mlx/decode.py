@@ -42,28 +42,53 @@ class ContextFull(RuntimeError):
 @dataclass(frozen=True)
 class BeamShape:
     """W beams of L tokens; with ``min_prob`` > 0 each step verifies only the tree nodes whose
-    drafter path probability reaches it (:func:`redrafter_mlx.tree.prune`)."""
+    drafter path probability reaches it (:func:`redrafter_mlx.tree.prune`); with
+    ``search_width`` S > W the drafter searches with S beams and the step verifies the W of them
+    that promise the most accepted tokens (:func:`redrafter_mlx.draft.select_paths`)."""
 
     width: int = 1
     length: int = 4
     min_prob: float = 0.0
+    search_width: int = 0  # 0 (or <= W): plain beam search with W beams
 
     def __post_init__(self):
         if self.width < 1 or self.length < 2:
             raise ValueError(f"beam shape W={self.width} L={self.length}: need W >= 1 and L >= 2")
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError(f"min path probability {self.min_prob}: need 0 <= p < 1")
+        if self.search_width < 0:
+            raise ValueError(f"search width {self.search_width}: need S >= 0")
+
+    @property
+    def searched(self) -> int:
+        """Beams the drafter keeps while searching: ``max(W, search_width)``."""
+        return max(self.width, self.search_width)
 
     @property
     def label(self) -> str:
-        """``W2L4``, or ``W2L4p0.3`` with a probability floor."""
+        """``W2L4``; ``W2L4s8`` when searched with 8 beams, ``W2L4p0.3`` with a floor."""
+        search = f"s{self.searched}" if self.searched > self.width else ""
         floor = f"p{self.min_prob:g}" if self.min_prob else ""
-        return f"W{self.width}L{self.length}{floor}"
+        return f"W{self.width}L{self.length}{search}{floor}"
 
     def describe(self) -> str:
-        """``W=2 L=4``, or ``W=2 L=4 min-prob 0.3`` with a probability floor."""
+        """``W=2 L=4``, plus `` search 8`` and `` min-prob 0.3`` when set."""
+        search = f" search {self.searched}" if self.searched > self.width else ""
         floor = f" min-prob {self.min_prob:g}" if self.min_prob else ""
-        return f"W={self.width} L={self.length}{floor}"
+        return f"W={self.width} L={self.length}{search}{floor}"
+
+
+def shape_grid(widths, lengths, floors=(0.0,), search_widths=(0,)) -> list[BeamShape]:
+    """Every (W, L, min_prob, S) combination once, in that order (a search width S <= W is the
+    plain search); ValueError for an invalid one."""
+    shapes = (
+        BeamShape(w, n, p, s if s > w else 0)
+        for w in widths
+        for n in lengths
+        for p in floors
+        for s in search_widths
+    )
+    return list(dict.fromkeys(shapes))
 
 
 def verified_sizes(shape: BeamShape, tree_sizes: tuple[int, ...] = ()) -> list[int]:
@@ -130,7 +155,7 @@ class Decoder:
     def check_shape(self, shape: BeamShape) -> None:
         """ValueError when the drafter cannot search ``shape``: more beams than draft tokens."""
         if isinstance(self.drafter, BeamDrafter):
-            check_width(self.drafter.drafter, shape.width)
+            check_width(self.drafter.drafter, shape.searched)
 
     def warm_up(self, *, autoregressive: bool = False) -> None:
         """Trace (and build the kernels of) everything a step of the current shape and sampler
@@ -161,7 +186,12 @@ class Decoder:
             shape = self.shape
             pending = mx.array(0, mx.int32)
             self.drafter.warm_up(
-                hidden[-1], pending, width=shape.width, length=shape.length, min_prob=shape.min_prob
+                hidden[-1],
+                pending,
+                width=shape.width,
+                length=shape.length,
+                min_prob=shape.min_prob,
+                search_width=shape.searched,
             )
         if self.seed is not None:
             mx.random.seed(self.seed)
@@ -261,7 +291,12 @@ class Decoder:
         hidden state ``context (H,)`` and the pending ``token ()``, lazily."""
         shape = self.shape
         return self.drafter(
-            context, token, width=shape.width, length=shape.length, min_prob=shape.min_prob
+            context,
+            token,
+            width=shape.width,
+            length=shape.length,
+            min_prob=shape.min_prob,
+            search_width=shape.searched,
         )
 
     def _first_draft(self, context: mx.array, pending: mx.array):

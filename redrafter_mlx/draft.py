@@ -6,8 +6,14 @@ The search runs ``L - 1`` drafter calls with all beams batched. The first expans
 single live beam (W copies would only give duplicates); each later one scores ``W x K``
 extensions by cumulative log-prob, keeps the top W and re-gathers tokens and RNN states by
 source beam. Beams come out best first. There are no host reads inside, so the whole search is
-one lazy graph, compiled once per ``(W, L)``; the exception is a search with a path-probability
+one lazy graph, compiled once per ``(W, L, S)``; the exception is a search with a path-probability
 floor, which reads the best score after each depth and stops once it is below the floor.
+
+A search width ``S > W`` keeps S beams while searching and returns the W of them chosen by
+:func:`select_paths`: the drafter's expected accepted length of a tree is the sum of its nodes'
+path probabilities, and the top W beams by score mostly share their first tokens, so they hedge
+where acceptance is already unlikely (the last tokens) instead of where most drafts fail (the
+first drafted token).
 """
 
 from __future__ import annotations
@@ -28,16 +34,58 @@ def beam_search(
     *,
     width: int,
     length: int,
+    search_width: int = 0,
 ) -> tuple[mx.array, mx.array]:
-    """Draft ``width`` beams of ``length`` tokens from ``context (H,)`` and ``pending ()``.
+    """Draft ``width`` beams of ``length`` tokens from ``context (H,)`` and ``pending ()``,
+    searching with ``max(width, search_width)`` beams.
 
     Returns ``beams (W, L)`` int32 (column 0 = pending) and the drafter's log-prob of each
     drafted token ``(W, L - 1)``.
     """
-    search = start(drafter, context, pending, width)
+    kept = max(width, search_width)
+    search = start(drafter, context, pending, kept)
     for _ in range(length - 1):
-        search = expand(drafter, embed, context, *search, width=width)
-    return search[0], search[2]
+        search = expand(drafter, embed, context, *search, width=kept)
+    return narrow(search[0], search[2], width)
+
+
+def narrow(beams: mx.array, token_logprobs: mx.array, width: int) -> tuple[mx.array, mx.array]:
+    """``beams (..., S, L)`` of a search -> the ``width`` to verify: all of them when S <= W,
+    else :func:`select_paths`."""
+    if beams.shape[-2] <= width:
+        return beams, token_logprobs
+    return select_paths(beams, token_logprobs, width)
+
+
+def select_paths(
+    beams: mx.array, token_logprobs: mx.array, width: int
+) -> tuple[mx.array, mx.array]:
+    """The ``width`` of ``beams (..., S, L)`` whose merged tree has the most expected accepted
+    tokens under the drafter: the sum over the tree's distinct nodes of their path probability
+    (``exp`` of the summed log-probs ``token_logprobs (..., S, L - 1)`` down to the node).
+
+    Greedy: each pick is the beam whose nodes not yet in the tree add the most probability (the
+    first pick is the beam with the largest summed prefix probabilities). Lazy, no host read.
+    Returns ``(beams (..., W, L), token_logprobs (..., W, L - 1))``, in pick order.
+    """
+    drafted = beams[..., 1:]  # column 0, the pending token, is shared by all
+    equal = drafted[..., :, None, :] == drafted[..., None, :, :]  # (..., S, S, L - 1)
+    shared = mx.cumprod(equal.astype(mx.float32), axis=-1)  # [i, j, d]: same nodes to depth d
+    path_probs = mx.exp(mx.cumsum(token_logprobs.astype(mx.float32), axis=-1))  # (..., S, L - 1)
+    covered = mx.zeros_like(path_probs)  # [j, d]: beam j's depth-d node is in the tree
+    picks = []
+    for _ in range(width):
+        pick = mx.argmax((path_probs * (1.0 - covered)).sum(axis=-1), axis=-1)  # (...,)
+        index = mx.broadcast_to(
+            pick[..., None, None, None], (*shared.shape[:-3], 1, *shared.shape[-2:])
+        )
+        covered = mx.maximum(covered, mx.take_along_axis(shared, index, axis=-3)[..., 0, :, :])
+        picks.append(pick)
+    chosen = mx.stack(picks, axis=-1)[..., None]  # (..., W, 1)
+    return (
+        mx.take_along_axis(beams, chosen, axis=-2),
+        mx.take_along_axis(token_logprobs, chosen, axis=-2),
+    )
 
 
 def check_width(drafter: Drafter, width: int) -> None:
@@ -93,7 +141,7 @@ def nn_log_softmax(logits: mx.array) -> mx.array:
 
 
 class BeamDrafter:
-    """A drafter bound to its target's embedding, with beam search compiled per ``(W, L)``.
+    """A drafter bound to its target's embedding, with beam search compiled per ``(W, L, S)``.
 
     Compiled functions capture the drafter's weights as constants: build a new ``BeamDrafter``
     after changing them. ``syncs`` is the number of host reads the last call made (0 unless
@@ -106,7 +154,7 @@ class BeamDrafter:
         self.drafter = drafter
         self.embed = embed
         self.compile = compile
-        self._compiled: dict[tuple[int, int], Callable] = {}
+        self._compiled: dict[tuple[int, int, int], Callable] = {}
         self._expanders: dict[int, Callable] = {}
         self.syncs = 0
 
@@ -118,43 +166,58 @@ class BeamDrafter:
         width: int,
         length: int,
         min_prob: float = 0.0,
+        search_width: int = 0,
     ):
-        """``context (H,)``, ``pending ()`` -> ``beams (W, L)``, ``token_logprobs (W, L - 1)``.
+        """``context (H,)``, ``pending ()`` -> ``beams (W, L)``, ``token_logprobs (W, L - 1)``,
+        searched with ``max(W, search_width)`` beams (:func:`beam_search`).
 
         With ``min_prob`` > 0 the search stops at the first depth where no beam's path
         probability reaches it (a host read per depth): nothing deeper could reach it either,
         so those positions get token -1 and log-prob -inf instead of costing drafter passes.
         """
         self.syncs = 0
+        kept = max(width, search_width)
         if min_prob > 0:
-            return self._search_until(context, pending, width, length, math.log(min_prob))
-        if not self.compile:
+            return self._search_until(context, pending, width, kept, length, math.log(min_prob))
+
+        def search(context, pending):
             return beam_search(
-                self.drafter, self.embed, context, pending, width=width, length=length
+                self.drafter,
+                self.embed,
+                context,
+                pending,
+                width=width,
+                length=length,
+                search_width=kept,
             )
-        fn = self._compiled.get((width, length))
+
+        if not self.compile:
+            return search(context, pending)
+        fn = self._compiled.get((width, length, kept))
         if fn is None:
-
-            def search(context, pending):
-                return beam_search(
-                    self.drafter, self.embed, context, pending, width=width, length=length
-                )
-
-            fn = self._compiled[(width, length)] = mx.compile(search)
+            fn = self._compiled[(width, length, kept)] = mx.compile(search)
         return fn(context, pending)
 
     def warm_up(
-        self, context: mx.array, pending: mx.array, *, width: int, length: int, min_prob: float
+        self,
+        context: mx.array,
+        pending: mx.array,
+        *,
+        width: int,
+        length: int,
+        min_prob: float,
+        search_width: int = 0,
     ) -> None:
         """Trace this shape's search to its full depth (a floored search may stop early)."""
+        kept = max(width, search_width)
         if min_prob > 0:
-            mx.eval(*self._search_until(context, pending, width, length, -math.inf))
+            mx.eval(*self._search_until(context, pending, width, kept, length, -math.inf))
         else:
-            mx.eval(*self(context, pending, width=width, length=length))
+            mx.eval(*self(context, pending, width=width, length=length, search_width=kept))
 
-    def _search_until(self, context, pending, width: int, length: int, floor: float):
-        step = self._expander(width)
-        search = start(self.drafter, context, pending, width)
+    def _search_until(self, context, pending, width: int, kept: int, length: int, floor: float):
+        step = self._expander(kept)
+        search = start(self.drafter, context, pending, kept)
         for depth in range(1, length):
             search = step(context, *search)
             if depth < length - 1:
@@ -169,7 +232,7 @@ class BeamDrafter:
             token_logprobs = mx.concatenate(
                 [token_logprobs, mx.full((rows, missing), -mx.inf, token_logprobs.dtype)], axis=1
             )
-        return beams, token_logprobs
+        return narrow(beams, token_logprobs, width)
 
     def _expander(self, width: int) -> Callable:
         """One search depth (:func:`expand`), compiled per width (traced per input shape)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from redrafter_mlx import atomic
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.data import MT_BENCH
+from redrafter_mlx.decode import BeamShape, shape_grid
 
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for --simulate
 
@@ -38,6 +39,9 @@ EPILOG = """examples:
   # one shape, held-out ShareGPT prompts written by `train`, JSON output
   redrafter-mlx eval-drafter --drafter runs/drafter --prompts runs/cache/heldout_prompts.jsonl \\
       --beam-width 2 --beam-length 5 --json
+
+  # 4 beams picked from a 16-beam search against the plain 4-beam search, L 5
+  redrafter-mlx eval-drafter --simulate --beam-width 4 --beam-length 5 --search-width 1,16
 """
 
 
@@ -74,10 +78,11 @@ def evaluate(
     lengths: list[int],
     max_tokens: int,
     progress=None,
+    search_widths: tuple[int, ...] = (0,),
 ) -> list[dict]:
-    """Tokens/step per (W, L) over ``prompts``: one row per shape."""
+    """Tokens/step per (W, L, S) over ``prompts``: one row per shape."""
     from redrafter_mlx.accept import greedy
-    from redrafter_mlx.decode import BeamShape, Decoder
+    from redrafter_mlx.decode import Decoder
     from redrafter_mlx.draft import BeamDrafter
     from redrafter_mlx.load import eos_ids
 
@@ -92,25 +97,25 @@ def evaluate(
     ]
     beams = BeamDrafter(drafter, embed=model.model.embed_tokens)
     rows = []
-    for w in widths:
-        for length in lengths:
-            dec = Decoder(model, greedy, drafter=beams, shape=BeamShape(w, length))
-            runs = []
-            for ids in encoded:
-                runs.append(decode_one(dec, ids, max_tokens, eos))
-                if progress:
-                    progress()
-            rows.append(summarize(w, length, runs))
+    for shape in shape_grid(widths, lengths, search_widths=search_widths):
+        dec = Decoder(model, greedy, drafter=beams, shape=shape)
+        runs = []
+        for ids in encoded:
+            runs.append(decode_one(dec, ids, max_tokens, eos))
+            if progress:
+                progress()
+        rows.append(summarize(shape, runs))
     return rows
 
 
-def summarize(width: int, length: int, runs: list[dict]) -> dict:
+def summarize(shape: BeamShape, runs: list[dict]) -> dict:
     tokens, steps = sum(r["tokens"] for r in runs), sum(r["steps"] for r in runs)
     per_prompt = [round(r["tokens"] / r["steps"], 3) if r["steps"] else None for r in runs]
     digest = hashlib.sha1(json.dumps([r["ids"] for r in runs]).encode()).hexdigest()[:12]
     return {
-        "width": width,
-        "length": length,
+        "width": shape.width,
+        "length": shape.length,
+        "search_width": shape.searched,
         "tokens": tokens,
         "steps": steps,
         "tokens_per_step": round(tokens / steps, 3) if steps else None,
@@ -146,6 +151,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--beam-width", type=rt.widths, default=[1, 2, 3, 4])
     p.add_argument("--beam-length", type=rt.lengths, default=[3, 4, 5])
+    p.add_argument(
+        "--search-width",
+        type=rt.widths,
+        default=[0],
+        help="also search with S beams and verify the W of them with the most expected "
+        "accepted tokens, e.g. 1,16 (S <= W: plain beam search; default: plain only)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--simulate",
@@ -207,7 +219,8 @@ def main(args: argparse.Namespace) -> None:
 def run_with_progress(model, tokenizer, drafter, prompts, args, target_id: str = "") -> list[dict]:
     from rich.progress import Progress
 
-    total = len(prompts) * len(args.beam_width) * len(args.beam_length)
+    shapes = shape_grid(args.beam_width, args.beam_length, search_widths=args.search_width)
+    total = len(prompts) * len(shapes)
     with Progress(transient=True) as bar:
         task = bar.add_task("decoding", total=total)
         if args.simulate:
@@ -222,6 +235,7 @@ def run_with_progress(model, tokenizer, drafter, prompts, args, target_id: str =
                 args.paths_cache,
                 progress=lambda n: bar.advance(task, n),
                 target_id=target_id,
+                search_widths=args.search_width,
             )
         return evaluate(
             model,
@@ -232,6 +246,7 @@ def run_with_progress(model, tokenizer, drafter, prompts, args, target_id: str =
             args.beam_length,
             args.max_tokens,
             progress=lambda: bar.advance(task),
+            search_widths=args.search_width,
         )
 
 
@@ -241,16 +256,17 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     rows = report["results"]
-    widths = sorted({r["width"] for r in rows})
+    searches = sorted({(r["width"], r["search_width"]) for r in rows})
     lengths = sorted({r["length"] for r in rows})
-    cell = {(r["width"], r["length"]): r["tokens_per_step"] for r in rows}
+    cell = {(r["width"], r["search_width"], r["length"]): r["tokens_per_step"] for r in rows}
     mode = "simulated" if report.get("simulated") else "greedy decode loop"
     table = Table(title="mean tokens/step")
     table.add_column("W \\ L")
     for length in lengths:
         table.add_column(f"L={length}", justify="right")
-    for w in widths:
-        table.add_row(f"W={w}", *(f"{cell.get((w, n)) or 0:.2f}" for n in lengths))
+    for w, searched in searches:
+        label = f"W={w}" + (f" search {searched}" if searched > w else "")
+        table.add_row(label, *(f"{cell.get((w, searched, n)) or 0:.2f}" for n in lengths))
     Console().print(table)
     Console().print(f"{report['num_prompts']} prompts x {report['max_tokens']} new tokens, {mode}")
     for r in rows:
@@ -286,7 +302,7 @@ def greedy_path(
     otherwise ``real`` is None.
     """
     from redrafter_mlx.accept import greedy
-    from redrafter_mlx.decode import BeamShape, Decoder
+    from redrafter_mlx.decode import Decoder
 
     dec = Decoder(model, greedy, drafter=drafter, shape=BeamShape(*PATH_SHAPE))
     ids, real = list(prompt_ids), None
@@ -332,19 +348,25 @@ def path_hidden(model, ids: list[int]):
     )
 
 
-def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int) -> list:
+def beams_everywhere(
+    drafter, embed, contexts, pendings, width: int, depth: int, search_width: int = 0
+) -> list:
     """The drafter's beam search from every position of a path at once.
 
     ``contexts (T, H)``, ``pendings (T,)`` -> for d = 1..depth, ``(beams (T, W, d + 1), drafted
     tokens' log-probs (T, W, d))`` (numpy):
     the same search as :func:`redrafter_mlx.draft.beam_search` (first expansion from one live
-    beam, top W by cumulative log-prob, best first), batched over the T positions. Beam search
-    keeps the top W at every depth whatever the final length, so a length-L search is the
-    depth L - 1 slice.
+    beam, top ``max(W, search_width)`` by cumulative log-prob, best first, then
+    :func:`redrafter_mlx.draft.narrow` to W), batched over the T positions. Beam search keeps
+    the same beams at every depth whatever the final length, so a length-L search is the depth
+    L - 1 slice.
     """
     import mlx.core as mx
     import numpy as np
 
+    from redrafter_mlx.draft import narrow
+
+    final_width, width = width, max(width, search_width)
     t, h = contexts.shape
     vocab = drafter.args.draft_vocab
     beams = pendings.astype(mx.int32).reshape(t, 1, 1)
@@ -375,8 +397,9 @@ def beams_everywhere(drafter, embed, contexts, pendings, width: int, depth: int)
         )
         scores = mx.take_along_axis(flat, top, axis=-1)
         state = mx.take_along_axis(state, source[..., None], axis=1)
-        mx.eval(beams, token_logprobs, scores, state)
-        out.append((np.array(beams), np.array(token_logprobs)))
+        verified = narrow(beams, token_logprobs, final_width)
+        mx.eval(beams, token_logprobs, scores, state, *verified)
+        out.append(tuple(np.array(a) for a in verified))
     return out
 
 
@@ -415,6 +438,7 @@ def simulate_grid(
     paths_file: Path | None = None,
     progress=None,
     target_id: str = "",
+    search_widths: tuple[int, ...] = (0,),
 ) -> list[dict]:
     """Like :func:`evaluate`, replaying steps along greedy paths decoded once by the real loop
     at :data:`PATH_SHAPE` (cached in ``paths_file``, keyed by prompt, when given). The row of
@@ -436,26 +460,30 @@ def simulate_grid(
         count_until=max_tokens,
         target_id=target_id,
     )
-    runs: dict[tuple[int, int], list[dict]] = {}
+    shapes = shape_grid(widths, lengths, search_widths=search_widths)
+    runs: dict[BeamShape, list[dict]] = {}
     for ids, hidden, n_prompt, _ in paths:
         contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
-        for w in widths:
-            beams = beams_everywhere(drafter, embed, contexts, pendings, w, max(lengths) - 1)
-            for length in lengths:
-                run = simulate(beams[length - 2][0], ids, n_prompt, max_tokens, length)
-                runs.setdefault((w, length), []).append(run)
+        for w, searched in sorted({(b.width, b.searched) for b in shapes}):
+            beams = beams_everywhere(
+                drafter, embed, contexts, pendings, w, max(lengths) - 1, searched
+            )
+            for shape in shapes:
+                if (shape.width, shape.searched) == (w, searched):
+                    replayed = beams[shape.length - 2][0]
+                    run = simulate(replayed, ids, n_prompt, max_tokens, shape.length)
+                    runs.setdefault(shape, []).append(run)
         if progress:
-            progress(len(widths) * len(lengths))
+            progress(len(shapes))
     rows = []
-    for w in widths:
-        for length in lengths:
-            row = summarize(w, length, runs[(w, length)])
-            real = [p[3] for p in paths]
-            if (w, length) == PATH_SHAPE and all(real):
-                tokens, steps = sum(r["tokens"] for r in real), sum(r["steps"] for r in real)
-                row["real_tokens_per_step"] = round(tokens / steps, 3) if steps else None
-                row["real_tokens"], row["real_steps"] = tokens, steps
-            rows.append(row)
+    real = [p[3] for p in paths]
+    for shape in shapes:
+        row = summarize(shape, runs[shape])
+        if shape == BeamShape(*PATH_SHAPE) and all(real):
+            tokens, steps = sum(r["tokens"] for r in real), sum(r["steps"] for r in real)
+            row["real_tokens_per_step"] = round(tokens / steps, 3) if steps else None
+            row["real_tokens"], row["real_steps"] = tokens, steps
+        rows.append(row)
     return rows
 
 

@@ -120,6 +120,7 @@ def main(args: argparse.Namespace) -> None:
             "beam_width": shape.width,
             "beam_length": shape.length,
             "min_prob": shape.min_prob,
+            "search_width": shape.searched,
             "shape_source": source,
         }
     if args.json:

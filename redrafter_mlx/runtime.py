@@ -10,7 +10,7 @@ import math
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +22,7 @@ from redrafter_mlx.draft import BeamDrafter
 # Without an autotune profile: one short beam, the measured best on the 2-core CPU with the
 # shipped drafter (benchmarks/README.md); `redrafter-mlx autotune` measures each chip.
 DEFAULT_SHAPE = BeamShape(width=1, length=2)
+SHAPE_FLAGS = ("beam_width", "beam_length", "min_prob", "search_width")  # BeamShape's fields
 
 
 @dataclass
@@ -127,13 +128,20 @@ def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -
         help="verify only draft tokens whose drafter path probability is at least this "
         "(0 = the whole tree; default: profile)",
     )
+    parser.add_argument(
+        "--search-width",
+        type=at_least(1),
+        default=None,
+        help="search with S beams, verify the W of them with the most expected accepted "
+        "tokens (S <= W: plain beam search; default: profile)",
+    )
 
 
 def ignored_when_autoregressive(args: argparse.Namespace) -> list[str]:
     """The ReDrafter flags given on a command line that also says --autoregressive."""
     if not getattr(args, "autoregressive", False):
         return []
-    flags = ("drafter", "beam_width", "beam_length", "min_prob")
+    flags = ("drafter", *SHAPE_FLAGS)
     return [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f, None) is not None]
 
 
@@ -202,11 +210,11 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
 
 def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape, str]:
     """The beam shape to use and where it came from: flags, the autotune profile, or default."""
-    if any(getattr(args, k) is not None for k in ("beam_width", "beam_length", "min_prob")):
-        width = DEFAULT_SHAPE.width if args.beam_width is None else args.beam_width
-        length = DEFAULT_SHAPE.length if args.beam_length is None else args.beam_length
-        floor = DEFAULT_SHAPE.min_prob if args.min_prob is None else args.min_prob
-        return _checked_shape(width, length, floor), "flags"
+    given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
+    if any(v is not None for v in given.values()):
+        defaults = astuple(DEFAULT_SHAPE)
+        values = [d if v is None else v for v, d in zip(given.values(), defaults, strict=True)]
+        return _checked_shape(*values), "flags"
     try:
         from redrafter_mlx.autotune import lookup_profile
     except ImportError:
@@ -215,9 +223,9 @@ def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape
     return (found, "autotune profile") if found is not None else (DEFAULT_SHAPE, "default")
 
 
-def _checked_shape(width: int, length: int, min_prob: float = 0.0) -> BeamShape:
+def _checked_shape(*fields) -> BeamShape:
     try:
-        return BeamShape(width, length, min_prob)
+        return BeamShape(*fields)
     except ValueError as e:
         fail(str(e))
 

@@ -178,8 +178,10 @@ def runtime(target, drafter, tmp_path, monkeypatch):
     )
 
 
-def shape_args(width=None, length=None, min_prob=None):
-    return argparse.Namespace(beam_width=width, beam_length=length, min_prob=min_prob)
+def shape_args(width=None, length=None, min_prob=None, search_width=None):
+    return argparse.Namespace(
+        beam_width=width, beam_length=length, min_prob=min_prob, search_width=search_width
+    )
 
 
 def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
@@ -194,6 +196,23 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
         BeamShape(rt.DEFAULT_SHAPE.width, rt.DEFAULT_SHAPE.length, 0.3),
         "flags",
     )
+    search_only = shape_args(search_width=8)
+    assert rt.resolve_shape(search_only, runtime) == (
+        BeamShape(rt.DEFAULT_SHAPE.width, rt.DEFAULT_SHAPE.length, search_width=8),
+        "flags",
+    )
+
+
+def test_profiles_store_the_search_width_and_older_ones_still_load(tmp_path):
+    path = tmp_path / "profiles.json"
+    for stored, shape in (
+        ([4, 5, 0.0, 16], BeamShape(4, 5, 0.0, 16)),
+        ([4, 5, 0.2, 4], BeamShape(4, 5, 0.2)),  # S <= W: the plain search
+        ([3, 5, 0.2], BeamShape(3, 5, 0.2)),
+        ([3, 5], BeamShape(3, 5)),
+    ):
+        autotune.save_profile("k", {"shape": stored, "fingerprint": "f"}, path)
+        assert autotune.find_profile("k", "f", path) == shape
 
 
 def test_retrained_drafter_makes_the_profile_stale(runtime, tmp_path, capsys):

@@ -179,6 +179,16 @@ def test_grid_flags(runtime):
     assert shapes == [BeamShape(w, n) for w in (1, 2) for n in (3, 4, 5)]
     args = bench.setup_arg_parser().parse_args(["--beam-length", "3", "--min-prob", "0,0.3"])
     assert bench.shapes_from_args(args, runtime) == [BeamShape(1, 3), BeamShape(1, 3, 0.3)]
+    args = bench.setup_arg_parser().parse_args(
+        ["--beam-width", "1,4", "--beam-length", "5", "--search-width", "1,4,16"]
+    )
+    assert bench.shapes_from_args(args, runtime) == [  # S <= W is the plain search, once
+        BeamShape(1, 5),
+        BeamShape(1, 5, search_width=4),
+        BeamShape(1, 5, search_width=16),
+        BeamShape(4, 5),
+        BeamShape(4, 5, search_width=16),
+    ]
     for bad in (["--beam-width", "1,x"], ["--min-prob", "0,x"]):
         with pytest.raises(SystemExit):
             bench.setup_arg_parser().parse_args(bad)

@@ -122,6 +122,7 @@ def test_parse_beam_and_temp():
     assert parse_beam("2 4") == BeamShape(2, 4)
     assert parse_beam("2 4 0.3") == BeamShape(2, 4, 0.3)
     assert parse_beam("2 4", 0.3) == BeamShape(2, 4, 0.3)  # keeps the current floor
+    assert parse_beam("2 4", 0.3, 16) == BeamShape(2, 4, 0.3, 16)  # and search width
     for bad in ("", "2", "2 x", "2 4 x", "2 4 0.3 1", "-1 4"):
         with pytest.raises(ValueError, match="usage"):
             parse_beam(bad)

@@ -58,6 +58,10 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
         ("autotune", ["--repetitions", "0"]),
         ("autotune", ["--max-tokens", "7"]),
         ("eval_drafter", ["--every", "0"]),
+        ("generate_cli", ["--search-width", "0"]),
+        ("bench", ["--search-width", "4,x"]),
+        ("autotune", ["--search-width", "-2"]),
+        ("eval_drafter", ["--search-width", ""]),
     ],
 )
 def test_bad_flag_values_stop_at_parsing(capsys, command, flags):
@@ -152,7 +156,9 @@ def test_redrafter_flags_given_with_autoregressive_are_named_as_ignored():
     def parse(*flags):
         return generate_cli.setup_arg_parser().parse_args(["--prompt", "hi", *flags])
 
-    args = parse("--autoregressive", "--beam-width", "3", "--min-prob", "0.2")
-    assert rt.ignored_when_autoregressive(args) == ["--beam-width", "--min-prob"]
+    args = parse(
+        "--autoregressive", "--beam-width", "3", "--min-prob", "0.2", "--search-width", "8"
+    )
+    assert rt.ignored_when_autoregressive(args) == ["--beam-width", "--min-prob", "--search-width"]
     assert rt.ignored_when_autoregressive(parse("--beam-width", "3")) == []
     assert rt.ignored_when_autoregressive(parse("--autoregressive")) == []

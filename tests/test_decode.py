@@ -17,7 +17,7 @@ from redrafter_mlx import decode, llm
 from redrafter_mlx.accept import choose, greedy
 from redrafter_mlx.accept import make_sampler as our_sampler
 from redrafter_mlx.decode import BeamShape, Decoder
-from redrafter_mlx.draft import BeamDrafter, beam_search
+from redrafter_mlx.draft import BeamDrafter, beam_search, select_paths
 from redrafter_mlx.drafter import random_drafter
 
 GREEDY = greedy  # the fast path: argmax of raw logits
@@ -43,9 +43,18 @@ PADDED = (4, 8, 16, 32, 64, 128)  # pads most trees: exactness must not depend o
 
 
 def speculative(
-    model, drafter, prompt, n, width, length, sampler=GREEDY, tree_sizes=(), min_prob=0.0
+    model,
+    drafter,
+    prompt,
+    n,
+    width,
+    length,
+    sampler=GREEDY,
+    tree_sizes=(),
+    min_prob=0.0,
+    search_width=0,
 ):
-    shape = BeamShape(width, length, min_prob)
+    shape = BeamShape(width, length, min_prob, search_width)
     decoder = Decoder(model, sampler, drafter, shape, tree_sizes=tree_sizes)
     return take(decoder.speculative(decoder.new_cache(), prompt), n)
 
@@ -62,12 +71,23 @@ def beam_drafter(target, drafter):
     seed=st.integers(0, 3),
     sizes=st.sampled_from([(), PADDED, decode.CPU_TREE_SIZES]),
     min_prob=st.sampled_from([0.0, 0.0, 1e-4, 0.01, 0.3]),
+    search_width=st.sampled_from([0, 0, 8, 24]),
 )
-def test_greedy_equals_autoregressive(target, beam_drafter, width, length, seed, sizes, min_prob):
+def test_greedy_equals_autoregressive(
+    target, beam_drafter, width, length, seed, sizes, min_prob, search_width
+):
     prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=6)]
     expected = autoregressive(target, prompt, 48)
     got = speculative(
-        target, beam_drafter, prompt, 48, width, length, tree_sizes=sizes, min_prob=min_prob
+        target,
+        beam_drafter,
+        prompt,
+        48,
+        width,
+        length,
+        tree_sizes=sizes,
+        min_prob=min_prob,
+        search_width=search_width,
     )[0]
     assert got == expected
 
@@ -108,7 +128,7 @@ class OracleDrafter:
     def __init__(self, continuation, vocab):
         self.continuation, self.vocab, self.calls = continuation, vocab, 0
 
-    def __call__(self, context, pending, *, width, length, min_prob=0.0):
+    def __call__(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
         start = self.calls * length
         beams = np.random.default_rng(self.calls).integers(0, self.vocab, (width, length))
         beams[:, 0] = self.continuation[start]
@@ -172,12 +192,18 @@ def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
 def test_compiled_and_eager_beam_search_agree(target, drafter):
     context = mx.random.normal((target.args.hidden_size,))
     pending = mx.array(7)
-    for width, length in [(1, 3), (4, 5), (3, 2)]:
+    for width, length, search in [(1, 3, 0), (4, 5, 0), (3, 2, 0), (2, 4, 9)]:
         eager = beam_search(
-            drafter, target.model.embed_tokens, context, pending, width=width, length=length
+            drafter,
+            target.model.embed_tokens,
+            context,
+            pending,
+            width=width,
+            length=length,
+            search_width=search,
         )
         compiled = BeamDrafter(drafter, target.model.embed_tokens)(
-            context, pending, width=width, length=length
+            context, pending, width=width, length=length, search_width=search
         )
         assert (eager[0] == compiled[0]).all()
         np.testing.assert_allclose(eager[1], compiled[1], atol=1e-5)
@@ -201,6 +227,75 @@ def test_early_stopping_search_is_the_full_search_cut_short(target, drafter):
     assert bd.syncs == 2  # read after depths 1 and 2, stopped
     assert (cut[:, :3] == beams[:, :3]).all() and (cut[:, 3:] == -1).all()
     assert np.isneginf(cut_logprobs[:, 2:]).all()
+
+
+def test_early_stopping_wide_search_selects_from_the_cut_search(target, drafter):
+    """A floored search with S > W stops like the S-beam search and verifies the W it picks."""
+    bd = BeamDrafter(drafter, target.model.embed_tokens)
+    context = mx.random.normal((target.args.hidden_size,), key=mx.random.key(2))
+    pending = mx.array(7)
+    wide, wide_logprobs = bd(context, pending, width=8, length=5, min_prob=0.05)
+    drafted = int((np.array(wide)[0] >= 0).sum())  # pending + the depths searched
+    picked, picked_logprobs = bd(context, pending, width=3, length=5, min_prob=0.05, search_width=8)
+    expected = select_paths(wide, wide_logprobs, 3)
+    assert (np.array(picked) == np.array(expected[0])).all()
+    assert picked.shape == (3, 5) and (np.array(picked)[:, drafted:] == -1).all()
+
+
+def test_selected_paths_hedge_the_first_drafted_token():
+    """Top beams by score share their first drafted token; the picks spend a beam on the
+    runner-up first token, which adds more expected accepted tokens than a different tail."""
+    beams = mx.array([[9, 1, 2, 3], [9, 1, 2, 4], [9, 1, 5, 3], [9, 6, 7, 8]])
+    probs = np.array([[0.6, 0.9, 0.6], [0.6, 0.9, 0.3], [0.6, 0.1, 0.9], [0.4, 0.9, 0.4]])
+    picked, picked_logprobs = select_paths(beams, mx.array(np.log(probs)), 2)
+    assert np.array(picked).tolist() == [[9, 1, 2, 3], [9, 6, 7, 8]]
+    np.testing.assert_allclose(np.exp(np.array(picked_logprobs)), probs[[0, 3]], rtol=1e-6)
+    # by joint probability beam 1 is second (0.162 vs beam 3's 0.144), but it adds one node
+    # (0.6 * 0.9 * 0.3 = 0.16 expected tokens) to the first beam's tree; beam 3 adds 0.90
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    beams_count=st.integers(1, 10),
+    length=st.integers(2, 5),
+)
+def test_selected_paths_are_the_greedy_best_cover(data, beams_count, length):
+    """select_paths (vectorized, batched) equals a plain greedy over sets of prefixes."""
+    width = data.draw(st.integers(1, beams_count))
+    seed = data.draw(st.integers(0, 10**6))
+    rng = np.random.default_rng(seed)
+    beams = rng.integers(0, 3, (beams_count, length))  # small vocab: many shared prefixes
+    beams[:, 0] = 5
+    node_logprobs: dict[tuple, float] = {}  # beams sharing a node share its log-prob
+    logprobs = np.array(
+        [
+            [
+                node_logprobs.setdefault(tuple(b[1 : d + 2]), np.log(rng.uniform(0.05, 1.0)))
+                for d in range(length - 1)
+            ]
+            for b in beams
+        ],
+        np.float32,
+    ).reshape(beams_count, length - 1)
+    probs = np.exp(np.cumsum(logprobs.astype(np.float64), axis=1))
+    chosen, tree = [], set()
+    for _ in range(width):
+        gains = [
+            sum(probs[b, d] for d in range(length - 1) if tuple(beams[b, 1 : d + 2]) not in tree)
+            for b in range(beams_count)
+        ]
+        best = int(np.argmax(gains))
+        chosen.append(best)
+        tree |= {tuple(beams[best, 1 : d + 2]) for d in range(length - 1)}
+    batch = (
+        mx.array(np.stack([beams, beams[::-1]])),
+        mx.array(np.stack([logprobs, logprobs[::-1]])),
+    )
+    picked, _ = select_paths(*batch, width)
+    assert np.array(picked)[0].tolist() == beams[chosen].tolist()
+    reversed_picks = {tuple(b) for b in np.array(picked)[1].tolist()}
+    assert reversed_picks == {tuple(b) for b in beams[chosen].tolist()}  # same tree
 
 
 def test_beam_search_keeps_best_scores_first(target, drafter):
@@ -235,9 +330,10 @@ def _target_probs(model, sampler_filter, temp, prefix):
 
 
 @pytest.mark.parametrize(
-    "temp,top_p,width", [(0.7, 0.0, 3), (1.5, 0.0, 3), (1.0, 0.8, 3), (1.0, 0.8, 1)]
+    "temp,top_p,width,search",
+    [(0.7, 0.0, 3, 0), (1.5, 0.0, 3, 0), (1.0, 0.8, 3, 0), (1.0, 0.8, 1, 0), (1.0, 0.0, 2, 8)],
 )
-def test_sampling_matches_target_distribution(temp, top_p, width):
+def test_sampling_matches_target_distribution(temp, top_p, width, search):
     model = tiny_llama(seed=6, vocab=VOCAB, scale=1.5)
     bd = BeamDrafter(random_drafter(64, VOCAB, seed=7), model.model.embed_tokens)
     sampler = make_sampler(temp, top_p=top_p)
@@ -256,7 +352,7 @@ def test_sampling_matches_target_distribution(temp, top_p, width):
     runs = 1500
     counts = np.zeros((3, VOCAB))
     for _ in range(runs):
-        tokens, _ = speculative(model, bd, prompt, 3, width, 3, sampler)
+        tokens, _ = speculative(model, bd, prompt, 3, width, 3, sampler, search_width=search)
         counts[np.arange(3), tokens] += 1
     for observed, probs in zip(counts, (p1, p2, p3), strict=True):
         keep = probs * runs >= 5  # pool rare cells so the chi-square approximation holds

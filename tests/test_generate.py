@@ -38,7 +38,7 @@ class Oracle:
     def __init__(self, continuation):
         self.continuation, self.pos = continuation, 0
 
-    def __call__(self, context, pending, *, width, length, min_prob=0.0):
+    def __call__(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
         beam = self.continuation[self.pos : self.pos + length]
         self.pos += length
         return mx.array(np.tile(np.array(beam), (width, 1)), dtype=mx.int32), None

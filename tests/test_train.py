@@ -303,13 +303,17 @@ def test_eval_drafter_loop_and_simulation_agree(trained):
     drafter = load_drafter(args.out, model)
     prompts = ["ab cd", "Xy 12 z", "hello"]
     tok = CharTokenizer()
-    real = E.evaluate(model, tok, drafter, prompts, [1, 2], [3, 5], max_tokens=24)
-    sim = E.simulate_grid(model, tok, drafter, prompts, [1, 2], [3, 5], max_tokens=24)
+    grid = dict(max_tokens=24, search_widths=(0, 6))  # plain, and 6 beams searched
+    real = E.evaluate(model, tok, drafter, prompts, [1, 2], [3, 5], **grid)
+    sim = E.simulate_grid(model, tok, drafter, prompts, [1, 2], [3, 5], **grid)
+    shapes = [(r["width"], r["length"], r["search_width"]) for r in sim]
+    assert shapes == [(r["width"], r["length"], r["search_width"]) for r in real]
+    assert (1, 3, 6) in shapes and (2, 5, 2) in shapes
     assert [(r["tokens"], r["steps"]) for r in real] == [(r["tokens"], r["steps"]) for r in sim]
-    path_row = sim[-1]  # W 2, L 5: the shape whose real loop decoded the greedy paths
-    assert (path_row["real_tokens"], path_row["real_steps"]) == (
-        real[-1]["tokens"],
-        real[-1]["steps"],
+    path_row = shapes.index((2, 5, 2))  # the shape whose real loop decoded the greedy paths
+    assert (sim[path_row]["real_tokens"], sim[path_row]["real_steps"]) == (
+        real[path_row]["tokens"],
+        real[path_row]["steps"],
     )
     assert all(r["tokens"] >= 23 for r in real)
     assert min(r["tokens_per_step"] for r in real) > 1.5, real
