@@ -187,7 +187,7 @@ def entry_shape(entry: dict) -> BeamShape:
     width, length, *more = entry["shape"]  # [W, L], [W, L, min_prob] or [W, L, p, search]
     floor = float(more[0]) if more else 0.0
     search = int(more[1]) if len(more) > 1 else 0
-    return BeamShape(int(width), int(length), floor, search if search > width else 0)
+    return BeamShape(int(width), int(length), floor, search)
 
 
 def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | None:

@@ -42,7 +42,8 @@ COMMANDS = {
     "help": "this list",
     "reset": "forget the conversation (keeps the system prompt)",
     "stats": "session totals: tokens, tokens/step histogram, speedup estimate",
-    "beam": "W L [P]: beam width, length (and path-probability floor) for the next answers",
+    "beam": "W L [P [S]]: beam width, length (path-probability floor, search width) for the "
+    "next answers",
     "temp": "T: sampling temperature (0 = greedy)",
     "system": "TEXT: set the system prompt (no text: show it)",
     "save": "PATH: write the conversation as JSON",
@@ -70,17 +71,22 @@ def parse_command(line: str) -> Command | None:
 
 
 def parse_beam(arg: str, min_prob: float = 0.0, search_width: int = 0) -> BeamShape:
-    """``"W L [P]"`` -> BeamShape (``min_prob`` unless P is given, and ``search_width``);
-    ValueError with a usage message otherwise."""
-    usage = "usage: /beam W L [P]  (two integers, optional path-probability floor: /beam 2 4 0.3)"
+    """``"W L [P [S]]"`` -> BeamShape (``min_prob`` unless P is given, ``search_width`` unless S
+    is); ValueError with a usage message otherwise."""
+    usage = (
+        "usage: /beam W L [P [S]]  (two integers, optional path-probability floor and search "
+        "width: /beam 2 4 0.3, /beam 4 5 0 16)"
+    )
     parts = arg.split()
-    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
+    integers = [parts[i] for i in (0, 1, 3) if i < len(parts)]
+    if len(parts) not in (2, 3, 4) or not all(p.isdigit() for p in integers):
         raise ValueError(usage)
     try:
-        floor = float(parts[2]) if len(parts) == 3 else min_prob
+        floor = float(parts[2]) if len(parts) >= 3 else min_prob
     except ValueError:
         raise ValueError(usage) from None
-    return BeamShape(int(parts[0]), int(parts[1]), floor, search_width)
+    search = int(parts[3]) if len(parts) == 4 else search_width
+    return BeamShape(int(parts[0]), int(parts[1]), floor, search)
 
 
 def parse_temp(arg: str) -> float:

@@ -49,7 +49,7 @@ class BeamShape:
     width: int = 1
     length: int = 4
     min_prob: float = 0.0
-    search_width: int = 0  # 0 (or <= W): plain beam search with W beams
+    search_width: int = 0  # 0: plain beam search with W beams (any S <= W is stored as 0)
 
     def __post_init__(self):
         if self.width < 1 or self.length < 2:
@@ -58,6 +58,8 @@ class BeamShape:
             raise ValueError(f"min path probability {self.min_prob}: need 0 <= p < 1")
         if self.search_width < 0:
             raise ValueError(f"search width {self.search_width}: need S >= 0")
+        if self.search_width <= self.width:  # the plain search: one spelling, equal shapes
+            object.__setattr__(self, "search_width", 0)
 
     @property
     def searched(self) -> int:
@@ -82,7 +84,7 @@ def shape_grid(widths, lengths, floors=(0.0,), search_widths=(0,)) -> list[BeamS
     """Every (W, L, min_prob, S) combination once, in that order (a search width S <= W is the
     plain search); ValueError for an invalid one."""
     shapes = (
-        BeamShape(w, n, p, s if s > w else 0)
+        BeamShape(w, n, p, s)
         for w in widths
         for n in lengths
         for p in floors

@@ -123,7 +123,9 @@ def test_parse_beam_and_temp():
     assert parse_beam("2 4 0.3") == BeamShape(2, 4, 0.3)
     assert parse_beam("2 4", 0.3) == BeamShape(2, 4, 0.3)  # keeps the current floor
     assert parse_beam("2 4", 0.3, 16) == BeamShape(2, 4, 0.3, 16)  # and search width
-    for bad in ("", "2", "2 x", "2 4 x", "2 4 0.3 1", "-1 4"):
+    assert parse_beam("4 5 0 16") == BeamShape(4, 5, 0.0, 16)
+    assert parse_beam("4 5 0.2 1", 0.3, 16) == BeamShape(4, 5, 0.2)  # S <= W: the plain search
+    for bad in ("", "2", "2 x", "2 4 x", "2 4 0.3 x", "2 4 0.3 1.5", "2 4 0.3 1 2", "-1 4"):
         with pytest.raises(ValueError, match="usage"):
             parse_beam(bad)
     for bad in ("0 4", "2 4 1.5"):
