@@ -382,6 +382,19 @@ def heldout_prompt_ids(runtime, count: int) -> list[list[int]]:
     return [encode(runtime, [{"role": "user", "content": p}]) for p in HELDOUT_PROMPTS[:count]]
 
 
+TABLE_COLUMNS = {  # row key of :func:`table` -> column of the printed table
+    "beam_width": "W",
+    "beam_length": "L",
+    "min_prob": "p",
+    "search_width": "S",
+    "runs": "runs",
+    "tokens_per_step": "tok/step",
+    "mean_tree_size": "tree",
+    "measured_tps": "measured tok/s",
+    "estimated_tps": "estimated tok/s",
+}
+
+
 def table(result: SearchResult) -> list[dict]:
     """Per-shape rows: runs, tokens/step, tree size, median measured and estimated tokens/s."""
     rows = []
@@ -572,10 +585,10 @@ def main(args: argparse.Namespace) -> None:
         runtime, result, method=method, seconds=seconds, max_tokens=args.max_tokens
     )
     out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
-    for col in ("W", "L", "p", "runs", "tok/step", "tree", "measured tok/s", "estimated tok/s"):
-        out.add_column(col, justify="right")
+    for key in TABLE_COLUMNS:
+        out.add_column(TABLE_COLUMNS[key], justify="right")
     for row in entry["table"][:12]:
-        out.add_row(*(str(v) for v in row.values()))
+        out.add_row(*(str(row[key]) for key in TABLE_COLUMNS))
     Console().print(out)
     if not args.no_save:
         try:

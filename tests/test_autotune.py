@@ -242,6 +242,7 @@ def test_autotune_runs_again_over_its_stored_profile(runtime, monkeypatch, capsy
     data = autotune.read_store()
     (entry,) = data["profiles"].values()
     assert entry["max_tokens"] == 8 and entry["shape"][0] == 1
+    assert all(list(row) == list(autotune.TABLE_COLUMNS) for row in entry["table"])  # printed
 
 
 def test_show_skips_malformed_profiles(runtime, capsys):
