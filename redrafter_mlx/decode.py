@@ -69,13 +69,13 @@ class BeamShape:
     @property
     def label(self) -> str:
         """``W2L4``; ``W2L4s8`` when searched with 8 beams, ``W2L4p0.3`` with a floor."""
-        search = f"s{self.searched}" if self.searched > self.width else ""
+        search = f"s{self.search_width}" if self.search_width else ""
         floor = f"p{self.min_prob:g}" if self.min_prob else ""
         return f"W{self.width}L{self.length}{search}{floor}"
 
     def describe(self) -> str:
         """``W=2 L=4``, plus `` search 8`` and `` min-prob 0.3`` when set."""
-        search = f" search {self.searched}" if self.searched > self.width else ""
+        search = f" search {self.search_width}" if self.search_width else ""
         floor = f" min-prob {self.min_prob:g}" if self.min_prob else ""
         return f"W={self.width} L={self.length}{search}{floor}"
 
