@@ -92,7 +92,7 @@ def check_width(drafter: Drafter, width: int) -> None:
     """ValueError when ``width`` beams cannot be drafted: more than the drafter's tokens."""
     vocab = drafter.args.draft_vocab
     if width > vocab:
-        raise ValueError(f"beam width {width} exceeds the drafter's vocabulary ({vocab})")
+        raise ValueError(f"{width} beams exceed the drafter's vocabulary ({vocab} tokens)")
 
 
 def start(drafter: Drafter, context: mx.array, pending: mx.array, width: int) -> tuple:

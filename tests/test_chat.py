@@ -467,8 +467,9 @@ def test_a_beam_wider_than_the_draft_vocabulary_is_refused_and_nothing_changes(t
     beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
     chat = session(target, beam, max_tokens=6)
     ask(chat, "abc")
-    with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
-        chat.set_shape(BeamShape(65, 3))
+    for too_wide in (BeamShape(65, 3), BeamShape(2, 3, search_width=65)):
+        with pytest.raises(ValueError, match="65 beams exceed the drafter's vocabulary"):
+            chat.set_shape(too_wide)
     assert chat.decoder.shape == BeamShape(2, 3)
     assert ask(chat, "def") and chat.messages[-1]["role"] == "assistant"
 
