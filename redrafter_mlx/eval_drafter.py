@@ -1,9 +1,10 @@
 """`redrafter-mlx eval-drafter`: mean tokens per step of a drafter in the real greedy decode loop.
 
-For each beam shape (W, L) of the grid, every prompt is decoded greedily with ReDrafter for
-``--max-tokens`` new tokens (or until end of sequence); tokens/step is the number of tokens the
-speculative steps emitted divided by the number of steps (the prefill's first token is not
-counted). The reported mean is pooled over prompts (total tokens / total steps). No timing.
+For each beam shape (W, L, and search width S) of the grid, every prompt is decoded greedily
+with ReDrafter for ``--max-tokens`` new tokens (or until end of sequence); tokens/step is the
+number of tokens the speculative steps emitted divided by the number of steps (the prefill's
+first token is not counted). The reported mean is pooled over prompts (total tokens / total
+steps). No timing.
 
 ``--simulate`` is the cheap variant for sweeps: each prompt is decoded once by the real loop (at
 W 2, L 5) to get its greedy path; every (W, L) is then replayed along that path from the drafter's
