@@ -185,16 +185,8 @@ class Decoder:
             rows = mx.zeros((size, logits.shape[-1]), logits.dtype)
             mx.eval(hidden, choose(rows, self.sampler))
         if not autoregressive and self.drafter is not None:
-            shape = self.shape
             pending = mx.array(0, mx.int32)
-            self.drafter.warm_up(
-                hidden[-1],
-                pending,
-                width=shape.width,
-                length=shape.length,
-                min_prob=shape.min_prob,
-                search_width=shape.searched,
-            )
+            self.drafter.warm_up(hidden[-1], pending, **self._search_options())
         if self.seed is not None:
             mx.random.seed(self.seed)
 
@@ -291,15 +283,17 @@ class Decoder:
     def _draft(self, context: mx.array, token: mx.array) -> tuple[mx.array, mx.array | None]:
         """The drafter's beams ``(W, L)`` (and log-probs) of the current shape from the
         hidden state ``context (H,)`` and the pending ``token ()``, lazily."""
+        return self.drafter(context, token, **self._search_options())
+
+    def _search_options(self) -> dict:
+        """The drafter's keyword options for the current shape (search and warm-up alike)."""
         shape = self.shape
-        return self.drafter(
-            context,
-            token,
-            width=shape.width,
-            length=shape.length,
-            min_prob=shape.min_prob,
-            search_width=shape.searched,
-        )
+        return {
+            "width": shape.width,
+            "length": shape.length,
+            "min_prob": shape.min_prob,
+            "search_width": shape.search_width,
+        }
 
     def _first_draft(self, context: mx.array, pending: mx.array):
         """Draft from the prompt's (or any) state: one host read -> ``(read, draft)``, where

@@ -214,20 +214,16 @@ def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape
     if any(v is not None for v in given.values()):
         defaults = astuple(DEFAULT_SHAPE)
         values = [d if v is None else v for v, d in zip(given.values(), defaults, strict=True)]
-        return _checked_shape(*values), "flags"
+        try:
+            return BeamShape(*values), "flags"
+        except ValueError as e:
+            fail(str(e))
     try:
         from redrafter_mlx.autotune import lookup_profile
     except ImportError:
         return DEFAULT_SHAPE, "default"
     found = lookup_profile(runtime)
     return (found, "autotune profile") if found is not None else (DEFAULT_SHAPE, "default")
-
-
-def _checked_shape(*fields) -> BeamShape:
-    try:
-        return BeamShape(*fields)
-    except ValueError as e:
-        fail(str(e))
 
 
 def make_decoder(
