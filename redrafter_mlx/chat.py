@@ -300,6 +300,24 @@ def save_conversation(path: Path, record: dict) -> None:
 # ---------------------------------------------------------------- terminal UI (prints)
 
 
+class CtrlC:
+    """SIGINT handler: raises ``KeyboardInterrupt`` like Python's default, and remembers it.
+
+    Code running between two streamed tokens may swallow the exception (a C extension that
+    clears errors while converting an argument, ``except BaseException`` in a library); the
+    answer loop then still stops at the next token, as the user asked."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.pending = True
+        raise KeyboardInterrupt
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self)
+
+
 class ChatUI:
     """Reads lines, runs commands, streams answers. ``interactive`` False = piped stdin."""
 
@@ -311,8 +329,10 @@ class ChatUI:
         shape_source: str,
         *,
         interactive: bool,
+        ctrl_c: CtrlC | None = None,
     ):
         self.session = session
+        self.ctrl_c = ctrl_c or CtrlC()
         self.runtime = runtime
         self.args = args
         self.shape_source = shape_source
@@ -374,10 +394,13 @@ class ChatUI:
         """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text."""
         responses = self.session.reply(text)
         shown = False
+        self.ctrl_c.pending = False
         try:
             for response in responses:
                 self.show(response.text)
                 shown = True
+                if self.ctrl_c.pending:  # a Ctrl-C whose exception something swallowed
+                    raise KeyboardInterrupt
         except ContextFull as e:
             if shown or not self.interactive:  # piped: still one output line per input line
                 self.end_answer()
@@ -551,7 +574,8 @@ def encoder(runtime: rt.Runtime) -> Encode:
 def main(args: argparse.Namespace) -> None:
     # Ctrl-C stops an answer: a chat started from a script in the background inherits SIGINT
     # ignored (POSIX, for `cmd &` without job control), which would make it uninterruptible.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = CtrlC()
+    ctrl_c.install()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
     shape, source = rt.resolve_shape(args, runtime)
     decoder = rt.make_decoder(
@@ -572,6 +596,6 @@ def main(args: argparse.Namespace) -> None:
         except ImportError:
             pass
     try:
-        ChatUI(session, runtime, args, source, interactive=interactive).run()
+        ChatUI(session, runtime, args, source, interactive=interactive, ctrl_c=ctrl_c).run()
     except KeyboardInterrupt:  # Ctrl-C outside an answer (e.g. in a piped session)
         print(file=sys.stderr)

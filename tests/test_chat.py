@@ -461,6 +461,39 @@ def test_piped_chat_keeps_one_output_line_per_input_line(target, capsys):
     assert "cannot answer" in err
 
 
+def test_a_ctrl_c_whose_exception_is_swallowed_still_stops_the_answer(target, capsys):
+    """The chat's SIGINT handler remembers the interrupt: when code between two tokens swallows
+    the KeyboardInterrupt, the answer stops at the next token and keeps what was shown."""
+    import argparse
+    import signal
+    from types import SimpleNamespace
+
+    from redrafter_mlx.chat import ChatUI
+
+    runtime = SimpleNamespace(model_id="tiny", drafter_id=None)
+    chat = session(target, max_tokens=12)
+    ui = ChatUI(chat, runtime, argparse.Namespace(), "default", interactive=False)
+    shown = []
+
+    def show(text):
+        shown.append(text)
+        if len(shown) == 2:
+            try:
+                ui.ctrl_c(signal.SIGINT, None)  # what the signal runs, inside library code...
+            except KeyboardInterrupt:
+                pass  # ...that swallows the exception
+        sys.stdout.write(text)
+
+    ui.show = show
+    ui.answer("tell me more")
+    assert len(shown) == 2 < 12
+    assert "interrupted" in capsys.readouterr().err
+    assert chat.messages[-1] == {"role": "assistant", "content": "".join(shown)}
+    ui.show = lambda text: shown.append(text)  # the next answer is not cut by the old Ctrl-C
+    ui.answer("go on")
+    assert len(shown) == 2 + 12
+
+
 def test_a_beam_wider_than_the_draft_vocabulary_is_refused_and_nothing_changes(target):
     """/beam 65 3 with a 64-token drafter: refused, and the session keeps its shape and works
     (it used to keep the refused shape and crash on the next answer)."""
