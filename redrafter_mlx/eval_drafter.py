@@ -27,6 +27,7 @@ from redrafter_mlx import atomic
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.data import MT_BENCH
 from redrafter_mlx.decode import BeamShape, shape_grid
+from redrafter_mlx.templates import apply_chat_template
 
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for --simulate
 
@@ -44,6 +45,12 @@ EPILOG = """examples:
   # 4 beams picked from a 16-beam search against the plain 4-beam search, L 5
   redrafter-mlx eval-drafter --simulate --beam-width 4 --beam-length 5 --search-width 1,16
 """
+
+
+def user_prompt_ids(tokenizer, text: str) -> list[int]:
+    """One user turn with the model's chat template (Vicuna's for Vicuna) and a generation
+    prompt: the prompts every evaluation decodes from."""
+    return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 
 
 def decode_one(decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
@@ -88,14 +95,7 @@ def evaluate(
     from redrafter_mlx.load import eos_ids
 
     eos = eos_ids(tokenizer)
-    encoded = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True
-            )
-        )
-        for p in prompts
-    ]
+    encoded = [user_prompt_ids(tokenizer, p) for p in prompts]
     beams = BeamDrafter(drafter, embed=model.model.embed_tokens)
     rows = []
     for shape in shape_grid(widths, lengths, search_widths=search_widths):
@@ -527,11 +527,7 @@ def load_paths(
     stored = _read_paths(Path(paths_file)) if paths_file else {}
     out = []
     for p in prompts:
-        prompt_ids = list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True
-            )
-        )
+        prompt_ids = user_prompt_ids(tokenizer, p)
         key = hashlib.sha1(json.dumps([target_id, p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None

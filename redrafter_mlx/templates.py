@@ -14,11 +14,12 @@ VICUNA_ROLES = {"user": "USER", "assistant": "ASSISTANT"}
 EOS = "</s>"
 
 
-def vicuna_prompt(messages: list[dict[str, str]]) -> str:
+def vicuna_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """Vicuna v1.1 prompt: ``SYSTEM USER: q ASSISTANT: a</s>USER: q2 ASSISTANT:``.
 
-    A leading ``system`` message replaces the default system prompt. The prompt ends with
-    ``ASSISTANT:`` (generation prompt) unless the last message is the assistant's.
+    A leading ``system`` message replaces the default system prompt. With
+    ``add_generation_prompt`` the prompt ends with ``ASSISTANT:`` unless the last message is the
+    assistant's.
     """
     system = VICUNA_SYSTEM
     if messages and messages[0]["role"] == "system":
@@ -30,7 +31,7 @@ def vicuna_prompt(messages: list[dict[str, str]]) -> str:
             raise ValueError(f"vicuna template: unsupported role {m['role']!r}")
         sep = EOS if m["role"] == "assistant" else " "
         text += f"{role}: {m['content']}{sep}"
-    if not messages or messages[-1]["role"] != "assistant":
+    if add_generation_prompt and (not messages or messages[-1]["role"] != "assistant"):
         text += "ASSISTANT:"
     return text
 
@@ -57,11 +58,13 @@ def is_vicuna(tokenizer: Any, name: str | None = None, model_type: str | None = 
     return model_type in (None, "llama") and sentencepiece and vocab == 32000
 
 
-def encode_vicuna(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_vicuna(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """Tokenize a Vicuna prompt as Vicuna was trained: BOS, then each ``</s>``-separated piece
     encoded on its own (SentencePiece dummy prefix included) joined by EOS ids."""
     hf = _hf_tokenizer(tokenizer)
-    pieces = vicuna_prompt(messages).split(EOS)
+    pieces = vicuna_prompt(messages, add_generation_prompt).split(EOS)
     ids = [hf.bos_token_id] if hf.bos_token_id is not None else []
     for i, piece in enumerate(pieces):
         if i:
@@ -82,11 +85,13 @@ def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, str]],
     *,
+    add_generation_prompt: bool = True,
     model_type: str | None = None,
     name: str | None = None,
     model_path: str | Path | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` with a generation prompt, using the right template.
+    """Token ids of ``messages`` (with a generation prompt unless told otherwise), using the
+    right template.
 
     The tokenizer's own chat template wins; Vicuna models (``vicuna`` in ``name`` /
     ``model_path``, or a Llama with a 32000-token SentencePiece vocab) use Vicuna v1.1; other
@@ -97,10 +102,12 @@ def apply_chat_template(
         name = name or str(model_path)
         model_type = model_type or _model_type(model_path)
     if has_chat_template(tokenizer):
-        ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
     if is_vicuna(tokenizer, name, model_type):
-        return encode_vicuna(tokenizer, messages)
+        return encode_vicuna(tokenizer, messages, add_generation_prompt)
     return list(hf.encode("\n".join(m["content"] for m in messages)))

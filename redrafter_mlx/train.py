@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from redrafter_mlx.atomic import staged_dir, write_text, write_with
+from redrafter_mlx.templates import apply_chat_template
 
 ROLE_NAMES = {
     "human": "user",
@@ -183,7 +184,7 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[list
     """
 
     def render(msgs, gen):
-        return list(tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen))
+        return apply_chat_template(tokenizer, msgs, add_generation_prompt=gen)
 
     ids: list[int] = []
     mask: list[bool] = []
@@ -427,7 +428,7 @@ def self_records(model, tokenizer, convs: list, first: int, args):
             if not user:
                 continue
             messages = [{"role": "user", "content": user[0]}]
-            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            ids = apply_chat_template(tokenizer, messages)
             if len(ids) + args.gen_tokens <= args.max_seq_len:
                 prompts.append(ids)
         prompts.sort(key=len)

@@ -82,3 +82,16 @@ def test_own_template_wins():
     tok = _TemplatedTokenizer()
     assert not is_vicuna(tok, name="vicuna")
     assert apply_chat_template(tok, CONVERSATION, name="vicuna-7b") == [7, 3]
+
+
+def test_training_masks_vicuna_answers(vicuna_tokenizer, sentencepiece_model):
+    """`train` on a model without a chat template (Vicuna) reads conversations in Vicuna's
+    template and learns from exactly the assistant's tokens (it used to fail in
+    transformers: no chat template)."""
+    from redrafter_mlx.train import encode_conversation
+
+    sp = sentencepiece_model
+    ids, mask = encode_conversation(vicuna_tokenizer, CONVERSATION[:2])
+    assert ids == apply_chat_template(vicuna_tokenizer, CONVERSATION[:2], add_generation_prompt=False)
+    answer = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert answer == sp.encode("I am Vicuna, a language model.") + [sp.eos_id()]

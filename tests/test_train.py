@@ -27,6 +27,7 @@ class CharTokenizer:
     """Characters -> ids 8..63 with a ChatML-like template (1 = start, 2 = end, 3 = newline)."""
 
     eos_token_ids = {2}
+    chat_template = "ChatML-like, below"
 
     def encode(self, text: str) -> list[int]:
         return [8 + ord(c) % (VOCAB - 8) for c in text]
