@@ -27,7 +27,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -294,16 +294,31 @@ def warm_up(
 
 
 def timed_runs(
-    runtime: rt.Runtime, methods: list[Method], prompts: list[list[int]], *, max_tokens: int
+    runtime: rt.Runtime,
+    methods: list[Method],
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    temp: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """Per-phase seconds per ReDrafter method, summed over separate timed runs (extra syncs)."""
+    """Per-phase seconds per ReDrafter method, summed over separate timed runs (extra syncs),
+    sampled like the measured runs."""
     totals: dict[str, dict[str, float]] = {}
     for method in methods:
         if method.kind != REDRAFTER:
             continue
         acc = dict.fromkeys(PHASES, 0.0)
-        for prompt in prompts:
-            run = measure(runtime, method, prompt, max_tokens=max_tokens, timing=True)
+        for case, prompt in enumerate(prompts):
+            run = measure(
+                runtime,
+                method,
+                prompt,
+                max_tokens=max_tokens,
+                temp=temp,
+                seed=seed + case,
+                timing=True,
+            )
             for k, v in (run.phase_seconds or {}).items():
                 acc[k] = acc.get(k, 0.0) + v
         totals[method.name] = acc
@@ -340,7 +355,8 @@ def forward_cost_ratio(model, count: int, *, context: int = 128, repetitions: in
 
 
 def draft_cost_ratio(runtime: rt.Runtime, shape: BeamShape, *, repetitions: int = 7) -> float:
-    """Time of one beam search at ``shape`` / a one-token target forward (both medians)."""
+    """Time of one beam search at ``shape`` / a one-token target forward (both medians). The
+    search runs to full depth: where a ``min_prob`` floor stops it depends on the step."""
     model, drafter = runtime.model, runtime.drafter
     cache = llm.make_cache(model)
     context = mx.zeros((model.args.hidden_size,), llm.compute_dtype(model))
@@ -348,7 +364,7 @@ def draft_cost_ratio(runtime: rt.Runtime, shape: BeamShape, *, repetitions: int 
     drafts, forwards = [], []
     for _ in range(repetitions + 1):
         tic = time.perf_counter()
-        mx.eval(drafter(context, pending, width=shape.width, length=shape.length))
+        mx.eval(drafter(context, pending, **replace(shape, min_prob=0.0).search_options()))
         drafts.append(time.perf_counter() - tic)
         forwards.append(_forward_seconds(model, cache, 1))
     return statistics.median(drafts[1:]) / statistics.median(forwards[1:])
@@ -576,7 +592,14 @@ def run_bench(
             ar = next(r.run for r in got if r.method == AUTOREGRESSIVE)
             reference[case] = ar.tokens
             history.append({"role": "assistant", "content": ar.text})
-    phases = timed_runs(runtime, methods, prompts[: cfg.timed_prompts], max_tokens=cfg.max_tokens)
+    phases = timed_runs(
+        runtime,
+        methods,
+        prompts[: cfg.timed_prompts],
+        max_tokens=cfg.max_tokens,
+        temp=cfg.temp,
+        seed=cfg.seed,
+    )
     if on_run:
         on_run("timed")
     rows = [

@@ -73,6 +73,15 @@ class BeamShape:
         floor = f"p{self.min_prob:g}" if self.min_prob else ""
         return f"W{self.width}L{self.length}{search}{floor}"
 
+    def search_options(self) -> dict:
+        """The drafter's keyword options: ``BeamDrafter(context, pending, **options)``."""
+        return {
+            "width": self.width,
+            "length": self.length,
+            "min_prob": self.min_prob,
+            "search_width": self.search_width,
+        }
+
     def describe(self) -> str:
         """``W=2 L=4``, plus `` search 8`` and `` min-prob 0.3`` when set."""
         search = f" search {self.search_width}" if self.search_width else ""
@@ -186,7 +195,7 @@ class Decoder:
             mx.eval(hidden, choose(rows, self.sampler))
         if not autoregressive and self.drafter is not None:
             pending = mx.array(0, mx.int32)
-            self.drafter.warm_up(hidden[-1], pending, **self._search_options())
+            self.drafter.warm_up(hidden[-1], pending, **self.shape.search_options())
         if self.seed is not None:
             mx.random.seed(self.seed)
 
@@ -283,17 +292,7 @@ class Decoder:
     def _draft(self, context: mx.array, token: mx.array) -> tuple[mx.array, mx.array | None]:
         """The drafter's beams ``(W, L)`` (and log-probs) of the current shape from the
         hidden state ``context (H,)`` and the pending ``token ()``, lazily."""
-        return self.drafter(context, token, **self._search_options())
-
-    def _search_options(self) -> dict:
-        """The drafter's keyword options for the current shape (search and warm-up alike)."""
-        shape = self.shape
-        return {
-            "width": shape.width,
-            "length": shape.length,
-            "min_prob": shape.min_prob,
-            "search_width": shape.search_width,
-        }
+        return self.drafter(context, token, **self.shape.search_options())
 
     def _first_draft(self, context: mx.array, pending: mx.array):
         """Draft from the prompt's (or any) state: one host read -> ``(read, draft)``, where

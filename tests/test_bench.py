@@ -143,6 +143,39 @@ def record(method: str, case: int, tps: float) -> Record:
     return Record(method, case, 0, Run([], "", 1, 1.0, tps, []))
 
 
+def test_draft_cost_times_the_shapes_own_search(runtime):
+    """The draft cost of a wide-search shape times that search (it used to time a plain
+    W-beam search), to full depth whatever the floor."""
+    from dataclasses import replace
+
+    calls = []
+
+    def drafter(context, pending, **options):
+        calls.append(options)
+        return runtime.drafter(context, pending, **options)
+
+    shape = BeamShape(2, 3, min_prob=0.3, search_width=8)
+    assert bench.draft_cost_ratio(replace(runtime, drafter=drafter), shape, repetitions=1) > 0
+    assert calls == 2 * [{"width": 2, "length": 3, "min_prob": 0.0, "search_width": 8}]
+
+
+def test_per_phase_runs_sample_like_the_measured_runs(runtime, monkeypatch):
+    """With --temp the per-phase timed runs sample too, reseeded per prompt as the measured
+    runs are (they used to run greedy)."""
+    seen = []
+    measure = bench.measure
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["temp"], kwargs["seed"], kwargs["timing"]))
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure", spy)
+    methods = [Method(bench.AUTOREGRESSIVE), Method(bench.REDRAFTER, BeamShape(2, 3))]
+    phases = bench.timed_runs(runtime, methods, [[5, 6, 7], [8, 9]], max_tokens=6, temp=0.7, seed=3)
+    assert seen == [(0.7, 3, True), (0.7, 4, True)]
+    assert set(phases) == {"W2L3"} and sum(phases["W2L3"].values()) > 0
+
+
 def test_speedups_ratio_of_medians_and_median_of_ratios():
     records = [record("a", c, t) for c, t in enumerate([10, 20, 30])]
     records += [record("b", c, t) for c, t in enumerate([5, 20, 10])]

@@ -92,6 +92,8 @@ def test_training_masks_vicuna_answers(vicuna_tokenizer, sentencepiece_model):
 
     sp = sentencepiece_model
     ids, mask = encode_conversation(vicuna_tokenizer, CONVERSATION[:2])
-    assert ids == apply_chat_template(vicuna_tokenizer, CONVERSATION[:2], add_generation_prompt=False)
+    assert ids == apply_chat_template(
+        vicuna_tokenizer, CONVERSATION[:2], add_generation_prompt=False
+    )
     answer = [i for i, m in zip(ids, mask, strict=True) if m]
     assert answer == sp.encode("I am Vicuna, a language model.") + [sp.eos_id()]
