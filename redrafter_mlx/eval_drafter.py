@@ -27,6 +27,7 @@ from redrafter_mlx import atomic
 from redrafter_mlx import runtime as rt
 from redrafter_mlx.data import MT_BENCH
 from redrafter_mlx.decode import BeamShape, shape_grid
+from redrafter_mlx.draft import check_width
 from redrafter_mlx.templates import apply_chat_template
 
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for --simulate
@@ -184,6 +185,11 @@ def main(args: argparse.Namespace) -> None:
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
     args.model, args.drafter = runtime.model_id, runtime.drafter_id
+    for shape in shape_grid(args.beam_width, args.beam_length, search_widths=args.search_width):
+        try:
+            check_width(drafter, shape.searched)
+        except ValueError as e:
+            rt.fail(f"{shape.describe()}: {e}")
     prompts = [
         p
         for p in texts[:: args.every]

@@ -251,6 +251,18 @@ def teacher_force(model, ids: list[int], topk: int) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in out.items()}
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path`` (a manifest, a checkpoint's state); a one-line error when it
+    is not one (ours are written whole, then renamed: a hand edit, or another tool's file)."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"error: {path}: not a JSON object")
+    return value
+
+
 @dataclass
 class Cache:
     """A folder of extraction shards plus ``manifest.json`` (written atomically)."""
@@ -263,7 +275,7 @@ class Cache:
         root.mkdir(parents=True, exist_ok=True)
         path = root / "manifest.json"
         if path.exists():
-            manifest = json.loads(path.read_text())
+            manifest = read_json(path)
             if manifest["identity"] != identity:
                 old = manifest["identity"]
                 diffs = ", ".join(
@@ -285,7 +297,7 @@ class Cache:
         path = root / "manifest.json"
         if not path.exists():
             raise SystemExit(f"error: {root}: no manifest.json (not a cache)")
-        return cls(root, json.loads(path.read_text()))
+        return cls(root, read_json(path))
 
     @contextmanager
     def writing(self) -> Iterator[None]:
@@ -303,7 +315,7 @@ class Cache:
                 ) from None
             path = self.root / "manifest.json"
             if path.exists():
-                self.manifest = json.loads(path.read_text())
+                self.manifest = read_json(path)
             yield
 
     def tokens(self, split: str) -> int:
@@ -649,10 +661,14 @@ def check_args(args: argparse.Namespace) -> None:
         "--topk": args.topk,
         "--num-draft-layers": layers,
         "--skip-prompts": args.skip_prompts,
+        "--exit-dim": args.exit_dim,
+        "--weight-decay": args.weight_decay,
+        "--soft-weight": args.soft_weight,
+        "--hidden-weight": args.hidden_weight,
     }
     for flag, value in non_negative.items():
-        if not value >= 0:  # nan too
-            raise SystemExit(f"error: {flag} cannot be negative (got {value})")
+        if not 0 <= value < math.inf:  # nan too
+            raise SystemExit(f"error: {flag} must be a finite number >= 0 (got {value})")
     if args.source == "self" and args.topk:
         raise SystemExit("error: --topk is not stored for --source self")
     if args.source == "self" and not 4 <= args.gen_tokens < args.max_seq_len:
@@ -695,7 +711,7 @@ def check_out(args: argparse.Namespace) -> None:
     state_file = out / "checkpoint" / "state.json"
     if not state_file.is_file():
         return
-    state = json.loads(state_file.read_text())
+    state = read_json(state_file)
     if not args.resume:
         if finished(state, args):
             raise SystemExit(
@@ -750,7 +766,7 @@ def prepare_cache(model, tokenizer, model_path, data: Path, cache_dir: Path, arg
     prompts = cache_dir / "heldout_prompts.jsonl"
     if not prompts.exists():
         lines = [json.dumps({"turns": [t]}) for t in first_user_turns(heldout)]
-        prompts.write_text("\n".join(lines) + "\n")
+        write_text(prompts, "\n".join(lines) + "\n")
     extract(model, tokenizer, heldout, cache, "heldout", args.heldout_tokens, args)
     if not cache.tokens("heldout"):  # say so now, not after the (long) training extraction
         raise SystemExit(
@@ -808,8 +824,9 @@ class Examples:
         return cls(data, valid, np.nonzero(valid.any(axis=1))[0])
 
     def batch(self, t: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows ``t (B,)`` -> context (B, H), inputs / targets / valid (B, P), next hidden
-        (B, P, H) (the target's hidden that made each target prediction)."""
+        """Rows ``t (B,)`` -> context (B, H), inputs / targets / valid (B, P), and ``idx``
+        (B, P): the rows ``t + i`` whose target hidden made each target prediction (the caller
+        gathers those hidden states where it needs them)."""
         n, p = self.data["tokens"].shape[0], self.valid.shape[1]
         idx = np.minimum(t[:, None] + np.arange(1, p + 1)[None], n - 1)  # t + i, i = 1..P
         return {
@@ -1046,8 +1063,6 @@ class WarmupCosine:
         self.peak, self.total = peak, max(total, 1)
 
     def __call__(self, step):
-        import math
-
         import mlx.core as mx
 
         step = step.astype(mx.float32)

@@ -129,3 +129,18 @@ def test_generate_cli_json_reports_steps_syncs_and_tree_sizes(tmp_path):
     assert 4 <= sd["mean_tree_size"] <= 12 and (sd["beam_width"], sd["beam_length"]) == (3, 4)
     assert sum(sd["accept_histogram"].values()) == sd["steps"]
     assert set(sd["phase_seconds"]) == {"draft", "pack", "verify", "accept", "compact"}
+
+
+def test_eval_drafter_refuses_a_beam_wider_than_the_draft_vocabulary():
+    """A one-line error naming the shape, like generate's (it was a traceback)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "redrafter_mlx", "eval-drafter", "--num-prompts", "1"]
+        + ["--beam-width", "2", "--beam-length", "3", "--search-width", "1,9000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().endswith(
+        "W=2 L=3 search 9000: 9000 beams exceed the drafter's vocabulary (8192 tokens)"
+    )

@@ -127,8 +127,12 @@ def parse(*flags: str):
         (["--max-tokens", "-5"], "--max-tokens must be at least 1"),
         (["--epochs", "0"], "--epochs must be a positive number"),
         (["--epochs", "inf"], "--epochs must be a positive number"),
-        (["--num-draft-layers", "-1"], "--num-draft-layers cannot be negative"),
-        (["--skip-prompts", "-1"], "--skip-prompts cannot be negative"),
+        (["--num-draft-layers", "-1"], "--num-draft-layers must be a finite number >= 0"),
+        (["--skip-prompts", "-1"], "--skip-prompts must be a finite number >= 0"),
+        (["--exit-dim", "-8"], "--exit-dim must be a finite number >= 0"),
+        (["--soft-weight", "nan"], "--soft-weight must be a finite number >= 0"),
+        (["--hidden-weight", "inf"], "--hidden-weight must be a finite number >= 0"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
         (["--init", "nowhere"], "not a drafter folder"),
         ([], "--out is required"),
         (["--out", "FILE"], "is a file"),
@@ -140,6 +144,18 @@ def test_bad_flags_are_refused_before_anything_loads(tmp_path, flags, message):
     flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
     with pytest.raises(SystemExit, match=message):
         T.check_args(parse(*flags, "--cache-max-gb", "1"))
+
+
+def test_a_broken_manifest_or_checkpoint_state_is_a_one_line_error(tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    cache.mkdir()
+    (cache / "manifest.json").write_text('{"shards": [')
+    with pytest.raises(SystemExit, match=r"manifest.json: not valid JSON"):
+        T.check_args(parse("--extra-cache", str(cache), "--out", str(out)))
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match=r"state.json: not a JSON object"):
+        T.check_out(parse("--out", str(out), "--resume"))
 
 
 def test_gen_tokens_only_bounds_self_generation(tmp_path):
