@@ -107,7 +107,7 @@ def main() -> None:
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     convs = bench.load_prompts(None, args.num_prompts, 1)
-    prompts = [bench.encode(runtime, [{"role": "user", "content": c[0]}]) for c in convs]
+    prompts = [rt.encode_chat(runtime, [{"role": "user", "content": c[0]}]) for c in convs]
     references = {}
     for case, prompt in enumerate(prompts):  # the reference doubles as a warm-up
         ar = bench.measure(runtime, Method(AUTOREGRESSIVE), prompt, max_tokens=args.max_tokens)

@@ -282,9 +282,10 @@ def scores(
 @dataclass
 class SearchResult:
     best: BeamShape
-    estimates: dict[BeamShape, float]  # estimated tokens/s of every shape ranked last round
+    # tokens/s per shape: halving keeps each shape's estimate from the last round that ranked
+    # it (eliminated shapes keep their last one); the full grid, its measured median
+    estimates: dict[BeamShape, float]
     observations: list[Observation] = field(default_factory=list)
-    rounds: int = 0
 
 
 def successive_halving(
@@ -315,7 +316,7 @@ def successive_halving(
         if len(alive) <= finalists:
             extra = final_rounds - 1 if extra is None else extra - 1
             if extra <= 0:
-                return SearchResult(alive[0], ranked, observations, rnd)
+                return SearchResult(alive[0], ranked, observations)
         else:
             alive = alive[: max(finalists, math.ceil(len(alive) * keep))]
 
@@ -341,7 +342,7 @@ def full_grid(
                     on_run(shapes[i])
     med = {s: grid_tps(observations, s) for s in shapes}
     best = max(shapes, key=lambda s: med[s])
-    return SearchResult(best, med, observations, repetitions * num_prompts)
+    return SearchResult(best, med, observations)
 
 
 def grid_tps(observations: Sequence[Observation], shape: BeamShape) -> float:
@@ -377,9 +378,11 @@ def make_measure(runtime, prompts: Sequence[list[int]], *, max_tokens: int) -> M
 
 
 def heldout_prompt_ids(runtime, count: int) -> list[list[int]]:
-    from redrafter_mlx.bench import encode
+    from redrafter_mlx import runtime as rt
 
-    return [encode(runtime, [{"role": "user", "content": p}]) for p in HELDOUT_PROMPTS[:count]]
+    return [
+        rt.encode_chat(runtime, [{"role": "user", "content": p}]) for p in HELDOUT_PROMPTS[:count]
+    ]
 
 
 TABLE_COLUMNS = {  # row key of :func:`table` -> column of the printed table

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -226,14 +225,6 @@ def load_prompts(path: Path | str | None, num: int | None, turns: int) -> list[l
             raise ValueError(f"{path}:{line_no}: an empty prompt")
         convs.append(user_turns[:turns])
     return convs[:num] if num else convs
-
-
-def encode(runtime: rt.Runtime, messages: list[dict]) -> list[int]:
-    """Chat-template token ids (the project's templates; mlx-lm's as a fallback)."""
-    try:
-        return rt.encode_chat(runtime, messages)
-    except ImportError:
-        return runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
 # ---------------------------------------------------------------- the benchmark loop
@@ -571,7 +562,7 @@ def run_bench(
         history: list[dict] = []
         for user in conv:
             history.append({"role": "user", "content": user})
-            ids = encode(runtime, history)
+            ids = rt.encode_chat(runtime, history)
             if not warmed:
                 warm_up(runtime, methods, ids, temp=cfg.temp)
                 warmed = True
@@ -955,7 +946,3 @@ def results_table(result: dict):
 
 def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
-
-
-if __name__ == "__main__":
-    main(setup_arg_parser().parse_args(sys.argv[1:]))

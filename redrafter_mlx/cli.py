@@ -12,6 +12,7 @@ import difflib
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
 COMMANDS = {
     "generate": ("redrafter_mlx.generate_cli", "generate text (ReDrafter by default)"),
@@ -62,20 +63,20 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE.format(commands=listing), file=sys.stderr)
         raise SystemExit(2)
 
-    def command(_) -> None:  # importing a command takes seconds: Ctrl-C may come meanwhile
+    def command() -> None:  # importing a command takes seconds: Ctrl-C may come meanwhile
         module = importlib.import_module(COMMANDS[name][0])
         parser = module.setup_arg_parser()
         parser.prog = f"redrafter-mlx {name}"
         module.main(parser.parse_args(rest))
 
-    run(command, None)
+    run(command)
 
 
-def run(command, args) -> None:
+def run(command: Callable[[], None]) -> None:
     """Run a command; Ctrl-C and a closed output pipe end it quietly (no traceback). Commands
     that can say more about an interrupt (chat, autotune, train) catch it themselves."""
     try:
-        command(args)
+        command()
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         raise SystemExit(130) from None

@@ -765,10 +765,8 @@ def validate_drafter(weights: dict[str, mx.array], config: dict, wfile: Path) ->
         raise ConversionError(
             f"{wfile}: drafter tensors do not match config: " + "; ".join(problems)
         )
-    try:
-        from .drafter import Drafter, DrafterArgs
-    except ImportError:
-        return
+    from .drafter import Drafter, DrafterArgs
+
     try:
         Drafter(DrafterArgs.from_dict(config)).load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -950,10 +948,6 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(1) from None
     print(f"wrote {out}")
     _cpu_notes(args)
-
-
-if __name__ == "__main__":
-    main(setup_arg_parser().parse_args())
 
 
 __all__ = [

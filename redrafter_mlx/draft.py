@@ -148,12 +148,9 @@ class BeamDrafter:
     it stopped early on ``min_prob``).
     """
 
-    def __init__(
-        self, drafter: Drafter, embed: Callable[[mx.array], mx.array], compile: bool = True
-    ):
+    def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array]):
         self.drafter = drafter
         self.embed = embed
-        self.compile = compile
         self._compiled: dict[tuple[int, int, int], Callable] = {}
         self._expanders: dict[int, Callable] = {}
         self.syncs = 0
@@ -191,8 +188,6 @@ class BeamDrafter:
                 search_width=kept,
             )
 
-        if not self.compile:
-            return search(context, pending)
         fn = self._compiled.get((width, length, kept))
         if fn is None:
             fn = self._compiled[(width, length, kept)] = mx.compile(search)
@@ -251,5 +246,5 @@ class BeamDrafter:
                     width=width,
                 )
 
-            fn = self._expanders[width] = mx.compile(one) if self.compile else one
+            fn = self._expanders[width] = mx.compile(one)
         return fn

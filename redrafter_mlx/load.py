@@ -124,7 +124,7 @@ def check_structure(model: nn.Module, where: Path) -> None:
         )
 
 
-def _load_weights(path: Path, config: dict[str, Any]) -> nn.Module:
+def _load_weights(path: Path) -> nn.Module:
     from mlx_lm.utils import load_model
 
     files = sorted(path.glob("model*.safetensors"))
@@ -191,7 +191,7 @@ def load_target(path_or_repo: str | Path, *, tokenizer: bool = True):
     elif path.is_file():
         raise LoadError(f"{path}: expected a model folder or a .gguf file")
     config = read_config(path)
-    model = _load_weights(path, config)
+    model = _load_weights(path)
     tok = _load_tokenizer(path, config) if tokenizer else None
     return model, tok, config
 

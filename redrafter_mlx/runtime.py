@@ -1,6 +1,7 @@
 """What every command shares: its flags, loading target + drafter, and building a Decoder.
 
-Commands turn their flags into these objects on their first lines; nothing below reads argparse.
+The flag helpers (``add_*_args``, the argparse types, ``resolve_shape``) read argparse; loading
+and building take plain values.
 """
 
 from __future__ import annotations
@@ -218,10 +219,8 @@ def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape
             return BeamShape(*values), "flags"
         except ValueError as e:
             fail(str(e))
-    try:
-        from redrafter_mlx.autotune import lookup_profile
-    except ImportError:
-        return DEFAULT_SHAPE, "default"
+    from redrafter_mlx.autotune import lookup_profile
+
     found = lookup_profile(runtime)
     return (found, "autotune profile") if found is not None else (DEFAULT_SHAPE, "default")
 

@@ -20,11 +20,11 @@ def test_version_and_did_you_mean(capsys):
 
 
 def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys):
-    def interrupted(args):
+    def interrupted():
         raise KeyboardInterrupt
 
     with pytest.raises(SystemExit) as e:
-        cli.run(interrupted, None)
+        cli.run(interrupted)
     assert e.value.code == 130
     assert capsys.readouterr().err.strip() == "interrupted"
 
