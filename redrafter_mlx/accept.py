@@ -25,9 +25,9 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 Sampler = Callable[[mx.array], mx.array]
 
 
-def greedy(logprobs: mx.array) -> mx.array:
-    """The temperature-0 sampler: argmax of the last axis."""
-    return mx.argmax(logprobs, axis=-1)
+def greedy(scores: mx.array) -> mx.array:
+    """The temperature-0 sampler: argmax of the last axis of logits or log-probs (the same)."""
+    return mx.argmax(scores, axis=-1)
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> Sampler:

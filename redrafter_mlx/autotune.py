@@ -79,19 +79,19 @@ def chip_info() -> dict:
     """The chip: Apple device name/architecture/GPU cores, CUDA device name, or CPU + BLAS."""
     import mlx.core as mx
 
-    from redrafter_mlx.bench import backend, cpu_model
+    from redrafter_mlx.bench import backend, device_name
     from redrafter_mlx.blas import blas_in_use
 
     kind = backend()
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
     if kind == "CPU":
         return {
-            "chip": cpu_model(),
+            "chip": device_name(),
             "backend": kind,
             "blas": blas_in_use(),
             "cores": os.cpu_count(),
         }
-    chip = {"chip": str(info.get("device_name") or info.get("architecture")), "backend": kind}
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    chip = {"chip": device_name(), "backend": kind}
     for name in ("architecture", "gpu_cores", "num_gpu_cores", "memory_size"):
         if name in info:
             chip[name] = str(info[name])

@@ -24,6 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .atomic import staged_dir
+from .drafter import MODEL_TYPE as DRAFTER_TYPE
+from .drafter import Drafter, DrafterArgs
 from .load import LoadError, check_safetensors, check_structure, looks_like_hub_id, one_line
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -40,7 +42,6 @@ TOKENIZER_GLOBS = (
     "chat_template.json",
 )
 HUB_PATTERNS = ["*.json", "tokenizer.model", "*.txt", "*.jinja"]
-DRAFTER_TYPE = "recurrent_drafting_drafter"
 
 EPILOG = """examples:
   redrafter-mlx convert --src lmsys/vicuna-7b-v1.3 --out models/vicuna-7b --dtype float16
@@ -765,8 +766,6 @@ def validate_drafter(weights: dict[str, mx.array], config: dict, wfile: Path) ->
         raise ConversionError(
             f"{wfile}: drafter tensors do not match config: " + "; ".join(problems)
         )
-    from .drafter import Drafter, DrafterArgs
-
     try:
         Drafter(DrafterArgs.from_dict(config)).load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -120,7 +120,7 @@ def expand(
     vocab = drafter.args.draft_vocab
     state = drafter.rnn_step(state, embed(beams[:, -1]))
     ctx = mx.broadcast_to(context, state.shape)
-    logprobs = nn_log_softmax(drafter.logits(ctx, state).astype(mx.float32))
+    logprobs = log_softmax(drafter.logits(ctx, state).astype(mx.float32))
     flat = (scores[:, None] + logprobs).reshape(-1)  # (B * K,) cumulative scores
     if width == 1:
         top = mx.argmax(flat, keepdims=True)  # ~4x cheaper than partition + sort over K here
@@ -136,7 +136,7 @@ def expand(
     return beams, flat[top], token_logprobs, state[source]
 
 
-def nn_log_softmax(logits: mx.array) -> mx.array:
+def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
