@@ -505,16 +505,21 @@ def gguf_weights(tensors: dict, config: dict, path: Path) -> dict[str, mx.array]
     return out
 
 
+GGUF_GROUP = 32  # the group size of GGUF's block quantizations, as kept by mlx
+
+
+def _bits(weight: mx.array, scales: mx.array) -> int:
+    """Bits per value of a quantized triple: packed uint32 columns over input dimensions."""
+    return weight.shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP)
+
+
 def quant_bits(weights: dict[str, mx.array]) -> set[tuple[int, int]]:
     """The ``(bits, group_size)`` pairs of the quantized triples in ``weights``."""
-    found = set()
-    for k, scales in weights.items():
-        if k.endswith(".scales"):
-            w = weights[k[: -len("scales")] + "weight"]
-            group = 32
-            in_dims = scales.shape[-1] * group
-            found.add((w.shape[-1] * 32 // in_dims, group))
-    return found
+    return {
+        (_bits(weights[k[: -len("scales")] + "weight"], scales), GGUF_GROUP)
+        for k, scales in weights.items()
+        if k.endswith(".scales")
+    }
 
 
 def _layer_quant(prefix: str, weights: dict[str, mx.array]) -> dict | bool:
@@ -522,8 +527,8 @@ def _layer_quant(prefix: str, weights: dict[str, mx.array]) -> dict | bool:
     scales = weights.get(f"{prefix}.scales")
     if scales is None:
         return False
-    bits = weights[f"{prefix}.weight"].shape[-1] * 32 // (scales.shape[-1] * 32)
-    return {"group_size": 32, "bits": bits, "mode": "affine"}
+    bits = _bits(weights[f"{prefix}.weight"], scales)
+    return {"group_size": GGUF_GROUP, "bits": bits, "mode": "affine"}
 
 
 def dequantize_all(weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -536,8 +541,8 @@ def dequantize_all(weights: dict[str, mx.array]) -> dict[str, mx.array]:
             out[k] = v
         elif leaf == "weight":
             s, b = weights[f"{base}.scales"], weights[f"{base}.biases"]
-            bits = v.shape[-1] * 32 // (s.shape[-1] * 32)
-            out[k] = mx.dequantize(v, s.astype(mx.float32), b.astype(mx.float32), 32, bits)
+            s, b = s.astype(mx.float32), b.astype(mx.float32)
+            out[k] = mx.dequantize(v, s, b, GGUF_GROUP, _bits(v, s))
     return out
 
 
