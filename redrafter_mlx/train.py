@@ -710,6 +710,7 @@ def check_out(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --out {out} is a file")
     state_file = out / "checkpoint" / "state.json"
     if not state_file.is_file():
+        check_out_is_free(out)
         return
     state = read_json(state_file)
     if not args.resume:
@@ -729,6 +730,23 @@ def check_out(args: argparse.Namespace) -> None:
             f"--{k.replace('_', '-')} {saved[k]!r} (now {now.get(k)!r})" for k in changed
         )
         raise SystemExit(f"error: --resume needs the checkpoint's options: {diffs}")
+
+
+def check_out_is_free(out: Path) -> None:
+    """Refuse an --out without a checkpoint that holds other files than a training run's (a
+    model, a shipped drafter): training writes config.json and model.safetensors there. A run
+    killed before its first checkpoint (its train_log.jsonl is there) may start again."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    ours = {"train_log.jsonl", "config.json", "model.safetensors"}
+    own_run = "train_log.jsonl" in held and all(
+        name in ours or name.startswith(".checkpoint.") for name in held
+    )
+    if held and not own_run:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise SystemExit(
+            f"error: --out {out} already holds {shown} and no training checkpoint: training "
+            "would overwrite it; choose a new or empty folder"
+        )
 
 
 def finished(state: dict, args: argparse.Namespace) -> bool:

@@ -158,6 +158,23 @@ def test_a_broken_manifest_or_checkpoint_state_is_a_one_line_error(tmp_path):
         T.check_out(parse("--out", str(out), "--resume"))
 
 
+def test_train_refuses_to_overwrite_a_model_or_drafter_folder(tmp_path):
+    """--out holding a model or a drafter (not a training run) is refused before anything
+    runs; an empty folder, or one a killed run left before its first checkpoint, is fine."""
+    out = tmp_path / "out"
+    out.mkdir()
+    T.check_out(parse("--out", str(out)))  # empty
+    for name in ("config.json", "model.safetensors"):
+        (out / name).write_text("{}")
+    with pytest.raises(SystemExit, match=r"already holds config.json, model.safetensors"):
+        T.check_out(parse("--out", str(out)))
+    (out / "train_log.jsonl").write_text("")  # a run killed before its first checkpoint
+    T.check_out(parse("--out", str(out)))
+    (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"training would overwrite it"):
+        T.check_out(parse("--out", str(out), "--resume"))
+
+
 def test_gen_tokens_only_bounds_self_generation(tmp_path):
     T.check_args(parse("--max-seq-len", "128", "--out", str(tmp_path / "o")))  # --source data
 
