@@ -210,19 +210,23 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
 
 
 def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape, str]:
-    """The beam shape to use and where it came from: flags, the autotune profile, or default."""
-    given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
-    if any(v is not None for v in given.values()):
-        defaults = astuple(DEFAULT_SHAPE)
-        values = [d if v is None else v for v, d in zip(given.values(), defaults, strict=True)]
-        try:
-            return BeamShape(*values), "flags"
-        except ValueError as e:
-            fail(str(e))
+    """The beam shape to use and where it came from. Each shape flag given overrides its
+    field; the others come from the autotune profile (if this chip, model and drafter have
+    one), else from the default shape."""
     from redrafter_mlx.autotune import lookup_profile
 
-    found = lookup_profile(runtime)
-    return (found, "autotune profile") if found is not None else (DEFAULT_SHAPE, "default")
+    profile = lookup_profile(runtime)
+    base, source = (profile, "autotune profile") if profile else (DEFAULT_SHAPE, "default")
+    given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return base, source
+    fields = dict(zip(SHAPE_FLAGS, astuple(base), strict=True)) | given
+    try:
+        shape = BeamShape(*fields.values())
+    except ValueError as e:
+        fail(str(e))
+    return shape, "flags" if len(given) == len(SHAPE_FLAGS) else f"flags + {source}"
 
 
 def make_decoder(

@@ -190,16 +190,29 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
     autotune.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     assert (tmp_path / "cache" / "profiles.json").exists()
     assert rt.resolve_shape(shape_args(), runtime) == (BeamShape(3, 5), "autotune profile")
-    assert rt.resolve_shape(shape_args(1, 2), runtime) == (BeamShape(1, 2), "flags")
-    floor_only = shape_args(min_prob=0.3)  # any shape flag overrides the profile
-    assert rt.resolve_shape(floor_only, runtime) == (
-        BeamShape(rt.DEFAULT_SHAPE.width, rt.DEFAULT_SHAPE.length, 0.3),
-        "flags",
+    full = shape_args(1, 2, 0.0, 0)
+    assert rt.resolve_shape(full, runtime) == (BeamShape(1, 2), "flags")
+    # each flag overrides its own field; the others stay the profile's ("default: profile")
+    assert rt.resolve_shape(shape_args(1, 2), runtime) == (
+        BeamShape(1, 2),
+        "flags + autotune profile",
     )
-    search_only = shape_args(search_width=8)
-    assert rt.resolve_shape(search_only, runtime) == (
-        BeamShape(rt.DEFAULT_SHAPE.width, rt.DEFAULT_SHAPE.length, search_width=8),
-        "flags",
+    assert rt.resolve_shape(shape_args(min_prob=0.3), runtime) == (
+        BeamShape(3, 5, 0.3),
+        "flags + autotune profile",
+    )
+    autotune.save_profile(key, {"shape": [3, 5, 0.2, 8], "fingerprint": fp})
+    assert rt.resolve_shape(shape_args(length=4), runtime) == (
+        BeamShape(3, 4, 0.2, 8),
+        "flags + autotune profile",
+    )
+
+
+def test_shape_flags_without_a_profile_fill_in_the_default_shape(runtime):
+    d = rt.DEFAULT_SHAPE
+    assert rt.resolve_shape(shape_args(search_width=8), runtime) == (
+        BeamShape(d.width, d.length, d.min_prob, 8),
+        "flags + default",
     )
 
 
