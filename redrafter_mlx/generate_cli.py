@@ -37,7 +37,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timing",
         action="store_true",
-        help="per-phase seconds (evaluates at phase boundaries: adds syncs)",
+        help="per-phase seconds of the ReDrafter steps (draft, pack, verify, accept, compact; "
+        "evaluates at phase boundaries: adds syncs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no stream")
     return parser
@@ -67,6 +68,7 @@ def main(args: argparse.Namespace) -> None:
         rt.fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
     shape, source = rt.resolve_shape(args, runtime)
+    timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
     decoder = rt.make_decoder(
         runtime,
         shape,
@@ -74,7 +76,7 @@ def main(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        timing=args.timing,
+        timing=timing,
     )
     decoder.warm_up(autoregressive=args.autoregressive)  # compile now, not mid-stream
     if args.raw:
@@ -89,8 +91,8 @@ def main(args: argparse.Namespace) -> None:
         note = "" if args.autoregressive else f" {shape.describe()} ({source})"
         if ignored := rt.ignored_when_autoregressive(args):
             note += f" (ignored: {', '.join(ignored)})"
-        timing = " (timing on: evaluates at phase boundaries, adds syncs)" if args.timing else ""
-        print(f"[{mode}{note}]{timing}", file=sys.stderr)
+        timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""
+        print(f"[{mode}{note}]{timing_on}", file=sys.stderr)
     text, tokens = [], []
     for response in stream_generate(
         decoder,
@@ -105,7 +107,7 @@ def main(args: argparse.Namespace) -> None:
         if not args.json:
             print(response.text, end="", flush=True)
     stats = response.stats
-    phases = decoder.timer.seconds if args.timing else None
+    phases = decoder.timer.seconds if timing else None
     result = {
         "text": "".join(text),
         "tokens": tokens,
@@ -113,7 +115,7 @@ def main(args: argparse.Namespace) -> None:
         "finish_reason": response.finish_reason,
         **stats_dict(stats, phases),
     }
-    if args.timing:
+    if timing:
         result["timing_note"] = "phase timing evaluates at phase boundaries (extra syncs)"
     if not args.autoregressive:
         result |= {
@@ -132,3 +134,11 @@ def main(args: argparse.Namespace) -> None:
         f"{stats.tokens_per_step:.2f} tokens/step, prompt {stats.prompt_tps:.0f} tok/s]",
         file=sys.stderr,
     )
+    if phases:
+        print(f"[seconds per phase: {phase_line(phases)}]", file=sys.stderr)
+
+
+def phase_line(phases: dict[str, float]) -> str:
+    """``draft 0.120 (9%), pack ...``: each phase's seconds and share of their sum."""
+    total = sum(phases.values()) or 1.0
+    return ", ".join(f"{k} {v:.3f} ({100 * v / total:.0f}%)" for k, v in phases.items())

@@ -142,8 +142,10 @@ def ignored_when_autoregressive(args: argparse.Namespace) -> list[str]:
     """The ReDrafter flags given on a command line that also says --autoregressive."""
     if not getattr(args, "autoregressive", False):
         return []
-    flags = ("drafter", *SHAPE_FLAGS)
-    return [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f, None) is not None]
+    flags = ("drafter", *SHAPE_FLAGS, "timing")
+    return [
+        f"--{f.replace('_', '-')}" for f in flags if getattr(args, f, None) not in (None, False)
+    ]
 
 
 def fail(message: str) -> None:

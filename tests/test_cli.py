@@ -166,3 +166,5 @@ def test_redrafter_flags_given_with_autoregressive_are_named_as_ignored():
     assert rt.ignored_when_autoregressive(args) == ["--beam-width", "--min-prob", "--search-width"]
     assert rt.ignored_when_autoregressive(parse("--beam-width", "3")) == []
     assert rt.ignored_when_autoregressive(parse("--autoregressive")) == []
+    # the phases are a ReDrafter step's: --autoregressive --timing had reported all zeros
+    assert rt.ignored_when_autoregressive(parse("--autoregressive", "--timing")) == ["--timing"]

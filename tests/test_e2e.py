@@ -129,6 +129,9 @@ def test_generate_cli_json_reports_steps_syncs_and_tree_sizes(tmp_path):
     assert 4 <= sd["mean_tree_size"] <= 12 and (sd["beam_width"], sd["beam_length"]) == (3, 4)
     assert sum(sd["accept_histogram"].values()) == sd["steps"]
     assert set(sd["phase_seconds"]) == {"draft", "pack", "verify", "accept", "compact"}
+    plain = [c for c in cmd if c != "--json"] + ["--drafter", str(drafter), "--timing"]
+    shown = subprocess.run(plain, capture_output=True, text=True, env=env, check=True)
+    assert "[seconds per phase: draft " in shown.stderr  # --timing without --json showed none
 
 
 def test_eval_drafter_refuses_a_beam_wider_than_the_draft_vocabulary():
