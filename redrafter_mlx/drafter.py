@@ -45,10 +45,27 @@ class DrafterArgs:
             self.exit_dim = 2 * self.hidden_size
         if self.head not in ("own", "target"):
             raise DrafterError(f"unknown drafter head {self.head!r} (expected 'own' or 'target')")
+        sizes = {
+            "vocab_size": (self.vocab_size, 1),
+            "hidden_size": (self.hidden_size, 1),
+            "exit_dim": (self.exit_dim, 1),
+            "num_draft_layers": (self.num_draft_layers, 0),
+            "draft_vocab_size": (self.draft_vocab_size or 1, 1),
+        }
+        for name, (value, least) in sizes.items():
+            if type(value) is not int or value < least:  # a JSON true is not a size either
+                raise DrafterError(f"{name} {value!r}: need an integer >= {least}")
+        if not isinstance(self.rnn, bool):
+            raise DrafterError(f"rnn {self.rnn!r}: need true or false")
 
     @classmethod
     def from_dict(cls, config: dict) -> DrafterArgs:
         """Build from a config dict, ignoring keys we do not use (reference extras)."""
+        if not isinstance(config, dict):
+            raise DrafterError("not a JSON object")
+        missing = [k for k in ("vocab_size", "hidden_size") if k not in config]
+        if missing:
+            raise DrafterError(f"missing {' and '.join(missing)}")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names})
 
@@ -161,27 +178,35 @@ def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:
                 f"{f}: missing (a drafter folder has config.json + model.safetensors)"
             )
     try:
-        config = json.loads(config_file.read_text())
-        args = DrafterArgs.from_dict(config)
-    except (json.JSONDecodeError, TypeError) as e:
+        args = DrafterArgs.from_dict(json.loads(config_file.read_text()))
+    except (ValueError, TypeError) as e:  # DrafterError and JSONDecodeError are ValueErrors
         raise DrafterError(f"{config_file}: not a drafter config ({e})") from None
     if target is not None:
         check_matches_target(args, target, config_file)
     drafter = Drafter(args)
     try:
         weights = mx.load(str(weights_file))
+    except (ValueError, RuntimeError) as e:
+        raise DrafterError(
+            f"{weights_file}: unreadable, corrupt or truncated ({_short(e)})"
+        ) from None
+    try:
         weights = {k: v for k, v in weights.items() if not k.startswith("emb_norm")}
         drafter.load_weights(list(weights.items()), strict=True)
     except (ValueError, RuntimeError) as e:
-        detail = " ".join(str(e).split())
-        detail = detail if len(detail) < 240 else detail[:237] + "..."
         raise DrafterError(
-            f"{weights_file}: does not match its config.json (layers or sizes): {detail}"
+            f"{weights_file}: does not match its config.json (layers or sizes): {_short(e)}"
         ) from None
     mx.eval(drafter.parameters())
     if target is not None:
         drafter.bind_target(target)
     return drafter
+
+
+def _short(error: Exception) -> str:
+    """An exception's message on one line, at most 240 characters."""
+    detail = " ".join(str(error).split())
+    return detail if len(detail) < 240 else detail[:237] + "..."
 
 
 def check_matches_target(args: DrafterArgs, target: nn.Module, where: Path | str) -> None:

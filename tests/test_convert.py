@@ -672,3 +672,35 @@ def test_a_drafter_that_does_not_match_its_config_or_is_a_file_is_named(tmp_path
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(DrafterError, match=r"file: a file, not a drafter folder"):
         load_drafter(tmp_path / "file")
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: [c], "not a JSON object"),
+        (lambda c: {}, "missing vocab_size and hidden_size"),
+        (lambda c: c | {"exit_dim": "128"}, r"exit_dim '128': need an integer >= 1"),
+        (lambda c: c | {"hidden_size": 0}, r"hidden_size 0: need an integer >= 1"),
+        (lambda c: c | {"num_draft_layers": True}, r"num_draft_layers True: need an integer"),
+        (lambda c: c | {"rnn": "yes"}, r"rnn 'yes': need true or false"),
+    ],
+)
+def test_a_hand_edited_drafter_config_is_a_one_line_error(tmp_path, edit, message):
+    """Wrong types in a drafter's config.json used to reach MLX (a traceback)."""
+    from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+
+    save_drafter(random_drafter(64, 64), tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(DrafterError, match=r"config.json: not a drafter config \(" + message):
+        load_drafter(tmp_path / "d")
+
+
+def test_a_truncated_drafter_weights_file_is_called_corrupt(tmp_path):
+    from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+
+    save_drafter(random_drafter(64, 64), tmp_path / "d")
+    weights = tmp_path / "d" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(DrafterError, match=r"model.safetensors: unreadable, corrupt or truncated"):
+        load_drafter(tmp_path / "d")
