@@ -911,7 +911,7 @@ def _cpu_notes(args: argparse.Namespace) -> None:
     """Say so when the output will run slowly on MLX's CPU backend (no Metal or CUDA here)."""
     import mlx.core as mx
 
-    if mx.default_device() != mx.cpu or args.drafter:
+    if mx.default_device() != mx.cpu:
         return
     if args.quantize:
         print(
@@ -951,7 +951,14 @@ def main(args: argparse.Namespace) -> None:
         print(f"error: {os_error_text(e, args.out)}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"wrote {out}")
-    _cpu_notes(args)
+    if not is_drafter_folder(Path(out)):
+        _cpu_notes(args)
+        if not any((Path(out) / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
+            print(
+                f"note: {args.src} has no tokenizer.json or tokenizer.model, so {out} has none: "
+                "generate and chat need one (copy the model's tokenizer files into it)",
+                file=sys.stderr,
+            )
 
 
 __all__ = [

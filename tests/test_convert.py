@@ -704,3 +704,17 @@ def test_a_truncated_drafter_weights_file_is_called_corrupt(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(DrafterError, match=r"model.safetensors: unreadable, corrupt or truncated"):
         load_drafter(tmp_path / "d")
+
+
+def test_convert_notes_a_missing_tokenizer_and_spares_drafters_the_dtype_note(
+    tmp_path, convert_tiny_hf, capsys
+):
+    """A model converted without tokenizer files cannot generate: say so at convert time. A
+    drafter (float32 by default) gets no notes about float16 on the CPU."""
+    run = conv.setup_arg_parser().parse_args
+    conv.main(run(["--src", str(convert_tiny_hf), "--out", str(tmp_path / "m")]))
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json or tokenizer.model" in err
+    src = write_drafter(tmp_path / "ref", drafter_tensors(8, 7, 24, 2))
+    conv.main(run(["--src", str(src), "--out", str(tmp_path / "d")]))
+    assert "note:" not in capsys.readouterr().err
