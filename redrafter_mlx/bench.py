@@ -209,6 +209,8 @@ def load_prompts(path: Path | str | None, num: int | None, turns: int) -> list[l
     """User turns per conversation from a JSONL with "turns", "prompt" or "text" (default:
     MT-Bench). ValueError names the line of a malformed one."""
     path = Path(path) if path else MT_BENCH
+    if not path.is_file():
+        raise ValueError(f"{path}: {'a folder, not a' if path.is_dir() else 'no such'} file")
     convs = []
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -870,9 +872,9 @@ def main(args: argparse.Namespace) -> None:
     try:
         conversations = load_prompts(args.prompts, args.num_prompts, args.turns)
     except (OSError, ValueError) as e:
-        rt.fail(f"prompts: {e}")
+        rt.fail(f"--prompts {e}")
     if not conversations:
-        rt.fail(f"prompts: {args.prompts or MT_BENCH} holds no prompt")
+        rt.fail(f"--prompts {args.prompts or MT_BENCH} holds no prompt")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     cfg = BenchConfig(
         shapes_from_args(args, runtime),

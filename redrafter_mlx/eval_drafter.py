@@ -151,8 +151,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-prompt-tokens", type=rt.at_least(1), default=1024, help="skip longer prompts"
     )
-    p.add_argument("--beam-width", type=rt.widths, default=[1, 2, 3, 4])
-    p.add_argument("--beam-length", type=rt.lengths, default=[3, 4, 5])
+    p.add_argument(
+        "--beam-width", type=rt.widths, default=[1, 2, 3, 4], help="W list (default: 1,2,3,4)"
+    )
+    p.add_argument(
+        "--beam-length", type=rt.lengths, default=[3, 4, 5], help="L list (default: 3,4,5)"
+    )
     p.add_argument(
         "--search-width",
         type=rt.widths,
@@ -179,7 +183,11 @@ def main(args: argparse.Namespace) -> None:
     try:
         texts = [turns[0] for turns in load_prompts(args.prompts, None, 1)]
     except (OSError, ValueError) as e:
-        rt.fail(f"prompts: {e}")
+        rt.fail(f"--prompts {e}")
+    if not texts:
+        rt.fail(f"--prompts {args.prompts} holds no prompt")
+    if args.paths_cache and not args.simulate:
+        rt.fail("--paths-cache is read and written by --simulate only: add --simulate")
     if args.paths_cache:
         rt.check_writable(Path(args.paths_cache).parent, "--paths-cache")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)

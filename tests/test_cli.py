@@ -84,6 +84,10 @@ def test_prompt_files_name_their_bad_line(tmp_path):
     path.write_text('{"turns": ["hi"]}\n{"prompt": " "}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: an empty prompt"):
         load_prompts(path, None, 1)
+    with pytest.raises(ValueError, match=r"nope.jsonl: no such file"):
+        load_prompts(tmp_path / "nope.jsonl", None, 1)
+    with pytest.raises(ValueError, match=r": a folder, not a file"):
+        load_prompts(tmp_path, None, 1)
 
 
 def test_bench_refuses_a_prompt_file_without_prompts(tmp_path, capsys):
@@ -98,6 +102,23 @@ def test_bench_refuses_a_prompt_file_without_prompts(tmp_path, capsys):
     assert e.value.code == 1
     assert "holds no prompt" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--prompts", "EMPTY"], "holds no prompt"),
+        (["--paths-cache", "p.json"], "--paths-cache is read and written by --simulate only"),
+    ],
+)
+def test_eval_drafter_refuses_before_loading(tmp_path, capsys, flags, message):
+    from redrafter_mlx import eval_drafter
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    flags = [str(tmp_path / "empty.jsonl") if f == "EMPTY" else f for f in flags]
+    with pytest.raises(SystemExit) as e:
+        eval_drafter.main(eval_drafter.setup_arg_parser().parse_args(flags))
+    assert e.value.code == 1 and message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
