@@ -9,12 +9,14 @@ nothing. Greedy output stays exact, as with any drafter.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from redrafter_mlx.drafter import random_drafter, save_drafter
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/rd/drafter"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", nargs="?", default="/tmp/rd/drafter", help="drafter folder")
+    out = parser.parse_args().out
     # SmolLM2-135M: hidden 576, vocab 49,152; the shipped drafter's cheap head shape.
     save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), out)
     print(out)

@@ -839,7 +839,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--temp", type=rt.non_negative, default=0.0, help="temperature (0 = greedy)"
     )
     parser.add_argument("--seed", type=rt.at_least(0), default=0, help="sampling seed")
-    parser.add_argument("--out", default="bench-out", help="folder for JSON, CSV and PNGs")
+    parser.add_argument(
+        "--out",
+        default="bench-out",
+        help="folder for JSON, CSV and PNGs (default: ./bench-out, its files replaced each run)",
+    )
     return parser
 
 

