@@ -15,9 +15,14 @@ relative least squares) and ranks a shape by its own tokens/step over the modell
 corrected by its own mean residual shrunk towards zero (``n / (n + SHRINK)``). Noise then
 averages over every run instead of the one or two each shape gets.
 
+With ``--temp`` > 0 the runs sample (reseeded per prompt, the same stream for every shape):
+tokens/step is then random too, and the same averaging over all runs absorbs it. Sampling
+accepts fewer drafts than greedy decoding, so its best shape is often shorter.
+
 Profiles: one JSON (``$REDRAFTER_CACHE/profiles.json``, default ``~/.cache/redrafter-mlx``)
-keyed by chip + backend + model + drafter + dtype/quantization, written atomically; a stale
-or unreadable profile is ignored with a warning, never an error.
+keyed by chip + backend + model + drafter + dtype/quantization (+ `` | sampling`` for the one
+tuned with ``--temp``), written atomically; a stale or unreadable profile is ignored with a
+warning, never an error. Sampling runs use the sampling profile, else the greedy one.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ EXAMPLES = """examples:
   redrafter-mlx autotune --beam-width 1,2,3,4 --beam-length 3,4,5 --max-tokens 32
   redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
   redrafter-mlx autotune --beam-width 2,4 --beam-length 4,5 --search-width 1,8,16
+  redrafter-mlx autotune --temp 0.7                # the shape for sampled chats (--temp > 0)
   redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
   redrafter-mlx autotune --show                   # stored profiles
 """
@@ -209,8 +215,12 @@ def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | Non
         return None
 
 
-def lookup_profile(runtime) -> BeamShape | None:
-    """The autotuned shape for this chip + model + drafter, or None."""
+SAMPLING = " | sampling"  # suffix of the profile key tuned with --temp > 0
+
+
+def lookup_profile(runtime, *, sampling: bool = False) -> tuple[BeamShape, str] | None:
+    """The autotuned shape for this chip + model + drafter and where it came from, or None.
+    ``sampling``: the profile tuned at a temperature if there is one, else the greedy one."""
     if runtime.drafter_id is None:
         return None
     try:
@@ -218,7 +228,10 @@ def lookup_profile(runtime) -> BeamShape | None:
     except Exception as e:
         warn(f"ignoring the autotune profile: {e}")
         return None
-    return find_profile(key, fp)
+    if sampling and (shape := find_profile(key + SAMPLING, fp)) is not None:
+        return shape, "autotune profile, sampling"
+    shape = find_profile(key, fp)
+    return None if shape is None else (shape, "autotune profile")
 
 
 # ---------------------------------------------------------------- the search
@@ -357,12 +370,22 @@ def grid_tps(observations: Sequence[Observation], shape: BeamShape) -> float:
 # ---------------------------------------------------------------- measuring real runs
 
 
-def make_measure(runtime, prompts: Sequence[list[int]], *, max_tokens: int) -> Measure:
-    """A ``Measure`` that generates with the benchmark's timer (``bench.measure``)."""
+def make_measure(
+    runtime, prompts: Sequence[list[int]], *, max_tokens: int, temp: float = 0.0, seed: int = 0
+) -> Measure:
+    """A ``Measure`` that generates with the benchmark's timer (``bench.measure``); with
+    ``temp`` > 0 it samples, reseeded per prompt (every shape sees the same random stream)."""
     from redrafter_mlx.bench import REDRAFTER, Method, measure
 
     def run(shape: BeamShape, prompt: int) -> Observation:
-        result = measure(runtime, Method(REDRAFTER, shape), prompts[prompt], max_tokens=max_tokens)
+        result = measure(
+            runtime,
+            Method(REDRAFTER, shape),
+            prompts[prompt],
+            max_tokens=max_tokens,
+            temp=temp,
+            seed=seed + prompt if temp else None,
+        )
         steps = max(result.steps, 1)
         tree = statistics.fmean(result.tree_sizes) if result.tree_sizes else 1.0
         after_first = len(result.token_latencies)
@@ -420,7 +443,13 @@ def table(result: SearchResult) -> list[dict]:
 
 
 def profile_entry(
-    runtime, result: SearchResult, *, method: str, seconds: float, max_tokens: int
+    runtime,
+    result: SearchResult,
+    *,
+    method: str,
+    seconds: float,
+    max_tokens: int,
+    temp: float = 0.0,
 ) -> dict:
     import mlx.core as mx
 
@@ -441,6 +470,7 @@ def profile_entry(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(seconds, 1),
         "max_tokens": max_tokens,
+        "temp": temp,
         "tokens_per_second": round(result.estimates[result.best], 3),
         "table": table(result),
     }
@@ -494,7 +524,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repetitions", type=rt.at_least(1), default=2, help="grid runs per prompt"
     )
-    parser.add_argument("--seed", type=rt.at_least(0), default=0, help="shuffling seed")
+    parser.add_argument(
+        "--temp",
+        type=rt.non_negative,
+        default=0.0,
+        help="tune for sampling at this temperature (0 = greedy): stored as this chip's "
+        "sampling profile, which generate and chat use when they sample",
+    )
+    parser.add_argument("--seed", type=rt.at_least(0), default=0, help="shuffling/sampling seed")
     parser.add_argument("--no-save", action="store_true", help="do not store the profile")
     parser.add_argument("--show", action="store_true", help="print stored profiles and exit")
     return parser
@@ -533,10 +570,12 @@ def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResul
     from redrafter_mlx.bench import REDRAFTER, Method, warm_up
 
     prompts = heldout_prompt_ids(runtime, args.num_prompts)
-    measure = make_measure(runtime, prompts, max_tokens=args.max_tokens)
+    measure = make_measure(
+        runtime, prompts, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed
+    )
     task = progress.add_task("warming up", total=len(shapes))
     for shape in shapes:
-        warm_up(runtime, [Method(REDRAFTER, shape)], prompts[0])
+        warm_up(runtime, [Method(REDRAFTER, shape)], prompts[0], temp=args.temp)
         progress.advance(task)
     total = len(shapes) * len(prompts) * args.repetitions if args.full_grid else None
     task = progress.add_task("searching", total=total)
@@ -585,7 +624,12 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
     method = "full-grid" if args.full_grid else "successive-halving"
     entry = profile_entry(
-        runtime, result, method=method, seconds=seconds, max_tokens=args.max_tokens
+        runtime,
+        result,
+        method=method,
+        seconds=seconds,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
     )
     out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
     for key in TABLE_COLUMNS:
@@ -595,7 +639,7 @@ def main(args: argparse.Namespace) -> None:
     Console().print(out)
     if not args.no_save:
         try:
-            save_profile(runtime_identity(runtime)[0], entry)
+            save_profile(runtime_identity(runtime)[0] + (SAMPLING if args.temp else ""), entry)
         except OSError as e:
             rt.fail(f"profile not saved: {rt.os_error_text(e, str(store_path()))}")
     Console().print(

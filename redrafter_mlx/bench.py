@@ -862,8 +862,9 @@ def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[Beam
     shapes = [BeamShape(w, n) for w in DEFAULT_WIDTHS for n in DEFAULT_LENGTHS]
     from redrafter_mlx.autotune import lookup_profile
 
-    for extra in (rt.DEFAULT_SHAPE, lookup_profile(runtime)):
-        if extra is not None and extra not in shapes:
+    found = lookup_profile(runtime, sampling=args.temp > 0)
+    for extra in (rt.DEFAULT_SHAPE, found and found[0]):
+        if extra and extra not in shapes:
             shapes.append(extra)
     return shapes
 

@@ -482,6 +482,13 @@ class ChatUI:
         temp = parse_temp(arg)
         self.session.set_temperature(temp, self.args.top_p, self.args.top_k)
         self.note(f"temperature {temp:g}" + (" (greedy)" if temp == 0 else ""))
+        self.args.temp = temp
+        if self.shape_source != "/beam":  # greedy and sampling may have their own profiles
+            shape, source = rt.resolve_shape(self.args, self.runtime)
+            if (shape, source) != (self.session.decoder.shape, self.shape_source):
+                self.session.set_shape(shape)
+                self.shape_source = source
+                self.note(f"beam shape {shape.describe()} ({source})")
 
     def cmd_system(self, arg: str) -> None:
         if not arg:

@@ -217,11 +217,11 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
 def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape, str]:
     """The beam shape to use and where it came from. Each shape flag given overrides its
     field; the others come from the autotune profile (if this chip, model and drafter have
-    one), else from the default shape."""
+    one; with ``--temp`` > 0 the one tuned for sampling, if any), else from the default."""
     from redrafter_mlx.autotune import lookup_profile
 
-    profile = lookup_profile(runtime)
-    base, source = (profile, "autotune profile") if profile else (DEFAULT_SHAPE, "default")
+    sampling = getattr(args, "temp", 0.0) > 0
+    base, source = lookup_profile(runtime, sampling=sampling) or (DEFAULT_SHAPE, "default")
     given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
     given = {k: v for k, v in given.items() if v is not None}
     if not given:

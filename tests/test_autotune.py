@@ -208,6 +208,23 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
     )
 
 
+def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
+    key, fp = autotune.runtime_identity(runtime)
+    sampled = argparse.Namespace(**vars(shape_args()), temp=0.7)
+    assert rt.resolve_shape(sampled, runtime) == (rt.DEFAULT_SHAPE, "default")
+    autotune.save_profile(key, {"shape": [3, 5, 0.3, 0], "fingerprint": fp})
+    assert rt.resolve_shape(sampled, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
+    autotune.save_profile(key + autotune.SAMPLING, {"shape": [1, 2], "fingerprint": fp})
+    assert rt.resolve_shape(sampled, runtime) == (BeamShape(1, 2), "autotune profile, sampling")
+    greedy = argparse.Namespace(**vars(shape_args()), temp=0.0)
+    assert rt.resolve_shape(greedy, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
+    sampled.beam_length = 3  # a flag overrides its field of the sampling profile
+    assert rt.resolve_shape(sampled, runtime) == (
+        BeamShape(1, 3),
+        "flags + autotune profile, sampling",
+    )
+
+
 def test_shape_flags_without_a_profile_fill_in_the_default_shape(runtime):
     d = rt.DEFAULT_SHAPE
     assert rt.resolve_shape(shape_args(search_width=8), runtime) == (
