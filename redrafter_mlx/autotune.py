@@ -551,9 +551,10 @@ def show(console) -> None:
         except Exception as e:  # shown, like find_profile, never an error
             warn(f"ignoring a malformed profile {key!r}: {e!r}")
             continue
+        temp = f", temperature {entry['temp']:g}" if entry.get("temp") else ""
         console.print(
             f"[bold]{key}[/bold]\n  {shape.describe()} "
-            f"({entry.get('method')}, {entry.get('tokens_per_second')} tok/s, "
+            f"({entry.get('method')}{temp}, {entry.get('tokens_per_second')} tok/s, "
             f"{entry.get('created')}, {entry.get('seconds')} s)"
         )
     console.print(f"({store_path()})")
