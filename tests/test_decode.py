@@ -315,6 +315,20 @@ def test_greedy_reads_raw_logits_with_the_same_pick():
     assert our_sampler(0.0, top_p=0.9) is greedy and our_sampler(0.7) is not greedy
 
 
+def test_temperature_and_top_k_draw_the_same_from_raw_logits():
+    """Without top-p, choose() skips the log-softmax: with the same random stream every draw
+    equals mlx-lm's sampler on log-probs (the scores differ by a constant per row)."""
+    logits = mx.random.normal((64, 300), key=mx.random.key(1)) * 4
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for sampler in (our_sampler(0.7), our_sampler(1.3, top_k=20)):
+        assert sampler.reads_logits
+        mx.random.seed(5)
+        ours = choose(logits, sampler)
+        mx.random.seed(5)
+        assert (ours == sampler(logprobs)).all()
+    assert not our_sampler(1.0, top_p=0.8).reads_logits
+
+
 # --- sampling is exact: chi-square against the target's own distribution -------------------
 
 VOCAB = 8
