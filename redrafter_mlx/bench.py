@@ -891,6 +891,13 @@ def main(args: argparse.Namespace) -> None:
         args.timed_prompts,
     )
     console = Console(stderr=True)
+    if short := sum(len(c) < args.turns for c in conversations):
+        console.print(
+            f"note: {short} of {len(conversations)} conversations have fewer than {args.turns} "
+            "user turns; they run with the turns they have"
+        )
+    if args.num_prompts and len(conversations) < args.num_prompts:
+        console.print(f"note: {args.prompts or MT_BENCH} holds {len(conversations)} conversations")
     cases = sum(len(c) for c in conversations)
     total = cases * args.repetitions * len(bench_methods(cfg.shapes)) + 2
     with Progress(console=console, transient=True) as progress:
