@@ -483,7 +483,8 @@ class ChatUI:
         self.session.set_temperature(temp, self.args.top_p, self.args.top_k)
         self.note(f"temperature {temp:g}" + (" (greedy)" if temp == 0 else ""))
         self.args.temp = temp
-        if self.shape_source != "/beam":  # greedy and sampling may have their own profiles
+        if self.shape_source != "/beam" and not self.session.autoregressive:
+            # greedy and sampling may have their own autotune profiles
             shape, source = rt.resolve_shape(self.args, self.runtime)
             if (shape, source) != (self.session.decoder.shape, self.shape_source):
                 self.session.set_shape(shape)
