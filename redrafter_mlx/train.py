@@ -484,7 +484,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--max-tokens",
         type=int,
         default=600_000,
-        help="training tokens to teacher-force (distillation budget)",
+        help="training tokens to extract and train on (distillation budget; rounded up to "
+        "whole conversations, generation windows and cache shards)",
     )
     p.add_argument("--heldout", type=int, default=200, help="held-out conversations (pool)")
     p.add_argument("--heldout-tokens", type=int, default=24_000, help="held-out tokens to extract")
