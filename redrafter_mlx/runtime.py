@@ -220,18 +220,21 @@ def resolve_shape(args: argparse.Namespace, runtime: Runtime) -> tuple[BeamShape
     one; with ``--temp`` > 0 the one tuned for sampling, if any), else from the default."""
     from redrafter_mlx.autotune import lookup_profile
 
-    sampling = getattr(args, "temp", 0.0) > 0
-    base, source = lookup_profile(runtime, sampling=sampling) or (DEFAULT_SHAPE, "default")
     given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
     given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        return base, source
+    if len(given) < len(SHAPE_FLAGS):
+        sampling = getattr(args, "temp", 0.0) > 0
+        base, source = lookup_profile(runtime, sampling=sampling) or (DEFAULT_SHAPE, "default")
+        if not given:
+            return base, source
+        source = f"flags + {source}"
+    else:  # every field given: no profile read (nor its warnings)
+        base, source = DEFAULT_SHAPE, "flags"
     fields = dict(zip(SHAPE_FLAGS, astuple(base), strict=True)) | given
     try:
-        shape = BeamShape(*fields.values())
+        return BeamShape(*fields.values()), source
     except ValueError as e:
         fail(str(e))
-    return shape, "flags" if len(given) == len(SHAPE_FLAGS) else f"flags + {source}"
 
 
 def make_decoder(
