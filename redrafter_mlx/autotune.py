@@ -69,6 +69,7 @@ EXAMPLES = """examples:
   redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
   redrafter-mlx autotune --beam-width 2,4 --beam-length 4,5 --search-width 1,8,16
   redrafter-mlx autotune --temp 0.7                # the shape for sampled chats (--temp > 0)
+  redrafter-mlx autotune --prompts my_prompts.jsonl --num-prompts 6   # tune on your workload
   redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
   redrafter-mlx autotune --show                   # stored profiles
 """
@@ -400,12 +401,29 @@ def make_measure(
     return run
 
 
-def heldout_prompt_ids(runtime, count: int) -> list[list[int]]:
+def heldout_prompt_ids(runtime, count: int, texts: Sequence[str] = HELDOUT_PROMPTS):
+    """The first ``count`` of ``texts`` (default: the built-in held-out prompts) as chat
+    token ids ``[ids, ...]``."""
     from redrafter_mlx import runtime as rt
 
-    return [
-        rt.encode_chat(runtime, [{"role": "user", "content": p}]) for p in HELDOUT_PROMPTS[:count]
-    ]
+    return [rt.encode_chat(runtime, [{"role": "user", "content": p}]) for p in texts[:count]]
+
+
+def prompt_texts(path: str | None) -> list[str]:
+    """First user turns of a JSONL prompt file (``turns``/``prompt``/``text``, as ``bench``
+    reads), or the built-in held-out prompts; SystemExit with one line for a bad file."""
+    if path is None:
+        return list(HELDOUT_PROMPTS)
+    from redrafter_mlx import runtime as rt
+    from redrafter_mlx.bench import load_prompts
+
+    try:
+        texts = [turns[0] for turns in load_prompts(path, None, 1)]
+    except (OSError, ValueError) as e:
+        rt.fail(f"--prompts {e}")
+    if not texts:
+        rt.fail(f"--prompts {path} holds no prompt")
+    return texts
 
 
 TABLE_COLUMNS = {  # row key of :func:`table` -> column of the printed table
@@ -450,6 +468,7 @@ def profile_entry(
     seconds: float,
     max_tokens: int,
     temp: float = 0.0,
+    prompts: str | None = None,
 ) -> dict:
     import mlx.core as mx
 
@@ -471,6 +490,7 @@ def profile_entry(
         "seconds": round(seconds, 1),
         "max_tokens": max_tokens,
         "temp": temp,
+        "prompts": prompts or "built-in",
         "tokens_per_second": round(result.estimates[result.best], 3),
         "table": table(result),
     }
@@ -518,7 +538,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--num-prompts",
         type=rt.at_least(1),
         default=4,
-        help=f"held-out prompts to cycle through (max {len(HELDOUT_PROMPTS)})",
+        help="prompts to cycle through (default 4; the built-in prompts are "
+        f"{len(HELDOUT_PROMPTS)})",
+    )
+    parser.add_argument(
+        "--prompts",
+        help="JSONL of your own prompts ('turns', 'prompt' or 'text'; first turns), to tune "
+        "for your workload (default: short built-in held-out prompts). Rounds take them in "
+        "file order and the first round ranks every shape on the first prompt: put a typical "
+        "one first (the best shape can depend on the context length)",
     )
     parser.add_argument("--full-grid", action="store_true", help="exhaustive grid instead")
     parser.add_argument(
@@ -560,7 +588,9 @@ def show(console) -> None:
     console.print(f"({store_path()})")
 
 
-def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResult, float]:
+def run_search(
+    runtime, args: argparse.Namespace, progress, texts: Sequence[str]
+) -> tuple[SearchResult, float]:
     """Warm up, then the search (or grid) with a progress bar; returns the result and seconds."""
     try:
         shapes = shape_grid(args.beam_width, args.beam_length, args.min_prob, args.search_width)
@@ -570,7 +600,7 @@ def run_search(runtime, args: argparse.Namespace, progress) -> tuple[SearchResul
         fail(str(e))
     from redrafter_mlx.bench import REDRAFTER, Method, warm_up
 
-    prompts = heldout_prompt_ids(runtime, args.num_prompts)
+    prompts = heldout_prompt_ids(runtime, args.num_prompts, texts)
     measure = make_measure(
         runtime, prompts, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed
     )
@@ -609,8 +639,10 @@ def main(args: argparse.Namespace) -> None:
     if args.show:
         show(Console())
         return
-    if not 1 <= args.num_prompts <= len(HELDOUT_PROMPTS):
-        rt.fail(f"--num-prompts must be 1..{len(HELDOUT_PROMPTS)}")
+    texts = prompt_texts(args.prompts)
+    if not 1 <= args.num_prompts <= len(texts):
+        where = args.prompts or "the built-in prompts"
+        rt.fail(f"--num-prompts must be 1..{len(texts)} ({where})")
     if not args.no_save:
         rt.check_writable(store_path().parent, "profile store")  # replaced by rename
         if store_path().is_dir():
@@ -619,7 +651,7 @@ def main(args: argparse.Namespace) -> None:
     console.print(f"chip: {chip_info()}")
     try:
         with Progress(console=console, transient=True) as progress:
-            result, seconds = run_search(runtime, args, progress)
+            result, seconds = run_search(runtime, args, progress, texts)
     except KeyboardInterrupt:
         console.print("interrupted: the stored profile is unchanged")
         raise SystemExit(130) from None
@@ -631,6 +663,7 @@ def main(args: argparse.Namespace) -> None:
         seconds=seconds,
         max_tokens=args.max_tokens,
         temp=args.temp,
+        prompts=args.prompts,
     )
     out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
     for key in TABLE_COLUMNS:

@@ -275,6 +275,21 @@ def test_autotune_runs_again_over_its_stored_profile(runtime, monkeypatch, capsy
     assert all(list(row) == list(autotune.TABLE_COLUMNS) for row in entry["table"])  # printed
 
 
+def test_autotune_tunes_on_a_users_prompt_file(runtime, monkeypatch, capsys, tmp_path):
+    runtime.tokenizer = toy_tokenizer()
+    monkeypatch.setattr(rt, "load_runtime", lambda *args, **kwargs: runtime)
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "w5 w6 w7"}\n{"turns": ["w8 w9", "later"]}\n')
+    flags = ["--beam-width", "1", "--beam-length", "2", "--max-tokens", "8"]
+    parse = autotune.setup_arg_parser().parse_args
+    with pytest.raises(SystemExit):
+        autotune.main(parse([*flags, "--prompts", str(prompts), "--num-prompts", "3"]))
+    assert f"--num-prompts must be 1..2 ({prompts})" in capsys.readouterr().err
+    autotune.main(parse([*flags, "--prompts", str(prompts), "--num-prompts", "2"]))
+    (entry,) = autotune.read_store()["profiles"].values()
+    assert entry["prompts"] == str(prompts) and entry["shape"][:2] == [1, 2]
+
+
 def test_show_skips_malformed_profiles(runtime, capsys):
     """``--show`` lists the readable profiles and warns about the rest, like generation does."""
     good = {"shape": [2, 3, 0.3], "method": "grid", "tokens_per_second": 9.0}
