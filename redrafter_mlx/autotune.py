@@ -414,16 +414,9 @@ def prompt_texts(path: str | None) -> list[str]:
     reads), or the built-in held-out prompts; SystemExit with one line for a bad file."""
     if path is None:
         return list(HELDOUT_PROMPTS)
-    from redrafter_mlx import runtime as rt
-    from redrafter_mlx.bench import load_prompts
+    from redrafter_mlx.bench import read_prompts
 
-    try:
-        texts = [turns[0] for turns in load_prompts(path, None, 1)]
-    except (OSError, ValueError) as e:
-        rt.fail(f"--prompts {e}")
-    if not texts:
-        rt.fail(f"--prompts {path} holds no prompt")
-    return texts
+    return [turns[0] for turns in read_prompts(path, None, 1)]
 
 
 TABLE_COLUMNS = {  # row key of :func:`table` -> column of the printed table

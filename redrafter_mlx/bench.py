@@ -229,6 +229,18 @@ def load_prompts(path: Path | str | None, num: int | None, turns: int) -> list[l
     return convs[:num] if num else convs
 
 
+def read_prompts(path: Path | str | None, num: int | None, turns: int) -> list[list[str]]:
+    """:func:`load_prompts` for a command: a bad or empty file exits with one line naming
+    ``--prompts``."""
+    try:
+        conversations = load_prompts(path, num, turns)
+    except (OSError, ValueError) as e:
+        rt.fail(f"--prompts {e}")
+    if not conversations:
+        rt.fail(f"--prompts {path or MT_BENCH} holds no prompt")
+    return conversations
+
+
 # ---------------------------------------------------------------- the benchmark loop
 
 
@@ -874,12 +886,7 @@ def main(args: argparse.Namespace) -> None:
     from rich.progress import Progress
 
     rt.check_writable(args.out, "--out")
-    try:
-        conversations = load_prompts(args.prompts, args.num_prompts, args.turns)
-    except (OSError, ValueError) as e:
-        rt.fail(f"--prompts {e}")
-    if not conversations:
-        rt.fail(f"--prompts {args.prompts or MT_BENCH} holds no prompt")
+    conversations = read_prompts(args.prompts, args.num_prompts, args.turns)
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     cfg = BenchConfig(
         shapes_from_args(args, runtime),

@@ -178,14 +178,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> None:
     from redrafter_mlx import llm
     from redrafter_mlx.autotune import fingerprint
-    from redrafter_mlx.bench import load_prompts
+    from redrafter_mlx.bench import read_prompts
 
-    try:
-        texts = [turns[0] for turns in load_prompts(args.prompts, None, 1)]
-    except (OSError, ValueError) as e:
-        rt.fail(f"--prompts {e}")
-    if not texts:
-        rt.fail(f"--prompts {args.prompts} holds no prompt")
+    texts = [turns[0] for turns in read_prompts(args.prompts, None, 1)]
     if args.paths_cache and not args.simulate:
         rt.fail("--paths-cache is read and written by --simulate only: add --simulate")
     if args.paths_cache:
@@ -193,7 +188,8 @@ def main(args: argparse.Namespace) -> None:
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
     args.model, args.drafter = runtime.model_id, runtime.drafter_id
-    for shape in shape_grid(args.beam_width, args.beam_length, search_widths=args.search_width):
+    shapes = shape_grid(args.beam_width, args.beam_length, search_widths=args.search_width)
+    for shape in shapes:
         try:
             check_width(drafter, shape.searched)
         except ValueError as e:
@@ -210,7 +206,7 @@ def main(args: argparse.Namespace) -> None:
     # the target's greedy paths depend on its weights (folder + files) and dtype
     target_id = f"{args.model} {fingerprint(args.model)} {llm.compute_dtype(model)}"
     try:
-        rows = run_with_progress(model, tokenizer, drafter, prompts, args, target_id)
+        rows = run_with_progress(model, tokenizer, drafter, prompts, args, len(shapes), target_id)
     except OSError as e:  # e.g. an unwritable --paths-cache
         rt.fail(rt.os_error_text(e))
     except PathsCacheError as e:
@@ -231,11 +227,12 @@ def main(args: argparse.Namespace) -> None:
         print_table(report)
 
 
-def run_with_progress(model, tokenizer, drafter, prompts, args, target_id: str = "") -> list[dict]:
+def run_with_progress(
+    model, tokenizer, drafter, prompts, args, num_shapes: int, target_id: str = ""
+) -> list[dict]:
     from rich.progress import Progress
 
-    shapes = shape_grid(args.beam_width, args.beam_length, search_widths=args.search_width)
-    total = len(prompts) * len(shapes)
+    total = len(prompts) * num_shapes
     with Progress(transient=True) as bar:
         task = bar.add_task("decoding", total=total)
         if args.simulate:
@@ -476,18 +473,20 @@ def simulate_grid(
         target_id=target_id,
     )
     shapes = shape_grid(widths, lengths, search_widths=search_widths)
+    searches: dict[tuple[int, int], list[BeamShape]] = {}  # one search per (W, S), all L
+    for shape in shapes:
+        searches.setdefault((shape.width, shape.searched), []).append(shape)
     runs: dict[BeamShape, list[dict]] = {}
     for ids, hidden, n_prompt, _ in paths:
         contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
-        for w, searched in sorted({(b.width, b.searched) for b in shapes}):
+        for (w, searched), group in searches.items():
             beams = beams_everywhere(
                 drafter, embed, contexts, pendings, w, max(lengths) - 1, searched
             )
-            for shape in shapes:
-                if (shape.width, shape.searched) == (w, searched):
-                    replayed = beams[shape.length - 2][0]
-                    run = simulate(replayed, ids, n_prompt, max_tokens, shape.length)
-                    runs.setdefault(shape, []).append(run)
+            for shape in group:
+                replayed = beams[shape.length - 2][0]
+                run = simulate(replayed, ids, n_prompt, max_tokens, shape.length)
+                runs.setdefault(shape, []).append(run)
         if progress:
             progress(len(shapes))
     rows = []
