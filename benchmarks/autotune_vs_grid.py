@@ -28,10 +28,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx import autotune
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import environment
-from redrafter_mlx.decode import BeamShape
+from redrafter_mlx.cli import autotune
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning.measure import environment
 
 
 class SyntheticDrafter:
@@ -76,7 +76,7 @@ def synthetic_measure(runtime, prompts, references, p: float, max_tokens: int):
 
 
 def references_for(runtime, prompts, max_tokens: int) -> list[list[int]]:
-    from redrafter_mlx.bench import AUTOREGRESSIVE, Method, measure
+    from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, Method, measure
 
     return [
         measure(runtime, Method(AUTOREGRESSIVE), p, max_tokens=max_tokens).tokens for p in prompts

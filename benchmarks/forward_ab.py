@@ -19,9 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx import llm
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import _forward_seconds, environment
+from redrafter_mlx.cli.bench import _forward_seconds
+from redrafter_mlx.core import llm
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning.measure import environment
 
 
 def _timed(model, cache, count: int, compiled: bool) -> float:

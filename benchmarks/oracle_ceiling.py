@@ -21,10 +21,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx import bench
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import AUTOREGRESSIVE, MLX_LM, REDRAFTER, Method, Record
-from redrafter_mlx.decode import BeamShape
+from redrafter_mlx.cli import bench
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, MLX_LM, REDRAFTER, Method, Record
 
 CONFIGS = ((2, 1), (3, 2), (4, 0), (4, 1), (4, 2), (4, 3), (5, 2), (5, 4), (6, 5))  # (L, k)
 

@@ -20,14 +20,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.decode import CPU_TREE_SIZES
-from redrafter_mlx.drafter import load_drafter
-from redrafter_mlx.embedded import default_drafter_path, default_model_path
-from redrafter_mlx.eval_drafter import beams_everywhere
-from redrafter_mlx.load import load_target
-from redrafter_mlx.tree import pack_beams, prune, verified_size
+from redrafter_mlx.backend.plan import CPU_PLAN
+from redrafter_mlx.core.drafter import load_drafter
+from redrafter_mlx.core.tree import pack_beams, prune, verified_size
+from redrafter_mlx.io.embedded import default_drafter_path, default_model_path
+from redrafter_mlx.io.load import load_target
+from redrafter_mlx.training.evaluate import beams_everywhere
 
 HERE = Path(__file__).resolve().parent
+CPU_TREE_SIZES = CPU_PLAN.tree_sizes  # the verify sizes the CPU backend pads trees to
 
 
 def drafted(found, t: int, length: int, floor: float, early: bool):

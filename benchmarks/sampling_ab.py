@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from redrafter_mlx import accept
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import AUTOREGRESSIVE, REDRAFTER, Method, load_prompts, measure, warm_up
-from redrafter_mlx.decode import BeamShape
+from redrafter_mlx.core import accept
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.io.prompts import load_prompts
+from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, REDRAFTER, Method, measure, warm_up
 
 METHODS = [
     Method(AUTOREGRESSIVE),

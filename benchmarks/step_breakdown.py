@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from redrafter_mlx.blas import reexec_with_blas
+from redrafter_mlx.backend.blas import reexec_with_blas
 
 if __name__ == "__main__":
     reexec_with_blas()
@@ -33,7 +33,7 @@ import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloa
 
 from redrafter_mlx import llm  # noqa: E402
 from redrafter_mlx import runtime as rt  # noqa: E402
-from redrafter_mlx.bench import environment  # noqa: E402
+from redrafter_mlx.cli.bench import environment  # noqa: E402
 
 
 def _seconds(fn) -> float:

@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import environment, forward_cost_ratio
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning.measure import environment, forward_cost_ratio
 
 
 def main() -> None:

@@ -1,3 +1,3 @@
-from redrafter_mlx.cli import main
+from redrafter_mlx.cli import entry
 
-main()
+entry()

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
-from redrafter_mlx.drafter import random_drafter
+from redrafter_mlx.core.drafter import random_drafter
 
 # The workspace's shared data folder next to the checkout (``../shared/data``).
 SHARED = Path(os.environ.get("REDRAFTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))

@@ -13,11 +13,13 @@ import pytest
 from conftest import toy_tokenizer
 from rich.console import Console
 
-from redrafter_mlx import autotune
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.autotune import Observation
-from redrafter_mlx.decode import BeamShape
-from redrafter_mlx.draft import BeamDrafter
+from redrafter_mlx.cli import autotune
+from redrafter_mlx.cli.flags import shape_overrides
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning import profiles, search
+from redrafter_mlx.tuning.search import Observation
 
 SHAPES = [BeamShape(w, n) for w in range(1, 9) for n in range(2, 7)]
 
@@ -63,7 +65,7 @@ def test_search_finds_the_optimum_under_noise(acceptance):
     hits, runs = 0, []
     for seed in range(50):
         rng = np.random.default_rng(1000 + seed)
-        result = autotune.successive_halving(
+        result = search.successive_halving(
             SHAPES, noisy_measure(acceptance, rng), num_prompts=4, seed=seed
         )
         hits += true_tps(result.best, acceptance) >= 0.95 * best
@@ -75,14 +77,14 @@ def test_search_finds_the_optimum_under_noise(acceptance):
 def test_full_grid_runs_everything_and_picks_the_median_best():
     rng = np.random.default_rng(0)
     shapes = SHAPES[:6]
-    result = autotune.full_grid(shapes, noisy_measure(0.5, rng), num_prompts=2, repetitions=2)
+    result = search.full_grid(shapes, noisy_measure(0.5, rng), num_prompts=2, repetitions=2)
     assert len(result.observations) == 6 * 2 * 2
-    assert result.best == max(shapes, key=lambda s: autotune.grid_tps(result.observations, s))
+    assert result.best == max(shapes, key=lambda s: search.grid_tps(result.observations, s))
 
 
 def test_search_with_a_single_shape():
     rng = np.random.default_rng(0)
-    result = autotune.successive_halving([BeamShape(2, 4)], noisy_measure(0.5, rng), num_prompts=2)
+    result = search.successive_halving([BeamShape(2, 4)], noisy_measure(0.5, rng), num_prompts=2)
     assert result.best == BeamShape(2, 4)
 
 
@@ -91,42 +93,42 @@ def chip(name="Apple M2 Ultra", backend="Metal", blas=None):
 
 
 def test_profile_keys_separate_what_matters():
-    base = autotune.profile_key(chip(), "m", "d", "float16", None)
-    assert base == autotune.profile_key(chip(), "m", "d", "float16", None)
+    base = profiles.profile_key(chip(), "m", "d", "float16", None)
+    assert base == profiles.profile_key(chip(), "m", "d", "float16", None)
     others = [
-        autotune.profile_key(chip("Apple M1 Max"), "m", "d", "float16", None),
-        autotune.profile_key(chip(backend="CPU"), "m", "d", "float16", None),
-        autotune.profile_key(chip("AMD EPYC", "CPU", "OpenBLAS"), "m", "d", "float16", None),
-        autotune.profile_key(chip("AMD EPYC", "CPU", "mlx built-in"), "m", "d", "float16", None),
-        autotune.profile_key(chip(), "m2", "d", "float16", None),
-        autotune.profile_key(chip(), "m", "d2", "float16", None),
-        autotune.profile_key(chip(), "m", "d", "float32", None),
-        autotune.profile_key(chip(), "m", "d", "float16", {"bits": 4, "group_size": 64}),
+        profiles.profile_key(chip("Apple M1 Max"), "m", "d", "float16", None),
+        profiles.profile_key(chip(backend="CPU"), "m", "d", "float16", None),
+        profiles.profile_key(chip("AMD EPYC", "CPU", "OpenBLAS"), "m", "d", "float16", None),
+        profiles.profile_key(chip("AMD EPYC", "CPU", "mlx built-in"), "m", "d", "float16", None),
+        profiles.profile_key(chip(), "m2", "d", "float16", None),
+        profiles.profile_key(chip(), "m", "d2", "float16", None),
+        profiles.profile_key(chip(), "m", "d", "float32", None),
+        profiles.profile_key(chip(), "m", "d", "float16", {"bits": 4, "group_size": 64}),
     ]
     assert len({base, *others}) == len(others) + 1
 
 
 def test_store_round_trip_and_atomic_write(tmp_path):
     path = tmp_path / "profiles.json"
-    autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
-    autotune.save_profile("k2", {"shape": [1, 4, 0.3], "fingerprint": "g"}, path)
-    assert autotune.find_profile("k", "f", path) == BeamShape(3, 5)  # older two-field shape
-    assert autotune.find_profile("k2", "g", path) == BeamShape(1, 4, 0.3)
-    assert autotune.find_profile("other", "f", path) is None
+    profiles.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
+    profiles.save_profile("k2", {"shape": [1, 4, 0.3], "fingerprint": "g"}, path)
+    assert profiles.find_profile("k", "f", path) == BeamShape(3, 5)  # older two-field shape
+    assert profiles.find_profile("k2", "g", path) == BeamShape(1, 4, 0.3)
+    assert profiles.find_profile("other", "f", path) is None
     assert sorted(os.listdir(tmp_path)) == ["profiles.json"]  # no temp files left
 
 
 def test_failed_write_leaves_the_previous_store(tmp_path, monkeypatch):
     path = tmp_path / "profiles.json"
-    autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
+    profiles.save_profile("k", {"shape": [3, 5], "fingerprint": "f"}, path)
     before = path.read_text()
 
     def interrupted(src, dst):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(autotune.os, "replace", interrupted)
+    monkeypatch.setattr(os, "replace", interrupted)  # what the atomic write renames with
     with pytest.raises(KeyboardInterrupt):
-        autotune.save_profile("k", {"shape": [1, 2], "fingerprint": "f"}, path)
+        profiles.save_profile("k", {"shape": [1, 2], "fingerprint": "f"}, path)
     assert path.read_text() == before
     assert sorted(os.listdir(tmp_path)) == ["profiles.json"]
 
@@ -145,21 +147,21 @@ def test_failed_write_leaves_the_previous_store(tmp_path, monkeypatch):
 def test_corrupt_store_is_ignored_with_a_warning(tmp_path, capsys, content):
     path = tmp_path / "profiles.json"
     path.write_text(content)
-    assert autotune.find_profile("k", "f", path) is None
+    assert profiles.find_profile("k", "f", path) is None
     assert "warning" in capsys.readouterr().err
-    autotune.save_profile("k", {"shape": [2, 3], "fingerprint": "f"}, path)  # replaces it
-    assert autotune.find_profile("k", "f", path) == BeamShape(2, 3)
+    profiles.save_profile("k", {"shape": [2, 3], "fingerprint": "f"}, path)  # replaces it
+    assert profiles.find_profile("k", "f", path) == BeamShape(2, 3)
 
 
 def test_stale_profile_is_ignored_with_a_warning(tmp_path, capsys):
     path = tmp_path / "profiles.json"
-    autotune.save_profile("k", {"shape": [3, 5], "fingerprint": "old"}, path)
-    assert autotune.find_profile("k", "new", path) is None
+    profiles.save_profile("k", {"shape": [3, 5], "fingerprint": "old"}, path)
+    assert profiles.find_profile("k", "new", path) is None
     assert "stale" in capsys.readouterr().err
     data = json.loads(path.read_text())
     data["version"] = 0
     path.write_text(json.dumps(data))
-    assert autotune.find_profile("k", "old", path) is None
+    assert profiles.find_profile("k", "old", path) is None
 
 
 @pytest.fixture
@@ -184,50 +186,57 @@ def shape_args(width=None, length=None, min_prob=None, search_width=None):
     )
 
 
+def resolve(args, runtime):
+    """The command's shape resolution: its flags (``args``) over the profile."""
+    return profiles.resolve_shape(
+        runtime, overrides=shape_overrides(args), sampling=getattr(args, "temp", 0) > 0
+    )
+
+
 def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
-    assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
-    key, fp = autotune.runtime_identity(runtime)
-    autotune.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
+    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
+    key, fp = profiles.runtime_identity(runtime)
+    profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     assert (tmp_path / "cache" / "profiles.json").exists()
-    assert rt.resolve_shape(shape_args(), runtime) == (BeamShape(3, 5), "autotune profile")
+    assert resolve(shape_args(), runtime) == (BeamShape(3, 5), "autotune profile")
     full = shape_args(1, 2, 0.0, 0)
-    assert rt.resolve_shape(full, runtime) == (BeamShape(1, 2), "flags")
+    assert resolve(full, runtime) == (BeamShape(1, 2), "flags")
     # each flag overrides its own field; the others stay the profile's ("default: profile")
-    assert rt.resolve_shape(shape_args(1, 2), runtime) == (
+    assert resolve(shape_args(1, 2), runtime) == (
         BeamShape(1, 2),
         "flags + autotune profile",
     )
-    assert rt.resolve_shape(shape_args(min_prob=0.3), runtime) == (
+    assert resolve(shape_args(min_prob=0.3), runtime) == (
         BeamShape(3, 5, 0.3),
         "flags + autotune profile",
     )
-    autotune.save_profile(key, {"shape": [3, 5, 0.2, 8], "fingerprint": fp})
-    assert rt.resolve_shape(shape_args(length=4), runtime) == (
+    profiles.save_profile(key, {"shape": [3, 5, 0.2, 8], "fingerprint": fp})
+    assert resolve(shape_args(length=4), runtime) == (
         BeamShape(3, 4, 0.2, 8),
         "flags + autotune profile",
     )
 
 
 def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
-    key, fp = autotune.runtime_identity(runtime)
+    key, fp = profiles.runtime_identity(runtime)
     sampled = argparse.Namespace(**vars(shape_args()), temp=0.7)
-    assert rt.resolve_shape(sampled, runtime) == (rt.DEFAULT_SHAPE, "default")
-    autotune.save_profile(key, {"shape": [3, 5, 0.3, 0], "fingerprint": fp})
-    assert rt.resolve_shape(sampled, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
-    autotune.save_profile(key + autotune.SAMPLING, {"shape": [1, 2], "fingerprint": fp})
-    assert rt.resolve_shape(sampled, runtime) == (BeamShape(1, 2), "autotune profile, sampling")
+    assert resolve(sampled, runtime) == (DEFAULT_SHAPE, "default")
+    profiles.save_profile(key, {"shape": [3, 5, 0.3, 0], "fingerprint": fp})
+    assert resolve(sampled, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
+    profiles.save_profile(key + profiles.SAMPLING, {"shape": [1, 2], "fingerprint": fp})
+    assert resolve(sampled, runtime) == (BeamShape(1, 2), "autotune profile, sampling")
     greedy = argparse.Namespace(**vars(shape_args()), temp=0.0)
-    assert rt.resolve_shape(greedy, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
+    assert resolve(greedy, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
     sampled.beam_length = 3  # a flag overrides its field of the sampling profile
-    assert rt.resolve_shape(sampled, runtime) == (
+    assert resolve(sampled, runtime) == (
         BeamShape(1, 3),
         "flags + autotune profile, sampling",
     )
 
 
 def test_shape_flags_without_a_profile_fill_in_the_default_shape(runtime):
-    d = rt.DEFAULT_SHAPE
-    assert rt.resolve_shape(shape_args(search_width=8), runtime) == (
+    d = DEFAULT_SHAPE
+    assert resolve(shape_args(search_width=8), runtime) == (
         BeamShape(d.width, d.length, d.min_prob, 8),
         "flags + default",
     )
@@ -241,22 +250,22 @@ def test_profiles_store_the_search_width_and_older_ones_still_load(tmp_path):
         ([3, 5, 0.2], BeamShape(3, 5, 0.2)),
         ([3, 5], BeamShape(3, 5)),
     ):
-        autotune.save_profile("k", {"shape": stored, "fingerprint": "f"}, path)
-        assert autotune.find_profile("k", "f", path) == shape
+        profiles.save_profile("k", {"shape": stored, "fingerprint": "f"}, path)
+        assert profiles.find_profile("k", "f", path) == shape
 
 
 def test_retrained_drafter_makes_the_profile_stale(runtime, tmp_path, capsys):
-    key, fp = autotune.runtime_identity(runtime)
-    autotune.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
+    key, fp = profiles.runtime_identity(runtime)
+    profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     (tmp_path / "drafter" / "model.safetensors").write_bytes(b"retrained weights")
-    assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
+    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
     assert "stale" in capsys.readouterr().err
 
 
 def test_corrupt_store_never_breaks_resolve_shape(runtime, tmp_path, capsys):
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "profiles.json").write_bytes(b"\xff\x00garbage")
-    assert rt.resolve_shape(shape_args(), runtime) == (rt.DEFAULT_SHAPE, "default")
+    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
     assert "warning" in capsys.readouterr().err
 
 
@@ -269,7 +278,7 @@ def test_autotune_runs_again_over_its_stored_profile(runtime, monkeypatch, capsy
     for _ in range(2):
         autotune.main(autotune.setup_arg_parser().parse_args([*flags, "--num-prompts", "1"]))
     assert capsys.readouterr().out.count("best: W=1") == 2
-    data = autotune.read_store()
+    data = profiles.read_store()
     (entry,) = data["profiles"].values()
     assert entry["max_tokens"] == 8 and entry["shape"][0] == 1
     assert all(list(row) == list(autotune.TABLE_COLUMNS) for row in entry["table"])  # printed
@@ -286,7 +295,7 @@ def test_autotune_tunes_on_a_users_prompt_file(runtime, monkeypatch, capsys, tmp
         autotune.main(parse([*flags, "--prompts", str(prompts), "--num-prompts", "3"]))
     assert f"--num-prompts must be 1..2 ({prompts})" in capsys.readouterr().err
     autotune.main(parse([*flags, "--prompts", str(prompts), "--num-prompts", "2"]))
-    (entry,) = autotune.read_store()["profiles"].values()
+    (entry,) = profiles.read_store()["profiles"].values()
     assert entry["prompts"] == str(prompts) and entry["shape"][:2] == [1, 2]
 
 
@@ -294,7 +303,7 @@ def test_show_skips_malformed_profiles(runtime, capsys):
     """``--show`` lists the readable profiles and warns about the rest, like generation does."""
     good = {"shape": [2, 3, 0.3], "method": "grid", "tokens_per_second": 9.0}
     bad = {"empty": {}, "text": "oops", "zero": {"shape": [0, 1]}}
-    autotune.write_store({"version": autotune.PROFILE_VERSION, "profiles": {"ok": good, **bad}})
+    profiles.write_store({"version": profiles.PROFILE_VERSION, "profiles": {"ok": good, **bad}})
     console = Console(file=io.StringIO(), width=200)
     autotune.show(console)
     assert "W=2 L=3 min-prob 0.3" in console.file.getvalue()
@@ -303,8 +312,18 @@ def test_show_skips_malformed_profiles(runtime, capsys):
 
 
 def test_autotune_refuses_a_store_that_is_a_folder(runtime, monkeypatch, capsys):
-    autotune.store_path().mkdir(parents=True)
+    profiles.store_path().mkdir(parents=True)
     monkeypatch.setattr(rt, "load_runtime", lambda *args, **kwargs: pytest.fail("loaded"))
     with pytest.raises(SystemExit) as e:
         autotune.main(autotune.setup_arg_parser().parse_args(["--beam-width", "1"]))
     assert e.value.code == 1 and "is a folder" in capsys.readouterr().err
+
+
+def test_a_profile_wider_than_the_draft_vocabulary_is_ignored_with_a_warning(runtime, capsys):
+    """Like every other bad profile it warns and falls back (generate used to exit)."""
+    key, fp = profiles.runtime_identity(runtime)
+    vocab = runtime.drafter.drafter.args.draft_vocab
+    profiles.save_profile(key, {"shape": [vocab + 1, 3], "fingerprint": fp})
+    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
+    assert f"{vocab + 1} beams exceed the drafter's vocabulary" in capsys.readouterr().err
+    assert resolve(shape_args(width=2), runtime) == (BeamShape(2, 2), "flags + default")

@@ -10,12 +10,13 @@ from collections import Counter
 import pytest
 from conftest import toy_tokenizer
 
-from redrafter_mlx import bench
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.bench import BenchConfig, Method, Record, Run
-from redrafter_mlx.decode import BeamShape
-from redrafter_mlx.draft import BeamDrafter
-from redrafter_mlx.runtime import Runtime
+from redrafter_mlx.cli import bench
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape
+from redrafter_mlx.io.prompts import load_prompts
+from redrafter_mlx.io.runtime import Runtime
+from redrafter_mlx.tuning import measure
+from redrafter_mlx.tuning.measure import BenchConfig, Method, Record, Run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -40,7 +41,7 @@ def result(runtime):
         max_tokens=12,
         repetitions=2,
     )
-    return bench.run_bench(runtime, cfg)
+    return measure.run_bench(runtime, cfg)
 
 
 def test_result_fields(result):
@@ -115,10 +116,10 @@ def test_stock_mlx_lm_baseline_when_the_kernel_is_loaded(runtime, monkeypatch):
         switched_off.append(True)
         yield
 
-    monkeypatch.setattr(bench, "smallrows_loaded", lambda: True)
-    monkeypatch.setattr(bench, "smallrows_off", off)
+    monkeypatch.setattr(measure, "smallrows_loaded", lambda: True)
+    monkeypatch.setattr(measure, "smallrows_off", off)
     cfg = BenchConfig([BeamShape(1, 2)], [["w5 w6 w7"]], max_tokens=8, repetitions=2)
-    result = bench.run_bench(runtime, cfg)
+    result = measure.run_bench(runtime, cfg)
     rows = {r["method"]: r for r in result["results"]}
     assert list(rows) == ["mlx-lm", "mlx-lm-stock", "autoregressive", "W1L2"]
     assert rows["mlx-lm-stock"]["runs"] == 2 and rows["mlx-lm-stock"]["exact"] is True
@@ -131,9 +132,9 @@ def test_stock_mlx_lm_baseline_when_the_kernel_is_loaded(runtime, monkeypatch):
 
 def test_greedy_runs_match_across_methods(runtime):
     prompt = runtime.tokenizer.encode("w5 w6 w7")
-    ar = bench.measure(runtime, Method("autoregressive"), prompt, max_tokens=16)
-    rd = bench.measure(runtime, Method("redrafter", BeamShape(3, 4)), prompt, max_tokens=16)
-    ref = bench.measure(runtime, Method("mlx-lm"), prompt, max_tokens=16)
+    ar = measure.measure(runtime, Method("autoregressive"), prompt, max_tokens=16)
+    rd = measure.measure(runtime, Method("redrafter", BeamShape(3, 4)), prompt, max_tokens=16)
+    ref = measure.measure(runtime, Method("mlx-lm"), prompt, max_tokens=16)
     assert rd.tokens == ar.tokens
     assert len(ref.tokens) == len(ar.tokens)
     assert sum(rd.accept_histogram.values()) == rd.steps
@@ -155,7 +156,7 @@ def test_draft_cost_times_the_shapes_own_search(runtime):
         return runtime.drafter(context, pending, **options)
 
     shape = BeamShape(2, 3, min_prob=0.3, search_width=8)
-    assert bench.draft_cost_ratio(replace(runtime, drafter=drafter), shape, repetitions=1) > 0
+    assert measure.draft_cost_ratio(replace(runtime, drafter=drafter), shape, repetitions=1) > 0
     assert calls == 2 * [{"width": 2, "length": 3, "min_prob": 0.0, "search_width": 8}]
 
 
@@ -163,15 +164,17 @@ def test_per_phase_runs_sample_like_the_measured_runs(runtime, monkeypatch):
     """With --temp the per-phase timed runs sample too, reseeded per prompt as the measured
     runs are (they used to run greedy)."""
     seen = []
-    measure = bench.measure
+    real = measure.measure
 
     def spy(*args, **kwargs):
         seen.append((kwargs["temp"], kwargs["seed"], kwargs["timing"]))
-        return measure(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "measure", spy)
-    methods = [Method(bench.AUTOREGRESSIVE), Method(bench.REDRAFTER, BeamShape(2, 3))]
-    phases = bench.timed_runs(runtime, methods, [[5, 6, 7], [8, 9]], max_tokens=6, temp=0.7, seed=3)
+    monkeypatch.setattr(measure, "measure", spy)
+    methods = [Method(measure.AUTOREGRESSIVE), Method(measure.REDRAFTER, BeamShape(2, 3))]
+    phases = measure.timed_runs(
+        runtime, methods, [[5, 6, 7], [8, 9]], max_tokens=6, temp=0.7, seed=3
+    )
     assert seen == [(0.7, 3, True), (0.7, 4, True)]
     assert set(phases) == {"W2L3"} and sum(phases["W2L3"].values()) > 0
 
@@ -179,14 +182,14 @@ def test_per_phase_runs_sample_like_the_measured_runs(runtime, monkeypatch):
 def test_speedups_ratio_of_medians_and_median_of_ratios():
     records = [record("a", c, t) for c, t in enumerate([10, 20, 30])]
     records += [record("b", c, t) for c, t in enumerate([5, 20, 10])]
-    sp = bench.speedups(records, "a", "b")
+    sp = measure.speedups(records, "a", "b")
     assert sp["ratio_of_medians"] == pytest.approx(20 / 10)
     assert sp["median_of_ratios"] == pytest.approx(2.0)  # ratios 2, 1, 3
 
 
 def test_uniform_tokens_per_second():
     events = [(0.0, [7], ""), (1.0, [1, 2, 3], ""), (2.0, [4], "")]
-    tps, latencies = bench._tps_and_latencies(events)
+    tps, latencies = measure._tps_and_latencies(events)
     assert tps == pytest.approx(4 / 2.0)
     assert latencies == pytest.approx([1 / 3] * 3 + [1.0])
 
@@ -194,15 +197,15 @@ def test_uniform_tokens_per_second():
 def test_load_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hello"}\n\n{"turns": ["a", "b", "c"]}\n')
-    assert bench.load_prompts(path, None, 2) == [["hello"], ["a", "b"]]
-    assert bench.load_prompts(path, 1, 1) == [["hello"]]
+    assert load_prompts(path, None, 2) == [["hello"], ["a", "b"]]
+    assert load_prompts(path, 1, 1) == [["hello"]]
     path.write_text('{"question": 1}\n')
     with pytest.raises(ValueError, match="p.jsonl:1"):
-        bench.load_prompts(path, None, 1)
+        load_prompts(path, None, 1)
 
 
 def test_mt_bench_is_the_default():
-    convs = bench.load_prompts(None, 3, 2)
+    convs = load_prompts(None, 3, 2)
     assert len(convs) == 3 and all(len(c) == 2 for c in convs)
 
 
@@ -228,10 +231,10 @@ def test_grid_flags(runtime):
     with pytest.raises(SystemExit):  # a floor outside [0, 1)
         bench.shapes_from_args(bench.setup_arg_parser().parse_args(["--min-prob", "1"]), runtime)
     default = bench.shapes_from_args(bench.setup_arg_parser().parse_args([]), runtime)
-    assert rt.DEFAULT_SHAPE in default and len(set(default)) == len(default)
+    assert DEFAULT_SHAPE in default and len(set(default)) == len(default)
 
 
 def test_rotation_interleaves():
     methods = [Method("a"), Method("b"), Method("c")]
-    firsts = Counter(bench.rotated(methods, rep)[0].kind for rep in range(3))
+    firsts = Counter(measure.rotated(methods, rep)[0].kind for rep in range(3))
     assert firsts == Counter("abc")

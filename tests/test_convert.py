@@ -24,9 +24,11 @@ from conftest import shared_data
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from redrafter_mlx import convert as conv
-from redrafter_mlx.convert import ConversionError, convert_drafter, convert_gguf, convert_hf
-from redrafter_mlx.load import LoadError, load_target, target_dims
+from redrafter_mlx.cli import convert as convert_cli
+from redrafter_mlx.core.llm import target_dims
+from redrafter_mlx.io import convert as conv
+from redrafter_mlx.io.convert import ConversionError, convert_drafter, convert_gguf, convert_hf
+from redrafter_mlx.io.load import LoadError, load_target
 
 
 @pytest.fixture(scope="module")
@@ -438,7 +440,7 @@ def test_reference_drafter_converts(tmp_path, convert_tiny_mlx, prefix):
     np.testing.assert_array_equal(
         np.array(got["lm_head.2.weight"]), np.array(tensors[f"{prefix}.2.weight"])
     )
-    from redrafter_mlx.drafter import load_drafter
+    from redrafter_mlx.core.drafter import load_drafter
 
     load_drafter(out)
 
@@ -544,16 +546,16 @@ def test_drafter_bad_shape(tmp_path):
 
 
 def test_cli_error_exit(tmp_path, capsys):
-    args = conv.setup_arg_parser().parse_args(
+    args = convert_cli.setup_arg_parser().parse_args(
         ["--src", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]
     )
     with pytest.raises(SystemExit) as e:
-        conv.main(args)
+        convert_cli.main(args)
     assert e.value.code == 1
     lines = capsys.readouterr().err.splitlines()  # a CPU-backend note may come first
     assert lines[-1].startswith("error: ")
     assert all(x.startswith(("note: ", "error: ")) for x in lines)
-    assert "examples:" in conv.setup_arg_parser().format_help()
+    assert "examples:" in convert_cli.setup_arg_parser().format_help()
 
 
 def test_drafters_are_not_quantized_and_src_must_be_named(tmp_path):
@@ -607,7 +609,7 @@ def test_force_never_replaces_the_working_folder_or_a_file(convert_tiny_hf, tmp_
 
 @pytest.fixture(scope="module")
 def convert_smollm2(tmp_path_factory):
-    from redrafter_mlx.embedded import EmbeddedModelError, default_model_path
+    from redrafter_mlx.io.embedded import EmbeddedModelError, default_model_path
 
     os.environ["REDRAFTER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
@@ -643,7 +645,7 @@ def test_smollm2_answers_paris(convert_smollm2):
 def test_smollm2_keeps_4bit(tmp_path):
     from mlx_lm import generate
 
-    from redrafter_mlx.embedded import EmbeddedModelError, embedded_gguf
+    from redrafter_mlx.io.embedded import EmbeddedModelError, embedded_gguf
 
     try:
         gguf = embedded_gguf()
@@ -661,7 +663,7 @@ def test_smollm2_keeps_4bit(tmp_path):
 
 
 def test_a_drafter_that_does_not_match_its_config_or_is_a_file_is_named(tmp_path):
-    from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+    from redrafter_mlx.core.drafter import DrafterError, load_drafter, random_drafter, save_drafter
 
     save_drafter(random_drafter(64, 64, num_draft_layers=2), tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -687,7 +689,7 @@ def test_a_drafter_that_does_not_match_its_config_or_is_a_file_is_named(tmp_path
 )
 def test_a_hand_edited_drafter_config_is_a_one_line_error(tmp_path, edit, message):
     """Wrong types in a drafter's config.json used to reach MLX (a traceback)."""
-    from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+    from redrafter_mlx.core.drafter import DrafterError, load_drafter, random_drafter, save_drafter
 
     save_drafter(random_drafter(64, 64), tmp_path / "d")
     path = tmp_path / "d" / "config.json"
@@ -697,7 +699,7 @@ def test_a_hand_edited_drafter_config_is_a_one_line_error(tmp_path, edit, messag
 
 
 def test_a_truncated_drafter_weights_file_is_called_corrupt(tmp_path):
-    from redrafter_mlx.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+    from redrafter_mlx.core.drafter import DrafterError, load_drafter, random_drafter, save_drafter
 
     save_drafter(random_drafter(64, 64), tmp_path / "d")
     weights = tmp_path / "d" / "model.safetensors"
@@ -711,10 +713,10 @@ def test_convert_notes_a_missing_tokenizer_and_spares_drafters_the_dtype_note(
 ):
     """A model converted without tokenizer files cannot generate: say so at convert time. A
     drafter (float32 by default) gets no notes about float16 on the CPU."""
-    run = conv.setup_arg_parser().parse_args
-    conv.main(run(["--src", str(convert_tiny_hf), "--out", str(tmp_path / "m")]))
+    run = convert_cli.setup_arg_parser().parse_args
+    convert_cli.main(run(["--src", str(convert_tiny_hf), "--out", str(tmp_path / "m")]))
     err = capsys.readouterr().err
     assert "has no tokenizer.json or tokenizer.model" in err
     src = write_drafter(tmp_path / "ref", drafter_tensors(8, 7, 24, 2))
-    conv.main(run(["--src", str(src), "--out", str(tmp_path / "d")]))
+    convert_cli.main(run(["--src", str(src), "--out", str(tmp_path / "d")]))
     assert "note:" not in capsys.readouterr().err

@@ -13,12 +13,17 @@ from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 from scipy.stats import chisquare
 
-from redrafter_mlx import decode, llm
-from redrafter_mlx.accept import choose, greedy
-from redrafter_mlx.accept import make_sampler as our_sampler
-from redrafter_mlx.decode import BeamShape, Decoder
-from redrafter_mlx.draft import BeamDrafter, beam_search, select_paths
-from redrafter_mlx.drafter import random_drafter
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.core import decode, llm
+from redrafter_mlx.core.accept import choose, greedy
+from redrafter_mlx.core.accept import make_sampler as our_sampler
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.draft import BeamDrafter, beam_search, select_paths
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.shape import BeamShape, verified_sizes
+from redrafter_mlx.core.tree import verified_size
 
 GREEDY = greedy  # the fast path: argmax of raw logits
 PROMPT = [5, 17, 33, 2, 41]
@@ -50,12 +55,12 @@ def speculative(
     width,
     length,
     sampler=GREEDY,
-    tree_sizes=(),
+    plan=GENERIC_PLAN,
     min_prob=0.0,
     search_width=0,
 ):
     shape = BeamShape(width, length, min_prob, search_width)
-    decoder = Decoder(model, sampler, drafter, shape, tree_sizes=tree_sizes)
+    decoder = Decoder(model, sampler, drafter, shape, plan=plan)
     return take(decoder.speculative(decoder.new_cache(), prompt), n)
 
 
@@ -69,13 +74,14 @@ def beam_drafter(target, drafter):
     width=st.integers(1, 16),
     length=st.integers(2, 6),
     seed=st.integers(0, 3),
-    sizes=st.sampled_from([(), PADDED, decode.CPU_TREE_SIZES]),
+    plan=st.sampled_from([GENERIC_PLAN, Plan(tree_sizes=PADDED), CPU_PLAN]),
     min_prob=st.sampled_from([0.0, 0.0, 1e-4, 0.01, 0.3]),
     search_width=st.sampled_from([0, 0, 8, 24]),
 )
 def test_greedy_equals_autoregressive(
-    target, beam_drafter, width, length, seed, sizes, min_prob, search_width
+    target, beam_drafter, width, length, seed, plan, min_prob, search_width
 ):
+    """On the generic plan (what Metal and CUDA run), with padded trees and on the CPU plan."""
     prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=6)]
     expected = autoregressive(target, prompt, 48)
     got = speculative(
@@ -85,7 +91,7 @@ def test_greedy_equals_autoregressive(
         48,
         width,
         length,
-        tree_sizes=sizes,
+        plan=plan,
         min_prob=min_prob,
         search_width=search_width,
     )[0]
@@ -138,12 +144,12 @@ class OracleDrafter:
 
 
 @pytest.mark.parametrize("width,length", [(1, 2), (3, 4), (5, 6), (16, 5)])
-@pytest.mark.parametrize("sizes", [(), PADDED])
-def test_oracle_drafter_gets_full_beams(target, width, length, sizes):
+@pytest.mark.parametrize("plan", [GENERIC_PLAN, Plan(tree_sizes=PADDED)])
+def test_oracle_drafter_gets_full_beams(target, width, length, plan):
     expected = autoregressive(target, PROMPT, 200)
     oracle = OracleDrafter(expected, target.args.vocab_size)
     n = 1 + 10 * length
-    got, steps = speculative(target, oracle, PROMPT, n, width, length, tree_sizes=sizes)
+    got, steps = speculative(target, oracle, PROMPT, n, width, length, plan=plan)
     assert got == expected[:n]
     assert steps == 10  # every step emitted L tokens
 
@@ -168,7 +174,7 @@ def test_near_the_context_end_redrafter_stops_where_plain_decoding_does(
         decoder = Decoder(target, GREEDY, beam_drafter, shape, limit)
         cache, out = decoder.new_cache(), []
         steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, PROMPT)
-        with pytest.raises(decode.ContextFull):
+        with pytest.raises(ContextFull):
             for step in steps:
                 out += step.tokens
         answers.append((out, cache.offset))
@@ -394,7 +400,7 @@ def test_warm_up_traces_every_tree_size_before_the_answer(traces, shape):
     compile mid-answer runs g++ on the CPU backend, which loses Ctrl-C)."""
     model = tiny_llama(seed=11, vocab=16)  # small vocab: drafts often merge and get accepted
     drafter = BeamDrafter(random_drafter(64, 16, seed=12), model.model.embed_tokens)
-    decoder = Decoder(model, GREEDY, drafter, shape, tree_sizes=decode.CPU_TREE_SIZES)
+    decoder = Decoder(model, GREEDY, drafter, shape, plan=CPU_PLAN)
     decoder.warm_up()
     warmed = len(traces)
     sizes = set()
@@ -402,23 +408,23 @@ def test_warm_up_traces_every_tree_size_before_the_answer(traces, shape):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 16, size=5)]
         steps = decoder.speculative(decoder.new_cache(), prompt)
         for step in itertools.islice(steps, 1, 40):  # after the prefill
-            sizes.add(decode.verified_size(step.tree_size, decode.CPU_TREE_SIZES))
+            sizes.add(verified_size(step.tree_size, CPU_PLAN.tree_sizes))
     assert len(sizes) >= 2  # the answers did meet several sizes
-    assert sizes <= set(decode.verified_sizes(shape, decode.CPU_TREE_SIZES))
+    assert sizes <= set(verified_sizes(shape, CPU_PLAN.tree_sizes))
     assert warmed > 0 and len(traces) == warmed
 
 
 def test_verified_sizes_span_merged_to_disjoint_trees():
-    assert decode.verified_sizes(BeamShape(1, 4)) == [4]
-    assert decode.verified_sizes(BeamShape(3, 3)) == [3, 4, 5, 6, 7]
-    assert decode.verified_sizes(BeamShape(3, 3, 0.3)) == [1, 2, 3, 4, 5, 6, 7]
-    assert decode.verified_sizes(BeamShape(4, 5), decode.CPU_TREE_SIZES) == [5, 6, 7, 8, 16, 32]
+    assert verified_sizes(BeamShape(1, 4)) == [4]
+    assert verified_sizes(BeamShape(3, 3)) == [3, 4, 5, 6, 7]
+    assert verified_sizes(BeamShape(3, 3, 0.3)) == [1, 2, 3, 4, 5, 6, 7]
+    assert verified_sizes(BeamShape(4, 5), CPU_PLAN.tree_sizes) == [5, 6, 7, 8, 16, 32]
 
 
 def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
     """mlx-lm's samplers are compiled at import (invisible to ``traces``) and traced per row
     count: the warm-up must sample at each count an answer does, beyond 32-row trees too."""
-    from redrafter_mlx import accept as accept_module
+    from redrafter_mlx.core import accept as accept_module
 
     seen, real = [], accept_module.choose
 
@@ -437,7 +443,7 @@ def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
     for seed in range(3):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=5)]
         take(decoder.speculative(decoder.new_cache(), prompt), 24)
-    assert max(seen) > llm.COMPILED_MAX_ROWS and set(seen) <= warmed
+    assert max(seen) > decoder.plan.compiled_max_rows and set(seen) <= warmed
 
 
 def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():

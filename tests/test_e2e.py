@@ -11,14 +11,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from redrafter_mlx.accept import greedy
-from redrafter_mlx.decode import BeamShape, Decoder
-from redrafter_mlx.draft import BeamDrafter
-from redrafter_mlx.drafter import load_drafter, random_drafter
-from redrafter_mlx.embedded import default_drafter_path, default_model_path
-from redrafter_mlx.generate import stream_generate
-from redrafter_mlx.load import load_target
-from redrafter_mlx.templates import apply_chat_template
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import load_drafter, random_drafter
+from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io.embedded import default_drafter_path, default_model_path
+from redrafter_mlx.io.load import load_target
+from redrafter_mlx.io.templates import apply_chat_template
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -42,7 +43,7 @@ def chat_ids(tokenizer, text):
 def generate_tokens(model, tokenizer, ids, n, drafter=None, shape=None):
     decoder = Decoder(model, GREEDY, drafter, shape or BeamShape(1, 2))
     out = []
-    for r in stream_generate(decoder, tokenizer, ids, max_tokens=n, autoregressive=not drafter):
+    for r in stream_steps(decoder, tokenizer, ids, max_tokens=n, autoregressive=not drafter):
         out += r.tokens
     return out, r.stats
 
@@ -111,7 +112,7 @@ def test_generate_cli_json_reports_steps_syncs_and_tree_sizes(tmp_path):
     ):
         assert key in ar
     drafter = tmp_path / "drafter"
-    from redrafter_mlx.drafter import save_drafter
+    from redrafter_mlx.core.drafter import save_drafter
 
     save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), drafter)
     sd = json.loads(

@@ -1,4 +1,4 @@
-"""stream_generate: stop strings cut ReDrafter's answer exactly where they cut the baseline's."""
+"""stream_steps: stop strings cut ReDrafter's answer exactly where they cut the baseline's."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from conftest import tiny_llama, toy_tokenizer
 
-from redrafter_mlx.accept import greedy
-from redrafter_mlx.decode import BeamShape, Decoder
-from redrafter_mlx.draft import BeamDrafter
-from redrafter_mlx.drafter import random_drafter
-from redrafter_mlx.generate import stream_generate
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.shape import BeamShape
 
 PROMPT = [5, 17, 33, 2, 41]
 
@@ -46,7 +47,7 @@ class Oracle:
 
 def answer(decoder, stop_strings, autoregressive=False):
     text, tokens = "", []
-    for response in stream_generate(
+    for response in stream_steps(
         decoder,
         toy_tokenizer(),
         PROMPT,
@@ -82,3 +83,31 @@ def test_text_that_may_begin_a_stop_string_is_held_back_then_released(model, ref
     oracle = Decoder(model, greedy, Oracle(reference), BeamShape(1, 4))
     assert answer(oracle, (never,)) == full
     assert full[0] == tok.decode(full[1]) and full[3] == "length"
+
+
+@pytest.mark.parametrize("shape", [BeamShape(1, 3), BeamShape(3, 4)])
+def test_stream_generate_yields_mlx_lm_style_responses_token_by_token(model, shape):
+    """Code written against ``mlx_lm.stream_generate`` can switch: one response per token with
+    mlx-lm's fields, the same tokens and text as mlx-lm's own greedy stream, the last response
+    carrying the finish reason, and ``from_draft`` set on accepted drafted tokens."""
+    import mlx_lm
+
+    from redrafter_mlx.core.generate import stream_generate
+
+    tokenizer = toy_tokenizer()
+    theirs = list(mlx_lm.stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=24))
+    drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
+    ours = list(
+        stream_generate(Decoder(model, greedy, drafter, shape), tokenizer, PROMPT, max_tokens=24)
+    )
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)
+    assert [r.generation_tokens for r in ours] == list(range(1, 25))
+    assert ours[-1].finish_reason == theirs[-1].finish_reason == "length"
+    assert all(r.finish_reason is None for r in ours[:-1])
+    assert not ours[0].from_draft  # the prefill's token is the target's own
+    drafted = sum(r.from_draft for r in ours)
+    assert drafted == 24 - ours[-1].stats.steps - 1  # every step's last token is the target's
+    fields = {"text", "token", "logprobs", "from_draft", "prompt_tokens", "prompt_tps"}
+    fields |= {"generation_tokens", "generation_tps", "peak_memory", "finish_reason"}
+    assert fields <= set(vars(ours[0])) and ours[0].prompt_tokens == len(PROMPT)

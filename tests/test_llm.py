@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -11,9 +13,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from redrafter_mlx import llm
-from redrafter_mlx.decode import Decoder
-from redrafter_mlx.tree import pack_beams, tree_mask
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.core import llm
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.tree import pack_beams, tree_mask
 
 PREFIX = [3, 14, 15, 9, 2, 6]
 
@@ -96,24 +99,29 @@ def test_quantized_target_gets_float_cache_and_same_tokens():
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_compiled_small_forwards_equal_module_forward(monkeypatch, quantized):
-    """Decode-sized forwards run compiled layer halves, with W @ x.T projections at 2-3 rows on
-    the CPU; they must match running mlx-lm's modules directly (the prefill path)."""
+@pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
+def test_compiled_small_forwards_equal_module_forward(quantized, plan):
+    """Decode-sized forwards run compiled layer halves (on the CPU plan with W @ x.T
+    projections at 2-3 rows); they must match running mlx-lm's modules directly (the prefill
+    path)."""
     model = tiny_llama(seed=7, tie=True)
     if quantized:
         nn.quantize(model, group_size=32, bits=8)
     rng = np.random.default_rng(7)
-    default_rows = llm.COMPILED_MAX_ROWS
     for t in (1, 2, 3, 4, 9):
         tokens = [int(x) for x in rng.integers(0, 64, size=len(PREFIX) + t)]
         results = []
-        for max_rows in (default_rows, 0):  # 0: every forward runs the modules
-            monkeypatch.setattr(llm, "COMPILED_MAX_ROWS", max_rows)
+        for max_rows in (plan.compiled_max_rows, 0):  # 0: every forward runs the modules
             _, _, cache = _sequential(model, tokens[: len(PREFIX)])
             cache.commit(tokens[: len(PREFIX)])
             n = len(PREFIX)
             hidden = llm.forward(
-                model, mx.array(tokens[n:]), mx.arange(n, n + t), llm.chain_mask(n, t), cache
+                model,
+                mx.array(tokens[n:]),
+                mx.arange(n, n + t),
+                llm.chain_mask(n, t),
+                cache,
+                plan=replace(plan, compiled_max_rows=max_rows),
             )
             results.append((hidden, cache.keys[1][..., : n + t, :]))
         (got, got_keys), (want, want_keys) = results
@@ -134,21 +142,22 @@ LLAMA3_ROPE = {
 @pytest.mark.parametrize(
     "rope", [{}, {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, {"rope_traditional": True}]
 )
-def test_rope_tables_rotate_as_the_layers_rope(monkeypatch, rope):
+def test_rope_tables_rotate_as_the_layers_rope(rope):
     """On the CPU a forward computes RoPE's cos/sin once for all layers (``rope_tables``); the
     result is the same as each layer running its RoPE module, bit for bit, for plain and
     llama3-scaled RoPE (traditional RoPE keeps the module)."""
     model = tiny_llama(seed=5, **rope)
-    tables = llm.rope_tables(model.model.layers[0].self_attn, mx.arange(3), mx.float32, cpu=True)
+    tables = llm.rope_tables(model.model.layers[0].self_attn, mx.arange(3), mx.float32)
     assert (tables is None) == bool(rope.get("rope_traditional"))
     for t in (1, 2, 40):  # compiled decode steps and a module-run prompt
         results = []
         for flag in (True, False):
-            monkeypatch.setattr(llm, "ROPE_TABLES", flag)
             cache = llm.make_cache(model)
             positions = mx.arange(100, 100 + t)  # after 100 (empty) cached positions
             cache.offset = 100
-            hidden = llm.forward(model, mx.arange(t) % 64, positions, llm.chain_mask(100, t), cache)
+            mask = llm.chain_mask(100, t)
+            plan = replace(CPU_PLAN, rope_tables=flag)
+            hidden = llm.forward(model, mx.arange(t) % 64, positions, mask, cache, plan=plan)
             results.append((hidden, cache.keys[0][..., 100 : 100 + t, :]))
         (got, got_keys), (want, want_keys) = results
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
@@ -167,7 +176,7 @@ def test_grouped_attention_equals_fused_kernel(t):
         None if t == 1 else mx.array(rng.random((t, 5 + t)) < 0.7) | mx.eye(t, 5 + t, 5, mx.bool_)
     )
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
-    got = llm._attention(queries, keys, values, 0.3, mask, cpu=True)
+    got = llm._attention(queries, keys, values, 0.3, mask, grouped=True)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 

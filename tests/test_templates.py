@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import shared_data
 
-from redrafter_mlx.templates import (
+from redrafter_mlx.io.templates import (
     VICUNA_SYSTEM,
     apply_chat_template,
     is_vicuna,
@@ -88,7 +88,7 @@ def test_training_masks_vicuna_answers(vicuna_tokenizer, sentencepiece_model):
     """`train` on a model without a chat template (Vicuna) reads conversations in Vicuna's
     template and learns from exactly the assistant's tokens (it used to fail in
     transformers: no chat template)."""
-    from redrafter_mlx.train import encode_conversation
+    from redrafter_mlx.training.data import encode_conversation
 
     sp = sentencepiece_model
     ids, mask = encode_conversation(vicuna_tokenizer, CONVERSATION[:2])

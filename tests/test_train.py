@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -14,9 +15,25 @@ import pytest
 from conftest import shared_data
 from mlx_lm.models import llama
 
-from redrafter_mlx import eval_drafter as E
-from redrafter_mlx import train as T
-from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.cli import train as T
+from redrafter_mlx.core.drafter import load_drafter, random_drafter
+from redrafter_mlx.core.errors import TrainError
+from redrafter_mlx.core.shape import shape_grid
+from redrafter_mlx.training import evaluate as E
+from redrafter_mlx.training import loop
+from redrafter_mlx.training.cache import Cache
+from redrafter_mlx.training.checkpoint import load_checkpoint
+from redrafter_mlx.training.data import (
+    encode_conversation,
+    every_user_turn,
+    read_conversations,
+    split_conversations,
+)
+from redrafter_mlx.training.drafter_init import grow_layers
+from redrafter_mlx.training.examples import Examples, frequent_tokens
+from redrafter_mlx.training.extract import GEN_WINDOW, prepare_cache, teacher_force
+from redrafter_mlx.training.selfdistill import greedy_batch
+from redrafter_mlx.training.trainer import WarmupCosine, build_trainer
 
 VOCAB = 64
 TINY_SHAREGPT = "sharegpt-tiny/sharegpt_tiny.json"
@@ -94,13 +111,13 @@ def test_reads_truncated_sharegpt_file(tmp_path):
     text = json.dumps([record, record], indent=2)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: len(text) * 3 // 4])  # second copy cut mid-string
-    convs = T.read_conversations(cut)
+    convs = read_conversations(cut)
     assert len(convs) == 1
     assert [m["role"] for m in convs[0][:2]] == ["user", "assistant"]
     assert convs[0][1]["content"] == record["conversations"][1]["value"]
     jsonl = tmp_path / "chats.jsonl"
     jsonl.write_text(json.dumps(record) + "\n" + json.dumps({"messages": convs[0]}) + "\n")
-    assert T.read_conversations(jsonl) == [convs[0], convs[0]]
+    assert read_conversations(jsonl) == [convs[0], convs[0]]
 
 
 def test_a_malformed_jsonl_line_is_named_and_only_a_cut_last_line_is_skipped(tmp_path):
@@ -109,9 +126,9 @@ def test_a_malformed_jsonl_line_is_named_and_only_a_cut_last_line_is_skipped(tmp
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join([chat, chat[:-5], chat]) + "\n")
     with pytest.raises(ValueError, match=r"chats.jsonl:2: not valid JSON"):
-        T.read_conversations(path)
+        read_conversations(path)
     path.write_text("\n".join([chat, chat, chat[:-5]]) + "\n\n")
-    assert len(T.read_conversations(path)) == 2
+    assert len(read_conversations(path)) == 2
 
 
 def parse(*flags: str):
@@ -142,7 +159,7 @@ def parse(*flags: str):
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, flags, message):
     (tmp_path / "FILE").write_text("")
     flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(TrainError, match=message):
         T.check_args(parse(*flags, "--cache-max-gb", "1"))
 
 
@@ -150,11 +167,11 @@ def test_a_broken_manifest_or_checkpoint_state_is_a_one_line_error(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "out"
     cache.mkdir()
     (cache / "manifest.json").write_text('{"shards": [')
-    with pytest.raises(SystemExit, match=r"manifest.json: not valid JSON"):
+    with pytest.raises(TrainError, match=r"manifest.json: not valid JSON"):
         T.check_args(parse("--extra-cache", str(cache), "--out", str(out)))
     (out / "checkpoint").mkdir(parents=True)
     (out / "checkpoint" / "state.json").write_text("[1, 2]")
-    with pytest.raises(SystemExit, match=r"state.json: not a JSON object"):
+    with pytest.raises(TrainError, match=r"state.json: not a JSON object"):
         T.check_out(parse("--out", str(out), "--resume"))
 
 
@@ -166,12 +183,12 @@ def test_train_refuses_to_overwrite_a_model_or_drafter_folder(tmp_path):
     T.check_out(parse("--out", str(out)))  # empty
     for name in ("config.json", "model.safetensors"):
         (out / name).write_text("{}")
-    with pytest.raises(SystemExit, match=r"already holds config.json, model.safetensors"):
+    with pytest.raises(TrainError, match=r"already holds config.json, model.safetensors"):
         T.check_out(parse("--out", str(out)))
     (out / "train_log.jsonl").write_text("")  # a run killed before its first checkpoint
     T.check_out(parse("--out", str(out)))
     (out / "tokenizer.json").write_text("{}")
-    with pytest.raises(SystemExit, match=r"training would overwrite it"):
+    with pytest.raises(TrainError, match=r"training would overwrite it"):
         T.check_out(parse("--out", str(out), "--resume"))
 
 
@@ -181,9 +198,9 @@ def test_gen_tokens_only_bounds_self_generation(tmp_path):
 
 def test_mask_covers_exactly_the_assistant_turns():
     tok = CharTokenizer()
-    convs = T.read_conversations(shared_data(TINY_SHAREGPT))
+    convs = read_conversations(shared_data(TINY_SHAREGPT))
     messages = convs[0][:4]
-    ids, mask = T.encode_conversation(tok, messages)
+    ids, mask = encode_conversation(tok, messages)
     assert ids == tok.apply_chat_template(messages)
     masked = [i for i, m in zip(ids, mask, strict=True) if m]
     expected = []
@@ -233,33 +250,39 @@ def trained(tmp_path_factory):
     write_conversations(root / "data.json", 140)
     model = learnable_target()
     args = T.setup_arg_parser().parse_args(trained_flags(root))
-    cache = T.prepare_cache(
-        model, CharTokenizer(), "tiny", root / "data.json", root / "cache", args
-    )
-    heldout = T.Examples.build(cache.load("heldout"), args.positions)
-    vocab = T.frequent_tokens(cache.load("train"), args.draft_vocab)
-    args.total_steps = 1
-    before = T.build_trainer(model, vocab, args).agreement(heldout)
-    best = T.train(model, cache, Path(args.out), args)
+    data, folder = root / "data.json", root / "cache"
+    cache = prepare_cache(model, CharTokenizer(), "tiny", data, folder, T.extract_options(args))
+    heldout = Examples.build(cache.load("heldout"), args.positions)
+    vocab = frequent_tokens(cache.load("train"), args.draft_vocab)
+    opts = T.train_options(args)
+    before = build_trainer(model, vocab, opts, total_steps=1).agreement(heldout)
+    best = loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
     return model, args, cache, heldout, before, best
+
+
+def planned_steps(args, cache) -> int:
+    """The steps the ``trained`` run planned: its epochs over the cached training positions."""
+    examples = Examples.build(cache.load("train", args.max_tokens), args.positions)
+    return loop.planned_steps(len(examples.starts), T.train_options(args))
 
 
 def test_heldout_agreement_rises_well_above_chance(trained):
     _, args, cache, _, before, best = trained
     assert cache.tokens("train") >= 16000 and cache.tokens("heldout") >= 2000
-    assert args.total_steps >= 200
+    total = planned_steps(args, cache)
+    assert total >= 200
     assert before["mean_agreement"] < 0.2  # untrained: about chance (1/48 .. a few %)
     assert best["mean_agreement"] > 0.8, best
     assert min(best["agreement"]) > 0.6, best
     log = [json.loads(x) for x in (Path(args.out) / "train_log.jsonl").read_text().splitlines()]
-    assert log[-1]["step"] == args.total_steps and len(log) >= 3
+    assert log[-1]["step"] == total and len(log) >= 3
 
 
 def test_saved_drafter_reproduces_predictions(trained):
     model, args, _, heldout, _, best = trained
     drafter = load_drafter(args.out, model)
     assert drafter.args.head == "own" and drafter.args.draft_vocab_size == 48
-    trainer = T.build_trainer(model, np.array(drafter.draft_vocab), args)
+    trainer = build_trainer(model, np.array(drafter.draft_vocab), T.train_options(args), 1)
     trainer.drafter = drafter
     again = trainer.agreement(heldout)
     assert again["agreement"] == best["agreement"]
@@ -267,11 +290,11 @@ def test_saved_drafter_reproduces_predictions(trained):
 
 
 def test_checkpoint_restores_weights_and_loop_state(trained):
-    model, args, _, _, _, _ = trained
+    model, args, cache, _, _, _ = trained
     ckpt = Path(args.out) / "checkpoint"
-    trainer = T.build_trainer(model, np.arange(48), args)
-    state = T.load_checkpoint(trainer, ckpt)
-    assert state["step"] == args.total_steps
+    trainer = build_trainer(model, np.arange(48), T.train_options(args), 1)
+    state = load_checkpoint(trainer, ckpt)
+    assert state["step"] == state["total_steps"] == planned_steps(args, cache)
     saved = mx.load(str(ckpt / "model.safetensors"))
     for name, value in saved.items():
         got = dict(__import__("mlx.utils").utils.tree_flatten(trainer.drafter.parameters()))[name]
@@ -282,7 +305,7 @@ def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained, tmp
     _, args, _, _, _, _ = trained
     again = T.setup_arg_parser().parse_args(trained_flags(Path(args.out).parent))  # the command
     assert again.resume is False
-    with pytest.raises(SystemExit, match="holds a finished run"):  # it ran all its steps
+    with pytest.raises(TrainError, match="holds a finished run"):  # it ran all its steps
         T.check_out(again)
     # the same run stopped one step short (killed): --resume is the way on
     again.out = str(tmp_path / "cut")
@@ -290,16 +313,16 @@ def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained, tmp
     state_file = Path(again.out) / "checkpoint" / "state.json"
     state = json.loads(state_file.read_text())
     state_file.write_text(json.dumps({**state, "step": state["step"] - 1}))
-    with pytest.raises(SystemExit, match="--resume to continue"):
+    with pytest.raises(TrainError, match="--resume to continue"):
         T.check_out(again)
     again.max_minutes = state["seconds"] / 60  # ... unless its time was up
-    with pytest.raises(SystemExit, match="holds a finished run"):
+    with pytest.raises(TrainError, match="holds a finished run"):
         T.check_out(again)
     again.out, again.max_minutes = args.out, args.max_minutes
     again.resume = True
     T.check_out(again)  # the same options: fine
     again.batch_size = 32
-    with pytest.raises(SystemExit, match=r"--batch-size 64 \(now 32\)"):
+    with pytest.raises(TrainError, match=r"--batch-size 64 \(now 32\)"):
         T.check_out(again)
 
 
@@ -317,7 +340,7 @@ def test_init_can_grow_layers_but_not_drop_them(trained):
     model, args, _, _, _, _ = trained
     smaller = argparse.Namespace(**vars(args))
     smaller.init, smaller.num_draft_layers = args.out, 1  # the trained drafter has 2
-    with pytest.raises(SystemExit, match="grow layers, not drop them"):
+    with pytest.raises(TrainError, match="grow layers, not drop them"):
         T.check_init(smaller)
     smaller.num_draft_layers = 3
     T.check_init(smaller)
@@ -325,10 +348,9 @@ def test_init_can_grow_layers_but_not_drop_them(trained):
 
 def test_a_run_that_would_train_nothing_is_refused(trained, tmp_path):
     model, args, cache, _, _, _ = trained
-    huge = argparse.Namespace(**vars(args))
-    huge.batch_size = 10**7
-    with pytest.raises(SystemExit, match="make no step"):
-        T.train(model, cache, tmp_path / "out", huge)
+    huge = dataclasses.replace(T.train_options(args), batch_size=10**7)
+    with pytest.raises(TrainError, match="make no step"):
+        loop.train(model, cache, tmp_path / "out", huge, run_options={})
     assert not (tmp_path / "out").exists()
 
 
@@ -337,9 +359,9 @@ def test_eval_drafter_loop_and_simulation_agree(trained):
     drafter = load_drafter(args.out, model)
     prompts = ["ab cd", "Xy 12 z", "hello"]
     tok = CharTokenizer()
-    grid = dict(max_tokens=24, search_widths=(0, 6))  # plain, and 6 beams searched
-    real = E.evaluate(model, tok, drafter, prompts, [1, 2], [3, 5], **grid)
-    sim = E.simulate_grid(model, tok, drafter, prompts, [1, 2], [3, 5], **grid)
+    grid = shape_grid([1, 2], [3, 5], search_widths=(0, 6))  # plain, and 6 beams searched
+    job = E.Evaluation(model, tok, drafter, prompts, grid, max_tokens=24)
+    real, sim = E.evaluate(job), E.simulate_grid(job)
     shapes = [(r["width"], r["length"], r["search_width"]) for r in sim]
     assert shapes == [(r["width"], r["length"], r["search_width"]) for r in real]
     assert (1, 3, 6) in shapes and (2, 5, 2) in shapes
@@ -360,13 +382,11 @@ def test_paths_cache_is_per_target_and_refuses_a_foreign_file(trained, tmp_path,
     drafter = load_drafter(args.out, model)
     decoded, real_path = [], E.greedy_path
     monkeypatch.setattr(E, "greedy_path", lambda *a, **k: decoded.append(1) or real_path(*a, **k))
-    cache = tmp_path / "new" / "paths.json"
+    cache, grid = tmp_path / "new" / "paths.json", shape_grid([1], [3])
     for target_id, fresh in (("a", 2), ("a", 0), ("b", 2)):
         before = len(decoded)
-        E.simulate_grid(
-            model, CharTokenizer(), drafter, ["ab cd", "hello"], [1], [3], max_tokens=8,
-            paths_file=cache, target_id=target_id,
-        )  # fmt: skip
+        job = E.Evaluation(model, CharTokenizer(), drafter, ["ab cd", "hello"], grid, 8)
+        E.simulate_grid(job, paths_file=cache, target_id=target_id)
         assert len(decoded) - before == fresh
     cache.write_text('{"prompt": "not a cache"}\n{"x": 1}\n')
     with pytest.raises(E.PathsCacheError, match="not a paths cache"):
@@ -376,8 +396,6 @@ def test_paths_cache_is_per_target_and_refuses_a_foreign_file(trained, tmp_path,
 def test_self_distillation_records_are_the_targets_greedy_path():
     """Batched, left-padded greedy answers carry the same hidden states and next tokens as
     teacher forcing the finished sequence alone, and every answer token is the target's argmax."""
-    from redrafter_mlx.selfdistill import greedy_batch
-
     model = learnable_target(3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 11, 2, 8)]
@@ -387,7 +405,7 @@ def test_self_distillation_records_are_the_targets_greedy_path():
         n = len(prompt)
         assert rec["tokens"][:n].tolist() == prompt and not rec["mask"][:n].any()
         assert rec["mask"][n:].all() and 1 <= len(rec["tokens"]) - n <= 19
-        alone = T.teacher_force(model, rec["tokens"].tolist(), topk=0)
+        alone = teacher_force(model, rec["tokens"].tolist(), topk=0)
         np.testing.assert_allclose(rec["hidden"], alone["hidden"], atol=2e-2)
         assert rec["argmax"][n - 1 :].tolist() == alone["argmax"][n - 1 :].tolist()
         assert rec["tokens"][n:].tolist() == alone["argmax"][n - 1 : -1].tolist()
@@ -402,13 +420,12 @@ def test_self_source_fills_and_resumes_the_cache(tmp_path):
             ["--source", "self", "--gen-tokens", "16", "--gen-batch", "6", "--heldout", "4"]
             + ["--heldout-tokens", "50", "--max-tokens", str(budget), "--quiet"]
         )
-        return T.prepare_cache(
-            model, CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c", args
-        )
+        data, folder = tmp_path / "data.json", tmp_path / "c"
+        return prepare_cache(model, CharTokenizer(), "tiny", data, folder, T.extract_options(args))
 
     first = fill(300)
     assert first.manifest["identity"]["source"] == "self"
-    window = T.GEN_WINDOW * 6
+    window = GEN_WINDOW * 6
     assert first.manifest["next"]["train"] % window == 0 and first.tokens("train") >= 300
     again = fill(1500)
     assert again.tokens("train") >= 1500
@@ -426,10 +443,10 @@ def test_second_writer_is_refused(tmp_path):
     """Two processes extracting into one cache would overwrite each other's shards."""
     import fcntl
 
-    cache = T.Cache.open(tmp_path / "c", {"model": "x"})
+    cache = Cache.open(tmp_path / "c", {"model": "x"})
     with open(tmp_path / "c" / "extract.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer (flock is per open file)
-        with pytest.raises(SystemExit, match="another process"), cache.writing():
+        with pytest.raises(TrainError, match="another process"), cache.writing():
             pass
     with cache.writing():  # free again
         pass
@@ -437,12 +454,10 @@ def test_second_writer_is_refused(tmp_path):
 
 @pytest.mark.parametrize("head,layers", [("target", 0), ("own", 2)])
 def test_grown_drafter_predicts_what_it_grew_from(head, layers):
-    from redrafter_mlx.drafter import random_drafter
-
     model = learnable_target()
     small = random_drafter(64, VOCAB, seed=2, head=head, num_draft_layers=layers)
     small.bind_target(model)
-    grown = T.grow_layers(small, layers + 1, model)
+    grown = grow_layers(small, layers + 1, model)
     assert grown.args.num_draft_layers == layers + 1 and len(grown.lm_head) == layers + 2
     context, state = mx.random.normal((5, 64)), mx.random.normal((5, 64))
     assert mx.allclose(grown.logits(context, state), small.logits(context, state), atol=1e-5)
@@ -450,21 +465,21 @@ def test_grown_drafter_predicts_what_it_grew_from(head, layers):
 
 def test_self_prompts_all_answers_every_training_user_turn_once(tmp_path):
     write_conversations(tmp_path / "data.json", 20)
-    convs = T.read_conversations(tmp_path / "data.json")
-    heldout, training = T.split_conversations(convs, 0, 2)
-    turns = T.every_user_turn(training + training, heldout)  # a repeat adds no prompt
+    convs = read_conversations(tmp_path / "data.json")
+    heldout, training = split_conversations(convs, 0, 2)
+    turns = every_user_turn(training + training, heldout)  # a repeat adds no prompt
     assert [t[0]["content"] for t in turns] == list(
         dict.fromkeys(m["content"] for c in training for m in c if m["role"] == "user")
     )
     shared = training[0][0]["content"]  # a turn a held-out conversation has too is left out
-    assert shared not in {t[0]["content"] for t in T.every_user_turn(training, training[:1])}
+    assert shared not in {t[0]["content"] for t in every_user_turn(training, training[:1])}
     args = T.setup_arg_parser().parse_args(
         ["--source", "self", "--self-prompts", "all", "--gen-tokens", "8", "--gen-batch", "8"]
         + ["--heldout", "2", "--heldout-tokens", "20", "--max-tokens", "100000", "--quiet"]
     )
-    cache = T.prepare_cache(
-        learnable_target(), CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c", args
-    )
+    data, folder = tmp_path / "data.json", tmp_path / "c"
+    opts = T.extract_options(args)
+    cache = prepare_cache(learnable_target(), CharTokenizer(), "tiny", data, folder, opts)
     assert cache.manifest["identity"]["self_prompts"] == "all"
     data = cache.load("train")
     tok = CharTokenizer()
@@ -477,23 +492,21 @@ def test_self_prompts_all_answers_every_training_user_turn_once(tmp_path):
 
 
 def test_schedule_warms_up_decays_and_fits_the_time_limit():
-    sched = T.WarmupCosine(1e-3, 1000)
+    sched = WarmupCosine(1e-3, 1000)
     lr = {s: sched(mx.array(s)).item() for s in (0, 50, 100, 550, 1000, 5000)}
     assert lr[0] == pytest.approx(1e-5) and lr[100] == pytest.approx(1e-3)
     assert lr[0] < lr[50] < lr[100] > lr[550] > lr[1000]
     assert lr[1000] == pytest.approx(5e-5) and lr[5000] == pytest.approx(5e-5)
-    trainer = T.Trainer(None, None, None, None, None, sched, None)
-    args = T.setup_arg_parser().parse_args(["--max-minutes", "1"])
-    args.total_steps = 1000
-    T.fit_to_time(trainer, 50, 10.0, 50, args)  # 5 steps/s, 50 s left -> 237 more
-    assert args.total_steps == sched.total == 50 + int(50 * 5 * T.TIME_MARGIN)
-    T.fit_to_time(trainer, 50, 1.0, 50, args, before=9.0)  # faster now: never lengthened
-    assert args.total_steps == sched.total == 287
+    fit = dict(steps=50, max_minutes=1)
+    total = loop.fit_to_time(1000, seconds=10.0, step=50, **fit)  # 5 steps/s, 50 s left
+    assert total == 50 + int(50 * 5 * loop.TIME_MARGIN) == 287  # 237 more
+    sched.total = total
+    # faster now: never lengthened
+    assert loop.fit_to_time(total, seconds=1.0, step=50, before=9.0, **fit) == 287
     assert sched(mx.array(287)).item() == pytest.approx(5e-5)
     # resumed after 40 s of the minute: 5 steps/s in this process, 10 s left -> 47 more steps
-    args.total_steps = sched.total = 1000
-    T.fit_to_time(trainer, 50, 10.0, 100, args, before=40.0)
-    assert args.total_steps == 100 + int(10 * 5 * T.TIME_MARGIN)
+    total = loop.fit_to_time(1000, seconds=10.0, step=100, before=40.0, **fit)
+    assert total == 100 + int(10 * 5 * loop.TIME_MARGIN)
 
 
 def test_a_held_out_split_without_tokens_stops_before_the_training_split(tmp_path):
@@ -504,9 +517,10 @@ def test_a_held_out_split_without_tokens_stops_before_the_training_split(tmp_pat
         ["--source", "self", "--gen-tokens", "16", "--max-seq-len", "20", "--heldout", "4"]
         + ["--heldout-tokens", "50", "--max-tokens", "300", "--quiet"]
     )
-    with pytest.raises(SystemExit, match="held-out conversations gave no tokens"):
+    with pytest.raises(TrainError, match="held-out conversations gave no tokens"):
         data, cache = tmp_path / "data.json", tmp_path / "c"
-        T.prepare_cache(learnable_target(), CharTokenizer(), "tiny", data, cache, args)
+        opts = T.extract_options(args)
+        prepare_cache(learnable_target(), CharTokenizer(), "tiny", data, cache, opts)
     assert not list((tmp_path / "c").glob("train-*.npz"))  # no training split generated
 
 
@@ -522,9 +536,9 @@ def test_skip_prompts_leaves_out_the_first_training_prompts_only(tmp_path):
             + ["--heldout", "2", "--heldout-tokens", "20", "--max-tokens", "100000", "--quiet"]
             + ["--skip-prompts", str(skip)]
         )
-        cache = T.prepare_cache(
-            learnable_target(), tok, "tiny", tmp_path / "data.json", tmp_path / f"c{skip}", args
-        )
+        data, folder = tmp_path / "data.json", tmp_path / f"c{skip}"
+        opts = T.extract_options(args)
+        cache = prepare_cache(learnable_target(), tok, "tiny", data, folder, opts)
         out = {}
         for split in ("heldout", "train"):
             data = cache.load(split)
@@ -534,11 +548,11 @@ def test_skip_prompts_leaves_out_the_first_training_prompts_only(tmp_path):
             }
         return out
 
-    convs = T.read_conversations(tmp_path / "data.json")
-    heldout, training = T.split_conversations(convs, 0, 2)
+    convs = read_conversations(tmp_path / "data.json")
+    heldout, training = split_conversations(convs, 0, 2)
     turns = [
         tuple(tok.apply_chat_template([t[0]], add_generation_prompt=True))
-        for t in T.every_user_turn(training, heldout)
+        for t in every_user_turn(training, heldout)
     ]
     every, skipped = recorded(0), recorded(10)
     assert every["train"] == set(turns) and skipped["train"] == set(turns[10:])

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from redrafter_mlx.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
+from redrafter_mlx.core.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
 
 
 def test_worked_example():

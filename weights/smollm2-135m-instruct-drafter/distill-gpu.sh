@@ -41,7 +41,7 @@ rc=$?
 [ $rc -eq 0 ] || [ $rc -eq 124 ] || { stamp "generation failed ($rc)"; exit $rc; }
 [ -f "$work/cache/manifest.json" ] || { stamp "no shard finished in ${gen_seconds}s"; exit 1; }
 cp "$work/cache/manifest.json" "$out/manifest.json"
-tokens=$("$python" -c "import sys; from pathlib import Path; from redrafter_mlx.train import Cache; \
+tokens=$("$python" -c "import sys; from pathlib import Path; from redrafter_mlx.training.cache import Cache; \
 print(Cache.existing(Path(sys.argv[1])).tokens('train'))" "$work/cache")
 stamp "generated $tokens training tokens"
 [ "$tokens" -gt 0 ] || { stamp "no training shard finished in ${gen_seconds}s"; exit 1; }

@@ -1,0 +1,203 @@
+"""The BLAS that MLX's Linux CPU backend multiplies with, chosen before MLX is imported.
+
+MLX calls ``cblas_sgemm`` for every float32 matmul. On Linux its wheel bundles the reference
+BLAS; two libraries preloaded ahead of it (``LD_PRELOAD``, set by :func:`preload_env` when
+``cli.main`` or a benchmark script re-executes itself, :func:`reexec_with_blas`) make decoding
+faster here (benchmarks/README.md):
+
+- Debian's OpenBLAS (``libopenblas0-pthread``), for every product;
+- ``csrc/smallrows.c``, built on first use with the system C compiler into the cache folder
+  and preloaded before OpenBLAS: it takes the products of decode steps (1-8 activation rows
+  against a weight matrix, about 2x OpenBLAS's speed on x86-64 with AVX2) and passes every other
+  product on.
+
+``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either. This module
+must not import MLX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from redrafter_mlx.core.paths import cache_dir
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+SMALLROWS_SOURCE = Path(__file__).parent / "csrc" / "smallrows.c"
+# When no BLAS is preloaded after the kernel, it finds the one to pass products on to here.
+NEXT_ENV = "REDRAFTER_SMALLROWS_NEXT"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    line = next((x for x in flags.splitlines() if x.startswith("flags")), "")
+    return {"avx2", "fma"} <= set(line.split())
+
+
+def smallrows_library() -> Path | None:
+    """The small-row kernel's shared library, built once per source version (atomically, into
+    ``<cache>/blas``); None where it cannot run (not Linux x86-64 with AVX2 + FMA, opted out,
+    no C compiler, a failed build or an unusable cache folder: those print one note)."""
+    if os.environ.get("REDRAFTER_NO_SMALLROWS") or not sys.platform.startswith("linux"):
+        return None
+    if platform.machine() != "x86_64" or not _cpu_has_avx2_fma():
+        return None
+    source = SMALLROWS_SOURCE.read_bytes()
+    path = cache_dir() / "blas" / f"smallrows-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if any(c in str(path) for c in " :"):  # LD_PRELOAD splits on both
+        return _note(f"{path.parent}: a space or ':' in the path cannot be preloaded")
+    compiler = shlex.split(os.environ.get("CC") or "") or [shutil.which("cc") or "gcc"]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [*compiler, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SMALLROWS_SOURCE)]
+        done = subprocess.run(
+            [*cmd, "-ldl", "-lpthread"], capture_output=True, text=True, timeout=60
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return _note(f"{compiler[0]} failed: {last}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        return _note(str(e))
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+_failed = False  # a build failed in this process: the re-executed one should not try again
+
+
+def _note(why: str) -> None:
+    global _failed
+    _failed = True
+    print(f"note: decode steps run without the small-row BLAS kernel ({why})", file=sys.stderr)
+    return None
+
+
+def _bundled_blas() -> str | None:
+    """The reference BLAS inside mlx's Linux wheel (``mlx_cpu.libs``), found without importing
+    MLX."""
+    spec = importlib.util.find_spec("mlx")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(root).parent.glob("mlx_cpu.libs/libblas*.so*"))
+        if found:
+            return str(found[0])
+    return None
+
+
+def preload_env(env: dict[str, str]) -> dict[str, str] | None:
+    """``env`` with ``LD_PRELOAD`` listing the kernel, then OpenBLAS, then whatever it held
+    (the first library that defines ``cblas_sgemm`` is the one MLX calls); None when that is
+    what it holds already. The kernel comes only with a BLAS to pass other products on to."""
+    if not sys.platform.startswith("linux"):
+        return None
+    current = _preload_list(env)
+    kept = current
+    if env.get("REDRAFTER_NO_SMALLROWS"):  # also when inherited from a parent that had it
+        kept = [p for p in current if "smallrows" not in Path(p).name]
+    ours = []
+    kernel = None if env.get("REDRAFTER_NO_SMALLROWS") else smallrows_library()
+    openblas = not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS)
+    bundled = None if openblas else env.get(NEXT_ENV) or _bundled_blas()
+    if kernel and (openblas or bundled):
+        ours.append(str(kernel))
+    if openblas:
+        ours.append(OPENBLAS)
+    names = {Path(p).name for p in ours}
+    wanted = ours + [p for p in kept if Path(p).name not in names]
+    next_blas = bundled if str(kernel) in wanted and not openblas else env.get(NEXT_ENV)
+    if wanted == current and next_blas == env.get(NEXT_ENV):
+        return None
+    env = dict(env, LD_PRELOAD=":".join(wanted))
+    if next_blas:
+        env[NEXT_ENV] = next_blas
+    if _failed:
+        env["REDRAFTER_NO_SMALLROWS"] = "1"  # noted once: no second build in the child
+    return env
+
+
+def reexec_with_blas() -> None:
+    """Re-execute this process (same interpreter flags and arguments, ``sys.orig_argv``) with
+    :func:`preload_env`'s libraries preloaded, unless MLX is already imported (too late) or
+    nothing is missing."""
+    if "mlx" in sys.modules:
+        return
+    env = preload_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _preload_list(env) -> list[str]:
+    """``LD_PRELOAD``'s entries (ld.so splits it on spaces and colons)."""
+    return [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+
+
+def _preloaded(marker: str) -> str | None:
+    return next((p for p in _preload_list(os.environ) if marker in Path(p).name), None)
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process runs with (Linux CPU backend); 'Accelerate' on macOS."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    base = "OpenBLAS" if _preloaded("openblas") else "mlx built-in"
+    return f"{base} + small-row kernel" if _smallrows() else base
+
+
+@functools.cache
+def _smallrows() -> ctypes.CDLL | None:
+    """The preloaded small-row kernel (the same loaded copy) when it is the ``cblas_sgemm`` the
+    process calls (preloaded before any other BLAS), or None."""
+    path = _preloaded("smallrows")
+    try:
+        lib = ctypes.CDLL(path) if path else None
+        resolved = ctypes.CDLL(None).cblas_sgemm  # the process-wide lookup MLX's calls get
+    except (OSError, AttributeError):
+        return None
+    address = ctypes.cast(resolved, ctypes.c_void_p).value
+    return lib if lib and address == ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value else None
+
+
+def smallrows_loaded() -> bool:
+    return _smallrows() is not None
+
+
+@contextmanager
+def smallrows_off():
+    """Within the block every product goes to the next BLAS (a stock baseline, same process).
+    A process-wide switch: not for use from several threads at once."""
+    lib = _smallrows()
+    previous = lib.redrafter_smallrows_enable(0) if lib else None
+    try:
+        yield
+    finally:
+        if lib:
+            lib.redrafter_smallrows_enable(previous)
+
+
+def smallrows_counts() -> tuple[int, int] | None:
+    """(products computed by the kernel, products passed on) in this process, or None."""
+    lib = _smallrows()
+    if lib is None:
+        return None
+    mine, passed = ctypes.c_long(), ctypes.c_long()
+    lib.redrafter_smallrows_counts(ctypes.byref(mine), ctypes.byref(passed))
+    return mine.value, passed.value

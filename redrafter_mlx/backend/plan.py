@@ -1,0 +1,40 @@
+"""The plan each device runs (:class:`redrafter_mlx.core.plan.Plan`): one place for what the
+CPU backend does differently; every other device runs the generic plan.
+
+``REDRAFTER_CPU_TUNING=0`` runs the generic plan on the CPU too: the code path Metal and CUDA
+execute, testable on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from redrafter_mlx.core.plan import Plan
+
+# Each choice was measured on a 2-core x86 CPU with OpenBLAS (benchmarks/README.md: "verify
+# forward", "verify cost"): 2-3-row projections cost less transposed; RoPE angles per call
+# cost ~40 us each; grouped matmuls beat SDPA's CPU fallback; evaluating every 2 layers
+# overlaps graph building; a 16-row verify costs less than a 9..15-row one.
+CPU_PLAN = Plan(
+    transposed_rows=(2, 3),
+    rope_tables=True,
+    grouped_attention=True,
+    async_layers=2,
+    tree_sizes=(*range(1, 9), 16, 32),
+)
+GENERIC_PLAN = Plan()
+
+
+def cpu_tuning_enabled() -> bool:
+    """False when ``REDRAFTER_CPU_TUNING=0`` (or ``false``/``off``) is set."""
+    return os.environ.get("REDRAFTER_CPU_TUNING", "1").strip().lower() not in ("0", "false", "off")
+
+
+def plan_for(device: mx.Device | None = None) -> Plan:
+    """The plan for ``device`` (default: where MLX runs now)."""
+    device = mx.default_device() if device is None else device
+    if device == mx.cpu and cpu_tuning_enabled():
+        return CPU_PLAN
+    return GENERIC_PLAN

@@ -1,0 +1,99 @@
+"""`redrafter-mlx <command>`: dispatch to one module per command.
+
+On Linux the CPU backend's matmul speed depends on BLAS: the console script (:func:`entry`, and
+``python -m redrafter_mlx``) re-executes the process with Debian's OpenBLAS and the small-row
+decode kernel in ``LD_PRELOAD`` when they are available and not yet preloaded
+(``backend/blas.py``; ``REDRAFTER_NO_OPENBLAS=1`` / ``REDRAFTER_NO_SMALLROWS=1`` opt out). This
+must happen before MLX is imported. :func:`main` called from Python never re-executes: in a
+notebook that would replace the kernel, from another script it would rerun that script.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+# Neither imports MLX: the re-exec must come before MLX is loaded.
+from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.core.errors import ReDrafterError
+
+COMMANDS = {
+    "generate": ("redrafter_mlx.cli.generate", "generate text (ReDrafter by default)"),
+    "chat": ("redrafter_mlx.cli.chat", "terminal chat with ReDrafter"),
+    "convert": ("redrafter_mlx.cli.convert", "convert a HF folder/hub id, .bin, GGUF or drafter"),
+    "train": ("redrafter_mlx.cli.train", "distil a drafter for a target model"),
+    "eval-drafter": ("redrafter_mlx.cli.eval_drafter", "mean tokens/step of a drafter per (W, L)"),
+    "bench": ("redrafter_mlx.cli.bench", "speed benchmark against mlx-lm"),
+    "autotune": ("redrafter_mlx.cli.autotune", "find the fastest beam shape for this chip"),
+}
+
+USAGE = """usage: redrafter-mlx <command> [options]
+
+commands:
+{commands}
+
+examples:
+  redrafter-mlx chat
+  redrafter-mlx generate --prompt "What is the capital of France?"
+  redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
+  redrafter-mlx convert --src lmsys/vicuna-7b-v1.3 --out models/vicuna-7b --dtype float16
+  redrafter-mlx bench --beam-width 1,2,3 --beam-length 3,4,5
+
+`redrafter-mlx <command> --help` shows each command's options.
+"""
+
+
+def entry() -> None:
+    """The console script: preload the fast BLAS (re-executing once), then :func:`main`."""
+    reexec_with_blas()
+    main(sys.argv[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one command, e.g. ``main(["generate", "--prompt", "Hi"])``; in this process."""
+    argv = sys.argv[1:] if argv is None else argv
+    listing = "\n".join(f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items())
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE.format(commands=listing))
+        return
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"redrafter-mlx {version('redrafter-mlx')}")
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"redrafter-mlx: unknown command {name!r}{hint}\n", file=sys.stderr)
+        print(USAGE.format(commands=listing), file=sys.stderr)
+        raise SystemExit(2)
+
+    def command() -> None:  # importing a command takes seconds: Ctrl-C may come meanwhile
+        module = importlib.import_module(COMMANDS[name][0])
+        parser = module.setup_arg_parser()
+        parser.prog = f"redrafter-mlx {name}"
+        module.main(parser.parse_args(rest))
+
+    run(command)
+
+
+def run(command: Callable[[], None]) -> None:
+    """Run a command; a library error (:class:`ReDrafterError`) becomes ``error: <its one
+    line>`` and exit status 1; Ctrl-C and a closed output pipe end it quietly (no traceback).
+    Commands that can say more about an interrupt (chat, autotune, train) catch it themselves."""
+    try:
+        command()
+    except ReDrafterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # e.g. `redrafter-mlx generate ... | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not fail again
+        raise SystemExit(1) from None

@@ -1,0 +1,239 @@
+"""`redrafter-mlx autotune`: the fastest beam shape (W, L) for this chip, model and drafter
+(:mod:`redrafter_mlx.tuning.search` searches; profiles are kept by
+:mod:`redrafter_mlx.tuning.profiles`). Sampling runs use the sampling profile, else the greedy
+one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from redrafter_mlx.cli import flags
+from redrafter_mlx.cli.flags import fail, read_prompts
+from redrafter_mlx.core.atomic import check_writable, os_error_text
+from redrafter_mlx.core.shape import shape_grid
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning.device import chip_info
+from redrafter_mlx.tuning.measure import REDRAFTER, Method, warm_up
+from redrafter_mlx.tuning.profiles import (
+    SAMPLING,
+    entry_shape,
+    read_store,
+    runtime_identity,
+    save_profile,
+    store_path,
+    warn,
+)
+from redrafter_mlx.tuning.search import (
+    DEFAULT_LENGTHS,
+    DEFAULT_WIDTHS,
+    HELDOUT_PROMPTS,
+    SearchResult,
+    full_grid,
+    heldout_prompt_ids,
+    make_measure,
+    profile_entry,
+    successive_halving,
+)
+
+EXAMPLES = """examples:
+  redrafter-mlx autotune                          # embedded SmolLM2 + its drafter
+  redrafter-mlx autotune --model models/vicuna-7b --drafter models/vicuna-7b-drafter
+  redrafter-mlx autotune --beam-width 1,2,3,4 --beam-length 3,4,5 --max-tokens 32
+  redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
+  redrafter-mlx autotune --beam-width 2,4 --beam-length 4,5 --search-width 1,8,16
+  redrafter-mlx autotune --temp 0.7                # the shape for sampled chats (--temp > 0)
+  redrafter-mlx autotune --prompts my_prompts.jsonl --num-prompts 6   # tune on your workload
+  redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
+  redrafter-mlx autotune --show                   # stored profiles
+"""
+
+
+def prompt_texts(path: str | None) -> list[str]:
+    """First user turns of a JSONL prompt file (``turns``/``prompt``/``text``, as ``bench``
+    reads), or the built-in held-out prompts; SystemExit with one line for a bad file."""
+    if path is None:
+        return list(HELDOUT_PROMPTS)
+
+    return [turns[0] for turns in read_prompts(path, None, 1)]
+
+
+TABLE_COLUMNS = {  # row key of :func:`table` -> column of the printed table
+    "beam_width": "W",
+    "beam_length": "L",
+    "min_prob": "p",
+    "search_width": "S",
+    "runs": "runs",
+    "tokens_per_step": "tok/step",
+    "mean_tree_size": "tree",
+    "measured_tps": "measured tok/s",
+    "estimated_tps": "estimated tok/s",
+}
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Find the fastest ReDrafter beam shape (W, L) on this machine.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    flags.add_model_args(parser)
+    flags.add_shape_args(
+        parser,
+        grid={
+            "beam_width": list(DEFAULT_WIDTHS),
+            "beam_length": list(DEFAULT_LENGTHS),
+            "min_prob": [0.0],
+            "search_width": [0],
+        },
+    )
+    parser.add_argument(
+        "--max-tokens", type=flags.at_least(8), default=48, help="new tokens per run"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=flags.at_least(1),
+        default=4,
+        help="prompts to cycle through (default 4; the built-in prompts are "
+        f"{len(HELDOUT_PROMPTS)})",
+    )
+    parser.add_argument(
+        "--prompts",
+        help="JSONL of your own prompts ('turns', 'prompt' or 'text'; first turns), to tune "
+        "for your workload (default: short built-in held-out prompts). Rounds take them in "
+        "file order and the first round ranks every shape on the first prompt: put a typical "
+        "one first (the best shape can depend on the context length)",
+    )
+    parser.add_argument("--full-grid", action="store_true", help="exhaustive grid instead")
+    parser.add_argument(
+        "--repetitions", type=flags.at_least(1), default=2, help="grid runs per prompt"
+    )
+    parser.add_argument(
+        "--temp",
+        type=flags.non_negative,
+        default=0.0,
+        help="tune for sampling at this temperature (0 = greedy): stored as this chip's "
+        "sampling profile, which generate and chat use when they sample",
+    )
+    parser.add_argument("--seed", type=flags.at_least(0), default=0, help="shuffling/sampling seed")
+    parser.add_argument("--no-save", action="store_true", help="do not store the profile")
+    parser.add_argument("--show", action="store_true", help="print stored profiles and exit")
+    return parser
+
+
+def show(console) -> None:
+    try:
+        data = read_store()
+    except ValueError as e:
+        warn(str(e))
+        return
+    if not data["profiles"]:
+        console.print(f"no profiles in {store_path()}")
+    for key, entry in data["profiles"].items():
+        try:
+            shape = entry_shape(entry)
+        except Exception as e:  # shown, like find_profile, never an error
+            warn(f"ignoring a malformed profile {key!r}: {e!r}")
+            continue
+        temp = f", temperature {entry['temp']:g}" if entry.get("temp") else ""
+        console.print(
+            f"[bold]{key}[/bold]\n  {shape.describe()} "
+            f"({entry.get('method')}{temp}, {entry.get('tokens_per_second')} tok/s, "
+            f"{entry.get('created')}, {entry.get('seconds')} s)"
+        )
+    console.print(f"({store_path()})")
+
+
+def run_search(
+    runtime, args: argparse.Namespace, progress, texts: Sequence[str]
+) -> tuple[SearchResult, float]:
+    """Warm up, then the search (or grid) with a progress bar; returns the result and seconds."""
+    try:
+        shapes = shape_grid(args.beam_width, args.beam_length, args.min_prob, args.search_width)
+    except ValueError as e:
+        fail(str(e))
+
+    prompts = heldout_prompt_ids(runtime, args.num_prompts, texts)
+    measure = make_measure(
+        runtime, prompts, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed
+    )
+    task = progress.add_task("warming up", total=len(shapes))
+    for shape in shapes:
+        warm_up(runtime, [Method(REDRAFTER, shape)], prompts[0], temp=args.temp)
+        progress.advance(task)
+    total = len(shapes) * len(prompts) * args.repetitions if args.full_grid else None
+    task = progress.add_task("searching", total=total)
+    tick = lambda s: progress.update(task, advance=1, description=s.label)
+    tic = time.perf_counter()
+    if args.full_grid:
+        result = full_grid(
+            shapes,
+            measure,
+            num_prompts=len(prompts),
+            repetitions=args.repetitions,
+            seed=args.seed,
+            on_run=tick,
+        )
+    else:
+        result = successive_halving(
+            shapes, measure, num_prompts=len(prompts), seed=args.seed, on_run=tick
+        )
+    return result, time.perf_counter() - tic
+
+
+@flags.reports_errors
+def main(args: argparse.Namespace) -> None:
+    console = Console(stderr=True)
+    if args.show:
+        show(Console())
+        return
+    texts = prompt_texts(args.prompts)
+    if not 1 <= args.num_prompts <= len(texts):
+        where = args.prompts or "the built-in prompts"
+        fail(f"--num-prompts must be 1..{len(texts)} ({where})")
+    if not args.no_save:
+        check_writable(store_path().parent, "profile store")  # replaced by rename
+        if store_path().is_dir():
+            fail(f"profile store {store_path()} is a folder")
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    console.print(f"chip: {chip_info()}")
+    try:
+        with Progress(console=console, transient=True) as progress:
+            result, seconds = run_search(runtime, args, progress, texts)
+    except KeyboardInterrupt:
+        console.print("interrupted: the stored profile is unchanged")
+        raise SystemExit(130) from None
+    method = "full-grid" if args.full_grid else "successive-halving"
+    entry = profile_entry(
+        runtime,
+        result,
+        method=method,
+        seconds=seconds,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        prompts=args.prompts,
+    )
+    out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
+    for key in TABLE_COLUMNS:
+        out.add_column(TABLE_COLUMNS[key], justify="right")
+    for row in entry["table"][:12]:
+        out.add_row(*(str(row[key]) for key in TABLE_COLUMNS))
+    Console().print(out)
+    if not args.no_save:
+        try:
+            save_profile(runtime_identity(runtime)[0] + (SAMPLING if args.temp else ""), entry)
+        except OSError as e:
+            fail(f"profile not saved: {os_error_text(e, str(store_path()))}")
+    Console().print(
+        f"best: {result.best.describe()} "
+        f"({'not saved' if args.no_save else f'saved to {store_path()}'})"
+    )

@@ -1,0 +1,190 @@
+"""What the commands share: flag types, one definition of each flag group (model, decoding,
+beam shape), and turning library errors into the one-line messages users see.
+
+argparse reports a bad value as "argument --flag: ..." with the usage, before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from redrafter_mlx.core.errors import ConfigError, ReDrafterError
+from redrafter_mlx.core.shape import SHAPE_FIELDS
+from redrafter_mlx.io.prompts import MT_BENCH, load_prompts
+
+SHAPE_FLAGS = ("beam_width", "beam_length", "min_prob", "search_width")  # SHAPE_FIELDS' flags
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An int flag type that refuses values below ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def non_negative(text: str) -> float:
+    """A finite float >= 0 (temperatures, floors, minutes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A float in [0, 1]."""
+    value = non_negative(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _list_of(item: Callable[[str], float]) -> Callable[[str], list]:
+    """A comma-separated list flag whose items are checked by ``item`` (one of the types above)."""
+
+    def parse(text: str) -> list:
+        values = [item(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return values
+
+    return parse
+
+
+def floor(text: str) -> float:
+    """A path-probability floor: 0 <= p < 1 (0: whole trees)."""
+    value = probability(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1 (0 = whole trees), got {text}")
+    return value
+
+
+widths, lengths, floors = _list_of(at_least(1)), _list_of(at_least(2)), _list_of(floor)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="MLX model folder or hub id (default: embedded SmolLM2-135M)"
+    )
+    parser.add_argument(
+        "--drafter", help="drafter folder (default: the shipped drafter of the embedded model)"
+    )
+
+
+def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
+    parser.add_argument(
+        "--max-tokens", type=at_least(1), default=max_tokens, help="new tokens at most"
+    )
+    parser.add_argument("--temp", type=non_negative, default=0.0, help="temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=probability, default=0.0, help="nucleus sampling (0 = off)")
+    parser.add_argument("--top-k", type=at_least(0), default=0, help="top-k sampling (0 = off)")
+    parser.add_argument("--seed", type=at_least(0), default=None, help="random seed for sampling")
+
+
+SHAPE_HELP = {
+    "beam_width": "beams W",
+    "beam_length": "tokens per beam L (column 0 is the pending token)",
+    "min_prob": "verify only draft tokens whose drafter path probability is at least this "
+    "(0 = the whole tree)",
+    "search_width": "search with S beams, verify the W of them with the most expected "
+    "accepted tokens (S <= W: plain beam search)",
+}
+SHAPE_EXAMPLES = {
+    "beam_width": "1,2,4",
+    "beam_length": "3,4,5",
+    "min_prob": "0,0.3",
+    "search_width": "1,16",
+}
+SHAPE_TYPES = {
+    "beam_width": at_least(1),
+    "beam_length": at_least(2),
+    "min_prob": floor,
+    "search_width": at_least(1),
+}
+
+
+def add_shape_args(parser: argparse.ArgumentParser, *, grid: dict | None = None) -> None:
+    """``--beam-width``, ``--beam-length``, ``--min-prob``, ``--search-width``: one value each
+    (default: the autotune profile), or with ``grid`` comma-separated lists of the flags that
+    ``grid`` names, with the defaults it gives (None: not searched unless given)."""
+    for name, kind in SHAPE_TYPES.items():
+        if grid is not None and name not in grid:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if grid is None:
+            parser.add_argument(
+                flag, type=kind, default=None, help=SHAPE_HELP[name] + " (default: profile)"
+            )
+            continue
+        default = grid.get(name)
+        shown = "" if default is None else f" (default: {','.join(f'{x:g}' for x in default)})"
+        if name == "search_width" and default == [0]:
+            shown = " (default: the plain search only)"
+        parser.add_argument(
+            flag,
+            type=_list_of(kind),
+            default=default,
+            help=f"list of: {SHAPE_HELP[name]}, e.g. {SHAPE_EXAMPLES[name]}{shown}",
+        )
+
+
+def shape_overrides(args: argparse.Namespace) -> dict:
+    """The shape flags given, by BeamShape field (``width``, ``length``, ...)."""
+    return {f: getattr(args, k, None) for k, f in zip(SHAPE_FLAGS, SHAPE_FIELDS, strict=True)}
+
+
+def ignored_when_autoregressive(args: argparse.Namespace) -> list[str]:
+    """The ReDrafter flags given on a command line that also says --autoregressive."""
+    if not getattr(args, "autoregressive", False):
+        return []
+    flags = ("drafter", *SHAPE_FLAGS, "timing")
+    return [
+        f"--{f.replace('_', '-')}" for f in flags if getattr(args, f, None) not in (None, False)
+    ]
+
+
+def reports_errors(main: Callable) -> Callable:
+    """A command's ``main`` whose library errors (:class:`ReDrafterError`) end it with their
+    one-line message and exit status 1, however it is called (dispatcher, test, script)."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except ReDrafterError as e:
+            fail(str(e))
+
+    return run
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit 1 (bad input, not a bug)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def read_prompts(path: Path | str | None, num: int | None, turns: int) -> list[list[str]]:
+    """:func:`load_prompts` for a command: a bad or empty file is a ConfigError naming
+    ``--prompts``."""
+    try:
+        conversations = load_prompts(path, num, turns)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--prompts {e}") from None
+    if not conversations:
+        raise ConfigError(f"--prompts {path or MT_BENCH} holds no prompt")
+    return conversations

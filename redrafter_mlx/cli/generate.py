@@ -1,0 +1,161 @@
+"""`redrafter-mlx generate`: one prompt in, text to stdout, stats to stderr (or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from redrafter_mlx.cli import flags
+from redrafter_mlx.cli.flags import fail
+from redrafter_mlx.core.generate import GenerationStats, stream_steps
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.io.templates import check_text, read_stdin
+from redrafter_mlx.tuning.profiles import resolve_shape
+
+EXAMPLES = """examples:
+  redrafter-mlx generate --prompt "What is the capital of France?"
+  redrafter-mlx generate --prompt "Write a haiku about the sea." --beam-width 2 --beam-length 4
+  redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
+  echo "Summarise: MLX is an array framework." | redrafter-mlx generate --prompt - --temp 0.7
+"""
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Generate text with ReDrafter speculative decoding (lossless).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    flags.add_model_args(parser)
+    parser.add_argument("--prompt", required=True, help='user message ("-" reads stdin)')
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--raw", action="store_true", help="no chat template: prompt is raw text")
+    flags.add_decode_args(parser)
+    flags.add_shape_args(parser)
+    parser.add_argument(
+        "--autoregressive",
+        action="store_true",
+        help="plain one-token-per-step decoding with the same forward (baseline)",
+    )
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--timing",
+        action="store_true",
+        help="per-phase seconds of the ReDrafter steps (draft, pack, verify, accept, compact; "
+        "evaluates at phase boundaries: adds syncs)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object, no stream")
+    return parser
+
+
+def stats_dict(stats: GenerationStats, phase_seconds: dict[str, float] | None) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "generation_tokens": stats.generation_tokens,
+        "steps": stats.steps,
+        "tokens_per_step": round(stats.tokens_per_step, 4),
+        "generation_tps": round(stats.generation_tps, 3),
+        "prompt_tps": round(stats.prompt_tps, 3),
+        "peak_memory_gb": round(stats.peak_memory_gb, 4),
+        "mean_tree_size": round(stats.mean_tree_size, 3),
+        "syncs_per_step": round(stats.syncs_per_step, 3),
+        "accept_histogram": {str(k): v for k, v in sorted(stats.accept_histogram.items())},
+        "phase_seconds": phase_seconds,
+    }
+
+
+@flags.reports_errors
+def main(args: argparse.Namespace) -> None:
+    where = "stdin" if args.prompt == "-" else "--prompt"
+    prompt = check_text(read_stdin() if args.prompt == "-" else args.prompt, where)
+    if args.system:
+        check_text(args.system, "--system")
+    for stop in args.stop:
+        check_text(stop, "--stop")
+    if any(not stop for stop in args.stop):
+        fail("--stop needs a non-empty string")
+    if not prompt.strip():
+        fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
+    shape, source = resolve_shape(
+        runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
+    )
+    timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
+    decoder = rt.make_decoder(
+        runtime,
+        shape,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        timing=timing,
+    )
+    decoder.warm_up(autoregressive=args.autoregressive)  # compile now, not mid-stream
+    if args.raw:
+        ids = runtime.tokenizer.encode(prompt)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        ids = rt.encode_chat(runtime, messages + [{"role": "user", "content": prompt}])
+    if runtime.max_context and len(ids) >= runtime.max_context:
+        fail(f"prompt is {len(ids)} tokens; the model's context is {runtime.max_context}")
+    mode = "autoregressive" if args.autoregressive else "redrafter"
+    if not args.json:
+        note = "" if args.autoregressive else f" {shape.describe()} ({source})"
+        if ignored := flags.ignored_when_autoregressive(args):
+            note += f" (ignored: {', '.join(ignored)})"
+        timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""
+        print(f"[{mode}{note}]{timing_on}", file=sys.stderr)
+    text, tokens = [], []
+    for response in stream_steps(
+        decoder,
+        runtime.tokenizer,
+        ids,
+        max_tokens=args.max_tokens,
+        autoregressive=args.autoregressive,
+        stop_strings=tuple(args.stop),
+    ):
+        text.append(response.text)
+        tokens.extend(response.tokens)
+        if not args.json:
+            print(response.text, end="", flush=True)
+    stats = response.stats
+    phases = decoder.timer.seconds if timing else None
+    result = {
+        "text": "".join(text),
+        "tokens": tokens,
+        "mode": mode,
+        "finish_reason": response.finish_reason,
+        **stats_dict(stats, phases),
+    }
+    if timing:
+        result["timing_note"] = "phase timing evaluates at phase boundaries (extra syncs)"
+    if not args.autoregressive:
+        result |= {
+            "beam_width": shape.width,
+            "beam_length": shape.length,
+            "min_prob": shape.min_prob,
+            "search_width": shape.searched,
+            "shape_source": source,
+        }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print()  # the answer's last line, on stdout: a piped answer ends with a newline
+    if response.finish_reason == "context":
+        print(
+            f"[stopped: the model's {runtime.max_context}-token context is full]", file=sys.stderr
+        )
+    print(
+        f"[{stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s, "
+        f"{stats.tokens_per_step:.2f} tokens/step, prompt {stats.prompt_tps:.0f} tok/s]",
+        file=sys.stderr,
+    )
+    if phases:
+        print(f"[seconds per phase: {phase_line(phases)}]", file=sys.stderr)
+
+
+def phase_line(phases: dict[str, float]) -> str:
+    """``draft 0.120 (9%), pack ...``: each phase's seconds and share of their sum."""
+    total = sum(phases.values()) or 1.0
+    return ", ".join(f"{k} {v:.3f} ({100 * v / total:.0f}%)" for k, v in phases.items())

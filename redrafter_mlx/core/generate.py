@@ -1,0 +1,231 @@
+"""``stream_steps``: decode steps -> detokenized text, stop rules, timing and statistics, one
+response per step; ``stream_generate``: the same, one mlx-lm-style response per token.
+
+Stops on an EOS token (never emitting tokens drafted past it), a stop string, ``max_tokens`` or
+a full context. Library code: returns numbers, prints nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from redrafter_mlx.core.cache import KVCache
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.stops import first_stop
+
+
+def tokens_per_step(histogram: dict[int, int], steps: int) -> float:
+    """Mean tokens emitted per decode step from ``{tokens emitted: steps}`` (the prefill's
+    first token is no step and not counted)."""
+    return sum(k * n for k, n in histogram.items()) / max(steps, 1)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0  # decode steps after the prefill (each one target pass)
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    tree_sizes: list[int] = field(default_factory=list)
+    accept_histogram: Counter = field(default_factory=Counter)  # tokens emitted per step
+    syncs: int = 0
+    peak_memory_gb: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / max(self.prompt_seconds, 1e-9)
+
+    @property
+    def generation_tps(self) -> float:
+        """Tokens after the first one, per second after the first one (as mlx-lm reports it)."""
+        return max(self.generation_tokens - 1, 0) / max(self.generation_seconds, 1e-9)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return tokens_per_step(self.accept_histogram, self.steps)
+
+    @property
+    def mean_tree_size(self) -> float:
+        return sum(self.tree_sizes) / max(len(self.tree_sizes), 1)
+
+    @property
+    def syncs_per_step(self) -> float:
+        return self.syncs / max(self.steps, 1)
+
+
+@dataclass
+class StepResponse:
+    text: str  # new text since the previous response
+    tokens: list[int]  # tokens emitted by this step (after stop rules)
+    stats: GenerationStats
+    finish_reason: str | None = None  # "stop", "length", "context" or None while running
+
+
+@dataclass
+class GenerationResponse:
+    """One token of :func:`stream_generate`, with the fields of mlx-lm's response of the same
+    name, so code written against ``mlx_lm.stream_generate`` can switch.
+
+    ``from_draft``: an accepted drafted token (the last token of each step is the target's own
+    choice). ``text`` is the new text since the previous response; a step's text arrives with
+    its last token (its other tokens have ``""``). ``logprobs`` is None: the target's log-probs
+    stay on the device (reading them back would cost a host transfer per token). ``token`` is
+    None only on a last response that adds no token (an EOS or a full context ended the answer
+    after the previous one). ``stats``: the running :class:`GenerationStats`.
+    """
+
+    text: str
+    token: int | None
+    logprobs: None
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+def stream_generate(
+    decoder: Decoder, tokenizer, prompt: list[int], **options
+) -> Iterator[GenerationResponse]:
+    """:func:`stream_steps` one token at a time (same options, same tokens and text)."""
+    count = 0
+    for step in stream_steps(decoder, tokenizer, prompt, **options):
+        stats = step.stats
+        last = len(step.tokens) - 1
+        tokens = step.tokens or ([None] if step.finish_reason else [])
+        for i, token in enumerate(tokens):
+            count += token is not None
+            yield GenerationResponse(
+                text=step.text if i >= last else "",
+                token=token,
+                logprobs=None,
+                from_draft=i < last and stats.steps > 0,
+                prompt_tokens=stats.prompt_tokens,
+                prompt_tps=stats.prompt_tps,
+                generation_tokens=count,
+                generation_tps=stats.generation_tps,
+                peak_memory=stats.peak_memory_gb,
+                finish_reason=step.finish_reason if i >= last else None,
+                stats=stats,
+            )
+
+
+def stream_steps(
+    decoder: Decoder,
+    tokenizer,
+    prompt: list[int],
+    *,
+    max_tokens: int = 256,
+    autoregressive: bool = False,
+    stop_strings: tuple[str, ...] = (),
+    cache: KVCache | None = None,
+) -> Iterator[StepResponse]:
+    """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids), one response per step.
+
+    ``cache`` may already hold a prefix (a chat); ``prompt`` is then only the new tokens.
+    Stop strings are looked for token by token and text that may begin one is held back, so
+    the text and tokens returned do not depend on how tokens were grouped into steps: a
+    ReDrafter answer stops exactly where the autoregressive one does.
+    """
+    cache = decoder.new_cache() if cache is None else cache
+    steps = (decoder.autoregressive if autoregressive else decoder.speculative)(cache, prompt)
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = set(tokenizer.eos_token_ids)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    first = True
+    shown = 0  # characters of the text already returned
+    while True:
+        try:
+            step = next(steps)
+        except ContextFull:
+            yield _finish(detokenizer, stats, "context", shown)
+            return
+        now = time.perf_counter()
+        if first:
+            stats.prompt_seconds, tic, first = now - tic, now, False
+        else:
+            stats.steps += 1
+            stats.syncs += step.syncs
+            stats.tree_sizes.append(step.tree_size)
+            stats.accept_histogram[len(step.tokens)] += 1
+            stats.generation_seconds = now - tic
+        emitted, reason = _apply_stops(step.tokens, eos, max_tokens - stats.generation_tokens)
+        emitted, cut = _add_until_stop_string(detokenizer, emitted, stop_strings)
+        stats.generation_tokens += len(emitted)
+        if cut is None and reason is not None:
+            detokenizer.finalize()  # may flush held characters: look at them too
+            cut = _find_stop_string(detokenizer.text, stop_strings, shown)
+        if cut is not None:
+            reason, end = "stop", cut
+        elif reason is not None:
+            end = len(detokenizer.text)
+        else:
+            end = len(detokenizer.text) - _stop_string_start(detokenizer.text, stop_strings)
+        text, shown = detokenizer.text[shown:end], max(shown, end)
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        yield StepResponse(text, emitted, stats, reason)
+        if reason is not None:
+            steps.close()
+            return
+
+
+def _apply_stops(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], str | None]:
+    """Cut a step's tokens at the first EOS (excluded) and at the token budget."""
+    stop = first_stop(tokens[:room], eos)
+    if stop is not None:
+        return tokens[:stop], "stop"
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, None
+
+
+def _add_until_stop_string(
+    detokenizer, tokens: list[int], stop_strings: tuple[str, ...]
+) -> tuple[list[int], int | None]:
+    """Feed ``tokens`` one by one; stop after the one that completes a stop string. Returns
+    the tokens fed and where the stop string starts in the text (None if none appeared)."""
+    if not stop_strings:
+        for token in tokens:
+            detokenizer.add_token(token)
+        return tokens, None
+    for i, token in enumerate(tokens):
+        before = len(detokenizer.text)
+        detokenizer.add_token(token)
+        cut = _find_stop_string(detokenizer.text, stop_strings, before)
+        if cut is not None:
+            return tokens[: i + 1], cut
+    return tokens, None
+
+
+def _find_stop_string(text: str, stop_strings: tuple[str, ...], since: int) -> int | None:
+    """Start of the first stop string in ``text`` that ends after position ``since``."""
+    hits = [text.find(s, max(since - len(s) + 1, 0)) for s in stop_strings]
+    hits = [h for h in hits if h >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_string_start(text: str, stop_strings: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins a stop string (held back: the next
+    tokens may complete it)."""
+    return max(
+        (k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+    )
+
+
+def _finish(detokenizer, stats: GenerationStats, reason: str, shown: int) -> StepResponse:
+    """The last response of an answer cut short (the context is full): the rest of the text."""
+    detokenizer.finalize()
+    return StepResponse(detokenizer.text[shown:], [], stats, reason)

@@ -1,0 +1,31 @@
+"""How the verify forward and the decode loop run on one device: a small frozen record that
+``backend.plan_for`` fills in per device. The defaults are the generic path, the one Metal and
+CUDA run: mlx-lm's modules and MLX's fused kernels, exact tree sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    # Row counts T whose projections run as ``W @ x.T`` instead of ``x @ W.T``.
+    transposed_rows: tuple[int, ...] = ()
+    # RoPE's cos/sin computed once per forward and shared by the layers, instead of each
+    # layer's RoPE module with the tokens on the batch axis (one offset per token).
+    rope_tables: bool = False
+    # Attention as one matmul per K/V head's query group instead of MLX's fused SDPA kernel.
+    grouped_attention: bool = False
+    # Hand the graph to MLX every this many layers (``mx.async_eval``) while Python builds the
+    # rest; 0: never.
+    async_layers: int = 0
+    # Forwards of up to this many tokens run compiled per-layer blocks (traced once per T).
+    compiled_max_rows: int = 32
+    # Tree sizes a step pads its tree to (the smallest that fits); (): verify the exact size.
+    tree_sizes: tuple[int, ...] = ()
+    # Prompt tokens per prefill forward.
+    prefill_chunk: int = 512
+
+    @property
+    def name(self) -> str:
+        return "generic" if self == Plan() else "cpu-tuned"

@@ -1,0 +1,109 @@
+"""A loaded target and drafter (:class:`Runtime`), and the :class:`Decoder` built from them.
+
+Library code: failures raise :mod:`redrafter_mlx.core.errors` exceptions with one-line messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from redrafter_mlx.backend.plan import plan_for
+from redrafter_mlx.core.accept import make_sampler
+from redrafter_mlx.core.atomic import os_error_text
+from redrafter_mlx.core.decode import Decoder, PhaseTimer
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import load_drafter
+from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io.embedded import default_drafter_path, default_model_path, is_embedded_model
+from redrafter_mlx.io.load import load_target
+from redrafter_mlx.io.templates import apply_chat_template
+
+
+@dataclass
+class Runtime:
+    model: object
+    tokenizer: object
+    config: dict
+    drafter: BeamDrafter | None
+    model_id: str
+    drafter_id: str | None
+
+    @property
+    def max_context(self) -> int | None:
+        return self.config.get("max_position_embeddings")
+
+
+def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
+    """Load the target (embedded default when None) and its drafter (the embedded model's
+    shipped one when None), evaluated and checked against each other."""
+    for flag, value in (("--model", model), ("--drafter", drafter)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: an empty path (leave the flag out for the default)")
+    try:
+        model_path = model or str(default_model_path())
+        target, tokenizer, config = load_target(model_path)
+        embedded = not model or is_embedded_model(model)
+        drafter_path = drafter or (default_drafter_path() if embedded else None)
+        beam_drafter = None
+        if drafter_path is not None:
+            loaded = load_drafter(drafter_path, target)
+            beam_drafter = BeamDrafter(loaded, target.model.embed_tokens)
+    except ReDrafterError:
+        raise
+    except (ValueError, OSError) as e:  # e.g. an unreadable file: one line, no traceback
+        raise LoadError(os_error_text(e) if isinstance(e, OSError) else str(e)) from None
+    if need_drafter and beam_drafter is None:
+        raise ConfigError(
+            "no drafter for this model: pass --drafter DIR (make one with `redrafter-mlx train`)"
+        )
+    return Runtime(
+        target,
+        tokenizer,
+        config,
+        beam_drafter,
+        str(model_path),
+        None if drafter_path is None else str(drafter_path),
+    )
+
+
+def make_decoder(
+    runtime: Runtime,
+    shape: BeamShape,
+    *,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    timing: bool = False,
+) -> Decoder:
+    """A decoder for ``runtime`` at ``shape`` with this device's plan; ConfigError for a
+    sampler or shape the model or drafter cannot run."""
+    vocab = runtime.config.get("vocab_size")
+    if top_k and vocab and top_k >= vocab:
+        raise ConfigError(f"--top-k {top_k}: the vocabulary has {vocab} tokens (0 turns top-k off)")
+    if seed is not None:
+        mx.random.seed(seed)
+    decoder = Decoder(
+        runtime.model,
+        make_sampler(temp, top_p=top_p, top_k=top_k),
+        runtime.drafter,
+        shape,
+        runtime.max_context,
+        PhaseTimer(timing),
+        plan=plan_for(),
+        seed=seed,
+    )
+    try:
+        decoder.check_shape(shape)
+    except ValueError as e:
+        raise ConfigError(f"{shape.describe()}: {e}") from None
+    return decoder
+
+
+def encode_chat(runtime: Runtime, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation with the model's chat template and a generation prompt."""
+    return apply_chat_template(runtime.tokenizer, messages, model_path=Path(runtime.model_id))

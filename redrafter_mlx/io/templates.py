@@ -1,0 +1,136 @@
+"""Prompt templates: the tokenizer's own chat template, or Vicuna v1.1 for Vicuna models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from redrafter_mlx.core.errors import ConfigError
+
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+VICUNA_ROLES = {"user": "USER", "assistant": "ASSISTANT"}
+EOS = "</s>"
+
+
+def vicuna_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """Vicuna v1.1 prompt: ``SYSTEM USER: q ASSISTANT: a</s>USER: q2 ASSISTANT:``.
+
+    A leading ``system`` message replaces the default system prompt. With
+    ``add_generation_prompt`` the prompt ends with ``ASSISTANT:`` unless the last message is the
+    assistant's.
+    """
+    system = VICUNA_SYSTEM
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    text = system + " "
+    for m in messages:
+        role = VICUNA_ROLES.get(m["role"])
+        if role is None:
+            raise ValueError(f"vicuna template: unsupported role {m['role']!r}")
+        sep = EOS if m["role"] == "assistant" else " "
+        text += f"{role}: {m['content']}{sep}"
+    if add_generation_prompt and (not messages or messages[-1]["role"] != "assistant"):
+        text += "ASSISTANT:"
+    return text
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The underlying HF tokenizer of an mlx-lm ``TokenizerWrapper`` (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """True when the tokenizer carries its own chat template."""
+    return bool(getattr(_hf_tokenizer(tokenizer), "chat_template", None))
+
+
+def is_vicuna(tokenizer: Any, name: str | None = None, model_type: str | None = None) -> bool:
+    """Vicuna: no chat template, and ``vicuna`` in the name or a Llama 32000-token SentencePiece."""
+    if has_chat_template(tokenizer):
+        return False
+    if name and "vicuna" in str(name).lower():
+        return True
+    hf = _hf_tokenizer(tokenizer)
+    sentencepiece = "llama" in type(hf).__name__.lower() or hasattr(hf, "sp_model")
+    vocab = getattr(hf, "vocab_size", None)
+    return model_type in (None, "llama") and sentencepiece and vocab == 32000
+
+
+def encode_vicuna(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Tokenize a Vicuna prompt as Vicuna was trained: BOS, then each ``</s>``-separated piece
+    encoded on its own (SentencePiece dummy prefix included) joined by EOS ids."""
+    hf = _hf_tokenizer(tokenizer)
+    pieces = vicuna_prompt(messages, add_generation_prompt).split(EOS)
+    ids = [hf.bos_token_id] if hf.bos_token_id is not None else []
+    for i, piece in enumerate(pieces):
+        if i:
+            ids.append(hf.eos_token_id)
+        if piece:
+            ids += hf.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def _model_type(model_path: str | Path | None) -> str | None:
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (TypeError, OSError, ValueError, AttributeError):
+        return None
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    model_type: str | None = None,
+    name: str | None = None,
+    model_path: str | Path | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` (with a generation prompt unless told otherwise), using the
+    right template.
+
+    The tokenizer's own chat template wins; Vicuna models (``vicuna`` in ``name`` /
+    ``model_path``, or a Llama with a 32000-token SentencePiece vocab) use Vicuna v1.1; other
+    models without a template get the message contents joined by newlines.
+    """
+    hf = _hf_tokenizer(tokenizer)
+    if model_path is not None:
+        name = name or str(model_path)
+        model_type = model_type or _model_type(model_path)
+    if has_chat_template(tokenizer):
+        ids = hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    if is_vicuna(tokenizer, name, model_type):
+        return encode_vicuna(tokenizer, messages, add_generation_prompt)
+    return list(hf.encode("\n".join(m["content"] for m in messages)))
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` unchanged, or ConfigError naming the first byte that is not UTF-8 and its byte
+    offset. Python hands undecodable command-line and stdin bytes over as lone surrogates
+    (``surrogateescape``), which the tokenizers reject with a TypeError."""
+    for i, char in enumerate(text):
+        if "\udc80" <= char <= "\udcff":
+            offset = len(text[:i].encode("utf-8", "surrogateescape"))
+            raise ConfigError(
+                f"{what}: byte 0x{ord(char) - 0xDC00:02x} at byte offset {offset} is not UTF-8 text"
+            )
+    return text
+
+
+def read_stdin() -> str:
+    """All of stdin as text; undecodable bytes reach :func:`check_text` as lone surrogates
+    instead of raising mid-read."""
+    sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin.read()

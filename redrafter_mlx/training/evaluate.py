@@ -1,0 +1,358 @@
+"""Mean tokens per step of a drafter in the greedy ReDrafter decode loop, per beam shape.
+
+:func:`evaluate` decodes every prompt greedily with the real loop at every shape; tokens/step is
+the number of tokens the speculative steps emitted divided by the number of steps (the prefill's
+first token is not counted), pooled over prompts (total tokens / total steps). No timing.
+
+:func:`simulate_grid` is the cheap variant for sweeps: each prompt is decoded once by the real
+loop (at :data:`PATH_SHAPE`) to get its greedy path; every shape is then replayed along that path
+from the drafter's beams at each position (:func:`beams_everywhere`, one batched beam search),
+with no further target passes. Greedy decoding is exact, so the counts equal the real loop's up
+to floating-point near-ties.
+
+Library code: progress goes to a callback, failures raise :mod:`redrafter_mlx.core.errors`.
+Legend: T path positions, W beam width, L beam length, S search width, H hidden.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from redrafter_mlx.core import atomic, llm
+from redrafter_mlx.core.accept import accepted_lengths, greedy
+from redrafter_mlx.core.decode import Decoder, Step
+from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
+from redrafter_mlx.core.drafter import Drafter
+from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.stops import through_stop
+from redrafter_mlx.io.load import eos_ids
+from redrafter_mlx.io.templates import apply_chat_template
+
+PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for simulate_grid
+
+Progress = Callable[[int], None]  # called with the number of (prompt, shape) runs just done
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What an evaluation decodes: ``prompts`` (text) with the target ``model`` and its
+    ``tokenizer``, ``drafter``'s beams at each of ``shapes``, ``max_tokens`` new tokens each."""
+
+    model: Any
+    tokenizer: Any
+    drafter: Drafter
+    prompts: list[str]
+    shapes: list[BeamShape]
+    max_tokens: int
+
+
+def user_prompt_ids(tokenizer, text: str) -> list[int]:
+    """One user turn with the model's chat template (Vicuna's for Vicuna) and a generation
+    prompt: the prompts every evaluation decodes from."""
+    return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
+
+
+def check_shapes(drafter: Drafter, shapes: list[BeamShape]) -> None:
+    """ConfigError naming the first shape whose search is wider than the draft vocabulary."""
+    for shape in shapes:
+        try:
+            check_width(drafter, shape.searched)
+        except ConfigError as e:
+            raise ConfigError(f"{shape.describe()}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- decode loop
+
+
+def evaluate(job: Evaluation, progress: Progress | None = None) -> list[dict]:
+    """Tokens/step per shape of ``job`` with the real decode loop: one row per shape
+    (:func:`summarize`)."""
+    eos = eos_ids(job.tokenizer)
+    encoded = [user_prompt_ids(job.tokenizer, p) for p in job.prompts]
+    beams = BeamDrafter(job.drafter, embed=job.model.model.embed_tokens)
+    rows = []
+    for shape in job.shapes:
+        dec = Decoder(job.model, greedy, drafter=beams, shape=shape)
+        runs = []
+        for ids in encoded:
+            runs.append(decode_one(dec, ids, job.max_tokens, eos))
+            if progress:
+                progress(1)
+        rows.append(summarize(shape, runs))
+    return rows
+
+
+def decode_one(decoder: Decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
+    """Greedy ReDrafter decode of one prompt -> ``{"tokens", "steps", "ids"}`` (first token
+    from the prefill excluded from tokens and steps, included in ids)."""
+    steps = decoder.speculative(decoder.new_cache(), prompt_ids)
+    return _counts(list(_emitted(steps, eos, max_tokens)), max_tokens)
+
+
+def _emitted(steps: Iterator[Step], eos: set[int], max_tokens: int) -> Iterator[list[int]]:
+    """The tokens of each step through the first EOS token (kept): the prefill's first token,
+    then one list per decode step, until an EOS or a decode step that brings the total to
+    ``max_tokens``."""
+    total = 0
+    for k, step in enumerate(steps):
+        emitted = through_stop(step.tokens, eos)
+        total += len(emitted)
+        yield emitted
+        if emitted[-1] in eos or (k and total >= max_tokens):
+            return
+
+
+def _counts(chunks: list[list[int]], max_tokens: int) -> dict:
+    """``{"tokens", "steps", "ids"}`` of the decode that emitted ``chunks`` (:func:`_emitted`)
+    had it stopped after the first decode step that reached ``max_tokens`` tokens. The last
+    step may overshoot max_tokens by up to L - 1 tokens, by how much depends on the shape:
+    ``ids`` holds the first max_tokens only, to compare outputs."""
+    ids, steps = list(chunks[0]), 0
+    for chunk in chunks[1:]:
+        if steps and len(ids) >= max_tokens:
+            break
+        ids += chunk
+        steps += 1
+    return {"tokens": len(ids) - len(chunks[0]), "steps": steps, "ids": ids[:max_tokens]}
+
+
+def summarize(shape: BeamShape, runs: list[dict]) -> dict:
+    """One row of results: ``runs`` (``{"tokens", "steps", "ids"}`` per prompt) at ``shape``,
+    pooled and per prompt, with a digest of the outputs (equal across shapes: greedy)."""
+    tokens, steps = sum(r["tokens"] for r in runs), sum(r["steps"] for r in runs)
+    digest = hashlib.sha1(json.dumps([r["ids"] for r in runs]).encode()).hexdigest()[:12]
+    return {
+        "width": shape.width,
+        "length": shape.length,
+        "search_width": shape.searched,
+        "tokens": tokens,
+        "steps": steps,
+        "tokens_per_step": _per_step(tokens, steps),
+        "per_prompt": [_per_step(r["tokens"], r["steps"]) for r in runs],
+        "output_digest": digest,
+    }
+
+
+def _per_step(tokens: int, steps: int) -> float | None:
+    return round(tokens / steps, 3) if steps else None
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+def simulate_grid(
+    job: Evaluation,
+    paths_file: Path | str | None = None,
+    progress: Progress | None = None,
+    target_id: str = "",
+) -> list[dict]:
+    """Like :func:`evaluate`, replaying steps along greedy paths decoded once by the real loop
+    at :data:`PATH_SHAPE` (cached in ``paths_file``, keyed by prompt, when given). The row of
+    that shape also carries the real loop's own count (``real_tokens_per_step``) when the paths
+    were decoded with this drafter in this call. ``target_id`` names the target in the cache
+    keys (paths of another model are not reused)."""
+    embed = job.model.model.embed_tokens
+    longest = max(shape.length for shape in job.shapes)
+    paths = load_paths(
+        job.model,
+        job.tokenizer,
+        job.prompts,
+        job.max_tokens + longest,
+        paths_file,
+        BeamDrafter(job.drafter, embed=embed),
+        count_until=job.max_tokens,
+        target_id=target_id,
+    )
+    runs: dict[BeamShape, list[dict]] = {shape: [] for shape in job.shapes}
+    for ids, hidden, n_prompt, _ in paths:
+        for shape, run in replay_path(job, ids, hidden, n_prompt).items():
+            runs[shape].append(run)
+        if progress:
+            progress(len(job.shapes))
+    rows = [summarize(shape, runs[shape]) for shape in job.shapes]
+    real = [p[3] for p in paths]
+    for shape, row in zip(job.shapes, rows, strict=True):
+        if shape == BeamShape(*PATH_SHAPE) and all(real):
+            tokens, steps = sum(r["tokens"] for r in real), sum(r["steps"] for r in real)
+            row["real_tokens_per_step"] = _per_step(tokens, steps)
+            row["real_tokens"], row["real_steps"] = tokens, steps
+    return rows
+
+
+def replay_path(job: Evaluation, ids: list[int], hidden: mx.array, n_prompt: int) -> dict:
+    """Every shape of ``job`` replayed along one greedy path ``ids (N,)`` with target hidden
+    ``hidden (N, H)`` (:func:`greedy_path`) -> ``{shape: {"tokens", "steps", "ids"}}``. One
+    batched search per (W, S) serves every L: beam search keeps the same beams at every depth
+    whatever the final length."""
+    embed = job.model.model.embed_tokens
+    contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
+    depth = max(shape.length for shape in job.shapes) - 1
+    searches: dict[tuple[int, int], list[BeamShape]] = {}
+    for shape in job.shapes:
+        searches.setdefault((shape.width, shape.searched), []).append(shape)
+    out = {}
+    for (width, searched), group in searches.items():
+        found = beams_everywhere(job.drafter, embed, contexts, pendings, width, depth, searched)
+        for shape in group:
+            beams = found[shape.length - 2][0]
+            out[shape] = simulate(beams, ids, n_prompt, job.max_tokens, shape.length)
+    return out
+
+
+def beams_everywhere(
+    drafter: Drafter, embed, contexts, pendings, width: int, depth: int, search_width: int = 0
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The drafter's beam search from every position of a path at once.
+
+    ``contexts (T, H)``, ``pendings (T,)`` -> for d = 1..depth, ``(beams (T, W, d + 1), drafted
+    tokens' log-probs (T, W, d))`` (numpy): :func:`redrafter_mlx.core.draft.beam_search`'s
+    search (:func:`~redrafter_mlx.core.draft.start`, then
+    :func:`~redrafter_mlx.core.draft.expand` with ``max(W, search_width)`` beams, then
+    :func:`~redrafter_mlx.core.draft.narrow` to W) batched over the T positions. A length-L
+    search is the depth L - 1 entry.
+    """
+    kept = max(width, search_width)
+    search = start(drafter, contexts, pendings, kept)
+    out = []
+    for _ in range(depth):
+        search = expand(drafter, embed, contexts, *search, width=kept)
+        verified = narrow(search[0], search[2], width)
+        mx.eval(*search, *verified)
+        out.append(tuple(np.array(a) for a in verified))
+    return out
+
+
+def simulate(beams_at, ids: list[int], n_prompt: int, max_tokens: int, length: int) -> dict:
+    """Greedy ReDrafter steps replayed along a known greedy path (see :func:`greedy_path`).
+
+    ``beams_at (T, W, L)`` are the beams drafted from ``(hidden[j - 1], ids[j])`` for
+    ``j = n_prompt + r`` (row r). Each step drafts at the pending position t, accepts the
+    longest beam prefix matching the path and emits it plus the target's next token. Greedy
+    decoding is exact, so this equals the real loop's count up to floating-point near-ties
+    (tree vs chain attention, batched vs single-row drafting), without any target pass.
+    """
+    accepted = _accepted_along(beams_at, ids, n_prompt, length)
+    t, tokens, steps = n_prompt, 0, 0
+    while t < len(ids) - 1 and t - n_prompt + 1 < max_tokens:
+        emitted = int(accepted[t - n_prompt]) + 1
+        tokens, steps, t = tokens + emitted, steps + 1, t + emitted
+    return {"tokens": tokens, "steps": steps, "ids": ids[n_prompt:]}
+
+
+def _accepted_along(beams_at, ids: list[int], n_prompt: int, length: int) -> np.ndarray:
+    """Drafted tokens a step at each row of ``beams_at (T, W, L)`` accepts -> ``(T,)``: the
+    target's choices are the path's next tokens. The path's last token can only be a step's
+    own next token (it has no successor to check): past it the choices are -1, no token."""
+    rows = len(beams_at)
+    after = [int(i) for i in ids[n_prompt + 1 : -1]]
+    path = np.array(after + [-1] * (rows + length - len(after)), dtype=np.int32)
+    choices = np.lib.stride_tricks.sliding_window_view(path, length - 1)[:rows]  # (T, L - 1)
+    drafted = mx.array(np.ascontiguousarray(beams_at[:, :, 1:]))
+    accepted = accepted_lengths(drafted, mx.array(np.ascontiguousarray(choices))[:, None])
+    return np.array(accepted.max(axis=-1))
+
+
+def greedy_path(
+    model,
+    prompt_ids: list[int],
+    max_tokens: int,
+    eos: set[int],
+    drafter: BeamDrafter | None = None,
+    count_until: int | None = None,
+):
+    """The target's greedy continuation of ``prompt_ids`` (``max_tokens`` new tokens or up to
+    and with end of sequence) -> ``(ids (N,) prompt + continuation, hidden (N, H), real)`` where
+    ``hidden[j]`` is the teacher-forced final-norm hidden state after ``ids[: j + 1]``.
+
+    With a :class:`BeamDrafter` the path is decoded by the real speculative loop at
+    :data:`PATH_SHAPE` (same tokens, fewer passes) and ``real`` holds that loop's own
+    ``{"tokens", "steps"}`` counted like :func:`decode_one` up to ``count_until`` new tokens;
+    otherwise ``real`` is None.
+    """
+    dec = Decoder(model, greedy, drafter=drafter, shape=BeamShape(*PATH_SHAPE))
+    steps = (dec.speculative if drafter else dec.autoregressive)(dec.new_cache(), prompt_ids)
+    chunks = list(_emitted(steps, eos, max_tokens))
+    ids = [*prompt_ids, *(t for chunk in chunks for t in chunk)][: len(prompt_ids) + max_tokens]
+    real = None
+    if drafter:
+        counted = _counts(chunks, count_until or max_tokens)
+        real = {"tokens": counted["tokens"], "steps": counted["steps"]}
+    return ids, path_hidden(model, ids), real
+
+
+def path_hidden(model, ids: list[int]) -> mx.array:
+    """The target's final-norm hidden (n, H) over a whole path of n token ids, one forward on
+    mlx-lm's modules (path lengths vary: nothing to compile)."""
+    n = len(ids)
+    return llm.forward(
+        model,
+        mx.array(ids),
+        mx.arange(n),
+        llm.chain_mask(0, n),
+        llm.make_cache(model),
+        compiled=False,
+    )
+
+
+# ----------------------------------------------------------------------------- paths cache
+
+
+class PathsCacheError(ConfigError):
+    """A ``--paths-cache`` file that is not one."""
+
+
+def _read_paths(path: Path) -> dict:
+    """The stored paths ``{key: ids}`` of ``path`` ({} when it does not exist yet)."""
+    if not path.exists():
+        return {}
+    hint = "delete it or name another"
+    try:
+        stored = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PathsCacheError(f"{path}: not a paths cache ({e}); {hint}") from None
+    if not isinstance(stored, dict):
+        raise PathsCacheError(f"{path}: not a paths cache (no JSON object); {hint}")
+    return stored
+
+
+def load_paths(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_tokens: int,
+    paths_file: Path | str | None,
+    drafter: BeamDrafter | None = None,
+    count_until: int | None = None,
+    target_id: str = "",
+) -> list[tuple[list[int], mx.array, int, dict | None]]:
+    """Greedy paths per prompt ``[(ids, hidden (N, H), n_prompt, real)]``, from/into
+    ``paths_file`` (``real`` is None for stored paths), keyed by ``target_id``, prompt and
+    length; the file is rewritten atomically after each new path."""
+    eos = eos_ids(tokenizer)
+    stored = _read_paths(Path(paths_file)) if paths_file else {}
+    out = []
+    for p in prompts:
+        prompt_ids = user_prompt_ids(tokenizer, p)
+        key = hashlib.sha1(json.dumps([target_id, p, max_tokens]).encode()).hexdigest()
+        if key in stored:
+            ids, real = stored[key], None
+            hidden = path_hidden(model, ids)
+        else:
+            ids, hidden, real = greedy_path(
+                model, prompt_ids, max_tokens, eos, drafter, count_until
+            )
+            stored[key] = ids
+            if paths_file:
+                atomic.write_text(paths_file, json.dumps(stored))
+        mx.eval(hidden)
+        out.append((ids, hidden, len(prompt_ids), real))
+    return out

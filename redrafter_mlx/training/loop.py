@@ -1,0 +1,223 @@
+"""Phase 2 of distillation: train a drafter on the cached training split, evaluate it on the
+held-out split every ``eval_every`` steps, keep the best one in ``out`` and a resumable
+checkpoint in ``out/checkpoint``, and stop early when held-out agreement stops improving or
+``max_minutes`` run out (the cosine schedule is fitted to end then).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from redrafter_mlx.core.drafter import save_drafter
+from redrafter_mlx.core.errors import TrainError
+from redrafter_mlx.training.cache import Cache, join_docs
+from redrafter_mlx.training.checkpoint import (
+    clear_staged,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_log,
+)
+from redrafter_mlx.training.examples import Examples, frequent_tokens
+from redrafter_mlx.training.options import TrainOptions
+from redrafter_mlx.training.trainer import Trainer, build_trainer
+
+FIT_AFTER = 50  # max_minutes: steps timed before the first fit of the schedule to the time
+TIME_MARGIN = 0.95  # ... and the share of the time left that the fit plans to use
+
+
+def train(model, cache: Cache, out: Path, opts: TrainOptions, *, run_options: dict) -> dict:
+    """Train on the cached training split; early-stop on held-out agreement. Returns the best
+    evaluation (also in ``out/train_log.jsonl``). ``run_options`` go into the checkpoint (a
+    resumed run is compared against them)."""
+    train_data, heldout_data = _splits(cache, opts)
+    examples = Examples.build(train_data, opts.positions)
+    heldout = Examples.build(heldout_data, opts.positions)
+    total = planned_steps(len(examples.starts), opts)
+    trainer = build_trainer(model, _draft_vocab(train_data, opts), opts, total)
+    out.mkdir(parents=True, exist_ok=True)
+    clear_staged(out)
+    state = {"step": 0, "best": -1.0, "bad": 0, "tokens": int(train_data["tokens"].shape[0])}
+    state["options"] = run_options
+    if opts.resume and (out / "checkpoint").exists():
+        state = {**load_checkpoint(trainer, out / "checkpoint"), "options": run_options}
+        fitted = state.get("total_steps", total)  # max_minutes shortened it
+        total = trainer.schedule.total = min(total, fitted)
+    elif opts.resume and not opts.quiet:
+        print(f"note: no checkpoint in {out}: starting at step 0", file=sys.stderr)
+    truncate_log(out / "train_log.jsonl", state["step"])
+    return run_loop(trainer, examples, heldout, out, state, opts, total)
+
+
+def _splits(cache: Cache, opts: TrainOptions) -> tuple[dict, dict]:
+    """``(training, held-out)`` token streams: the cache's (training up to ``max_tokens``),
+    training plus every ``extra_cache``'s."""
+    train_data = cache.load("train", opts.max_tokens)
+    heldout_data = cache.load("heldout")
+    for split, found in (("training", train_data), ("held-out", heldout_data)):
+        if found is None:
+            raise TrainError(
+                f"{cache.root}: no {split} tokens were extracted (answers too short for "
+                "--max-seq-len, or --cache-max-gb already used up)"
+            )
+    return with_extra_caches(train_data, cache, opts.extra_cache), heldout_data
+
+
+def with_extra_caches(data: dict[str, np.ndarray], cache: Cache, extra) -> dict:
+    """``data`` plus every training shard of each ``extra`` cache folder (same target)."""
+    parts = [data]
+    for folder in map(Path, extra):
+        other = Cache.existing(folder)
+        if other.manifest["identity"]["fingerprint"] != cache.manifest["identity"]["fingerprint"]:
+            raise TrainError(f"--extra-cache {folder} was extracted from another target")
+        extra_data = other.load("train")
+        if extra_data is None:
+            raise TrainError(f"--extra-cache {folder}: no training shards")
+        parts.append(extra_data)
+    return join_docs(parts) if len(parts) > 1 else data
+
+
+def planned_steps(positions: int, opts: TrainOptions) -> int:
+    """Optimizer steps of ``opts.epochs`` over ``positions`` training positions; TrainError
+    when that is not even one."""
+    total = int(opts.epochs * positions / opts.batch_size)
+    if total < 1:
+        raise TrainError(
+            f"{positions:,} training positions make no step of --batch-size "
+            f"{opts.batch_size} in --epochs {opts.epochs}: lower the batch size or add data"
+        )
+    return total
+
+
+def _draft_vocab(train_data: dict[str, np.ndarray], opts: TrainOptions) -> np.ndarray | None:
+    """The ``opts.draft_vocab`` most frequent predicted tokens ``(K,)``; None: full vocab."""
+    if not opts.draft_vocab:
+        return None
+    vocab = frequent_tokens(train_data, opts.draft_vocab)
+    if len(vocab) < opts.draft_vocab and not opts.quiet and not opts.init:
+        print(
+            f"note: draft vocabulary {len(vocab):,} tokens, not {opts.draft_vocab:,}: the target "
+            "predicts no more distinct tokens at the training answers' positions",
+            file=sys.stderr,
+        )
+    return vocab
+
+
+def run_loop(
+    trainer: Trainer,
+    examples: Examples,
+    heldout: Examples,
+    out: Path,
+    state: dict,
+    opts: TrainOptions,
+    total_steps: int,
+) -> dict:
+    """The step / evaluate / checkpoint loop with a rich progress bar, from ``state["step"]``
+    to ``total_steps`` (fewer when ``max_minutes`` fits the schedule). Returns the best
+    evaluation."""
+    per_epoch = max(len(examples.starts) // opts.batch_size, 1)
+    start, seen0, losses = time.perf_counter(), state["step"], []
+    before = state.get("seconds", 0.0)  # trained before a resume
+    best, total = state.get("best_eval", {}), total_steps
+    with Progress(*_train_columns(), disable=opts.quiet) as bar:
+        task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="")
+        while state["step"] < total:
+            losses.append(trainer.step(examples, _batch_rows(examples, state["step"], opts)))
+            state["step"] = step = state["step"] + 1
+            elapsed = time.perf_counter() - start
+            rate = (step - seen0) * opts.batch_size / elapsed
+            loss = f"{np.mean(losses[-50:]):.3f}"
+            bar.update(task, completed=step, loss=loss, rate=f"{rate:.0f} pos/s")
+            timed_out = opts.max_minutes and before + elapsed > opts.max_minutes * 60
+            if opts.max_minutes and step - seen0 == FIT_AFTER:
+                total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
+                bar.update(task, total=total)
+            if step % opts.eval_every and step < total and not timed_out:
+                continue
+            ev = trainer.agreement(heldout)
+            ev.update(
+                step=step,
+                examples=step * opts.batch_size,
+                epoch=round(step / per_epoch, 3),
+                train_tokens=state["tokens"],
+                loss=float(np.mean(losses[-opts.eval_every :])),
+                seconds=round(before + elapsed, 1),
+            )
+            state.update(seconds=before + elapsed, total_steps=total)
+            best = _keep(trainer, ev, out, state) or best
+            bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
+            if state["bad"] >= opts.patience or timed_out:
+                break
+            if opts.max_minutes:
+                elapsed = time.perf_counter() - start  # evaluation included
+                total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
+                bar.update(task, total=total)
+    return best
+
+
+def _train_columns() -> tuple:
+    return (
+        TextColumn("train"),
+        BarColumn(),
+        TextColumn(
+            "{task.completed}/{task.total} loss {task.fields[loss]} agree {task.fields[agree]} "
+            "{task.fields[rate]}"
+        ),
+        TimeElapsedColumn(),
+    )
+
+
+def _batch_rows(examples: Examples, step: int, opts: TrainOptions) -> np.ndarray:
+    """The example positions ``(B,)`` of optimizer step ``step``: each epoch is its own
+    permutation (seeded by ``seed + epoch``), so a resumed run draws the same batches."""
+    per_epoch = max(len(examples.starts) // opts.batch_size, 1)
+    epoch, k = divmod(step, per_epoch)
+    order = np.random.default_rng(opts.seed + epoch).permutation(examples.starts)
+    return order[k * opts.batch_size : (k + 1) * opts.batch_size]
+
+
+def _keep(trainer: Trainer, ev: dict, out: Path, state: dict) -> dict | None:
+    """Log evaluation ``ev``, save the drafter to ``out`` when it is the best so far (then
+    return ``ev``), and checkpoint the run."""
+    with open(out / "train_log.jsonl", "a") as f:
+        f.write(json.dumps(ev) + "\n")
+    improved = ev["mean_agreement"] > state["best"]
+    if improved:
+        state.update(best=ev["mean_agreement"], bad=0, best_eval=ev)
+        save_drafter(trainer.drafter, out)
+    else:
+        state["bad"] += 1
+    save_checkpoint(trainer, out / "checkpoint", state)
+    return ev if improved else None
+
+
+def _refit(trainer, total, steps, seconds, step, opts: TrainOptions, before) -> int:
+    """``fit_to_time``, applied to the trainer's schedule too; the new total."""
+    total = fit_to_time(
+        total, steps=steps, seconds=seconds, step=step, max_minutes=opts.max_minutes, before=before
+    )
+    trainer.schedule.total = total
+    return total
+
+
+def fit_to_time(
+    total_steps: int,
+    *,
+    steps: int,
+    seconds: float,
+    step: int,
+    max_minutes: float,
+    before: float = 0.0,
+) -> int:
+    """``total_steps`` shortened to the steps that fit in what ``max_minutes`` leaves after
+    ``before`` seconds (trained before a resume) and ``seconds`` (this process, evaluations
+    included, in which it made ``steps`` steps: the rate), from step ``step`` on, so the
+    learning rate has decayed when time runs out. Never lengthens it."""
+    left = max_minutes * 60 - before - seconds
+    fit = step + max(int(left * steps / seconds * TIME_MARGIN), 1)
+    return min(fit, total_steps)

@@ -1,0 +1,75 @@
+"""Self-distillation data: the target's own greedy answers, with the hidden states behind them.
+
+Legend: B prompts in a batch, S padded prompt length, G generated tokens (``max_new``), N tokens
+of one sequence, H hidden size.
+
+At decode time the drafter reads the target's hidden state along the target's *own* greedy path.
+Teacher forcing over human-written answers (``extract.teacher_force``) shows it other text;
+here the target answers the training prompts itself, one left-padded batch at a time, and every
+hidden state it computes on the way is kept, so one pass yields the same per-token record as
+teacher forcing (token, hidden, the target's next token, assistant mask) at a batched decoder's
+speed.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+
+from redrafter_mlx.core import llm
+
+SYNC_EVERY = 8  # decode steps between host checks for "every row has ended"
+
+
+def greedy_batch(
+    model, prompts: list[list[int]], max_new: int, eos: set[int]
+) -> list[dict[str, np.ndarray]]:
+    """Greedy-decode ``prompts`` together -> one record per prompt.
+
+    Record: ``tokens (N,)`` prompt + answer (through its end-of-turn token, or the first
+    ``max_new - 1`` answer tokens), ``mask (N,)`` True on answer tokens, ``hidden (N, H)`` f16
+    final-norm hidden states, ``argmax (N,)`` the target's next token at each answer position and
+    at the last prompt position (other prompt positions hold the next prompt token: never trained
+    on).
+    """
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    x = mx.array([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])  # (B, S)
+    cache = [BatchKVCache(pads) for _ in model.model.layers]
+    prefill = model.model(x, cache=cache)  # (B, S, H)
+    nxt = mx.argmax(llm.lm_head(model, prefill[:, -1:]), axis=-1)  # (B, 1)
+    hiddens, tokens = [prefill.astype(mx.float16)], [nxt]
+    ended = np.zeros(len(prompts), bool)
+    for step in range(1, max_new):
+        hidden = model.model(nxt, cache=cache)  # (B, 1, H)
+        nxt = mx.argmax(llm.lm_head(model, hidden), axis=-1)
+        hiddens.append(hidden.astype(mx.float16))
+        tokens.append(nxt)
+        mx.async_eval(nxt, hiddens[-1])
+        if step % SYNC_EVERY == 0:
+            recent = np.array(mx.concatenate(tokens[-SYNC_EVERY:], axis=1))
+            ended |= np.isin(recent, list(eos)).any(axis=1)
+            if ended.all():
+                break
+    answers = np.array(mx.concatenate(tokens, axis=1))  # (B, T)
+    hidden = np.array(mx.concatenate(hiddens, axis=1))  # (B, S + T - 1, H)
+    return [
+        _record(p, pad, a, h, eos)
+        for p, pad, a, h in zip(prompts, pads, answers, hidden, strict=True)
+    ]
+
+
+def _record(prompt: list[int], pad: int, answer: np.ndarray, hidden: np.ndarray, eos: set[int]):
+    """One row of ``greedy_batch``: cut the answer after its first end token. The last generated
+    token has no hidden state (it was never fed back), so at most ``T - 1`` answer tokens stay."""
+    ends = np.nonzero(np.isin(answer, list(eos)))[0]
+    keep = min(int(ends[0]) + 1 if len(ends) else len(answer), len(answer) - 1)
+    ids = np.concatenate([np.asarray(prompt, np.int32), answer[:keep].astype(np.int32)])
+    n = len(prompt)
+    return {
+        "tokens": ids,
+        "mask": np.arange(len(ids)) >= n,
+        "hidden": hidden[pad : pad + len(ids)],
+        "argmax": np.concatenate([ids[1:n], answer[: keep + 1]]).astype(np.int32),
+    }

@@ -1,0 +1,142 @@
+"""One drafter being trained: its optimizer and learning-rate schedule, a training step, and
+the held-out agreement it is judged by.
+
+Legend: N cached tokens, H target hidden size, V target vocab, K draft vocab, P future
+positions, B batch rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from redrafter_mlx.core.drafter import lm_head_rows
+from redrafter_mlx.core.llm import target_dims
+from redrafter_mlx.training.drafter_init import initial_drafter
+from redrafter_mlx.training.examples import Examples
+from redrafter_mlx.training.loss import loss_fn, unrolled_logits
+from redrafter_mlx.training.options import TrainOptions
+
+
+class WarmupCosine:
+    """Learning rate at optimizer step ``step``: linear warm-up from 1 % of ``peak`` over
+    ``WARMUP`` steps, then cosine decay to 5 % of it at step ``total``. ``total`` is a plain
+    attribute: ``--max-minutes`` shortens it to what the measured step rate fits."""
+
+    WARMUP = 100
+
+    def __init__(self, peak: float, total: int):
+        self.peak, self.total = peak, max(total, 1)
+
+    def __call__(self, step):
+        step = step.astype(mx.float32)
+        warm = self.peak * (0.01 + 0.99 * mx.minimum(step / self.WARMUP, 1.0))
+        span = max(self.total - self.WARMUP, 1)
+        frac = mx.clip((step - self.WARMUP) / span, 0.0, 1.0)
+        cosine = self.peak * (0.05 + 0.95 * 0.5 * (1 + mx.cos(math.pi * frac)))
+        return mx.where(step < self.WARMUP, warm, cosine)
+
+
+@dataclass
+class Trainer:
+    """Everything a training step needs: target pieces, drafter, vocab map, optimizer."""
+
+    model: object
+    drafter: object
+    lookup: np.ndarray  # (V,) target id -> draft index, -1 when outside the draft vocab
+    rows: mx.array | None  # (K, H) target LM-head rows (soft targets), or None
+    optimizer: object
+    schedule: WarmupCosine
+    soft_weight: float = 0.0
+    hidden_weight: float = 0.0
+
+    def tensors(self, ex: Examples, rows: np.ndarray):
+        """Numpy batch -> MLX ``(context (B, H), embeds (B, P, H), labels (B, P), weights
+        (B, P), soft (B, P, K) | None, next_hidden (B, P, H) | None, batch)``."""
+        b = ex.batch(rows)
+        draft = self.lookup[b["targets"]]
+        weights = b["valid"] & (draft >= 0)  # out-of-vocab targets cannot be predicted
+        context = mx.array(b["context"]).astype(mx.float32)
+        embeds = self.model.model.embed_tokens(mx.array(b["inputs"])).astype(mx.float32)
+        soft = nxt = None
+        if self.soft_weight > 0 or self.hidden_weight > 0:
+            nxt = mx.array(ex.data["hidden"][b["idx"]]).astype(mx.float32)
+        if self.soft_weight > 0 and self.rows is not None:
+            logits = nxt @ self.rows.T
+            soft = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.drafter.args.head != "target":  # only a target-head drafter predicts hiddens
+            nxt = None
+        labels = mx.array(np.maximum(draft, 0).astype(np.int32))
+        return context, embeds, labels, mx.array(weights.astype(np.float32)), soft, nxt, b
+
+    def step(self, ex: Examples, rows: np.ndarray) -> float:
+        """One optimizer step on the examples at ``rows (B,)``; the batch's loss."""
+        *inputs, _ = self.tensors(ex, rows)
+        grad_fn = nn.value_and_grad(self.drafter, loss_fn)
+        loss, grads = grad_fn(self.drafter, *inputs, self.soft_weight, self.hidden_weight)
+        self.optimizer.update(self.drafter, grads)
+        mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
+        return loss.item()
+
+    def agreement(self, ex: Examples, limit: int = 20000) -> dict:
+        """Held-out top-1 agreement with the target per future position (out-of-vocab targets
+        count as misses), and the mean count of leading agreements (teacher forced), overall
+        and where all P inputs lie on the target's greedy path (as when decoding)."""
+        starts = _sample(ex.starts, limit)
+        hits = np.zeros(ex.valid.shape[1])
+        counts = np.zeros(ex.valid.shape[1])
+        leading, on_path = [], []
+        for i in range(0, len(starts), 1024):
+            rows = starts[i : i + 1024]
+            context, embeds, _, _, _, _, b = self.tensors(ex, rows)
+            index = mx.argmax(unrolled_logits(self.drafter, context, embeds), axis=-1)
+            agree = (np.array(self.drafter.draft_ids(index)) == b["targets"]) & b["valid"]
+            hits += agree.sum(0)
+            counts += b["valid"].sum(0)
+            full = b["valid"].all(axis=1)
+            # on the target's greedy path: every input is the target's own previous choice
+            prev = ex.data["argmax"][b["idx"] - 1]
+            path = full & (b["inputs"] == prev).all(axis=1)
+            lead = np.cumprod(agree, axis=1).sum(axis=1)
+            leading.append(lead[full])
+            on_path.append(lead[path])
+        lead, path = np.concatenate(leading), np.concatenate(on_path)
+        per = (hits / np.maximum(counts, 1)).round(4).tolist()
+        return {
+            "agreement": per,
+            "mean_agreement": float(np.mean(per)),
+            "leading": float(lead.mean()) if len(lead) else 0.0,
+            "leading_on_path": float(path.mean()) if len(path) else 0.0,
+            "on_path": int(len(path)),
+            "positions": int(len(starts)),
+        }
+
+
+def _sample(starts: np.ndarray, limit: int) -> np.ndarray:
+    """At most ``limit`` of ``starts``, in order, the same ones every evaluation (seed 0)."""
+    if len(starts) <= limit:
+        return starts
+    return np.sort(np.random.default_rng(0).choice(starts, limit, replace=False))
+
+
+def build_trainer(model, vocab: np.ndarray | None, opts: TrainOptions, total_steps: int) -> Trainer:
+    """A Trainer for a drafter over draft vocabulary ``vocab (K,)`` (None: full; ignored with
+    ``opts.init``, whose own vocabulary is kept) whose schedule ends at ``total_steps``."""
+    drafter, vocab = initial_drafter(model, vocab, opts)
+    if drafter.args.draft_vocab_size:
+        drafter.freeze(keys=["draft_vocab"], strict=False)  # an id map, not a weight
+    size = target_dims(model)[1]
+    lookup = np.full(size, -1, np.int64)
+    ids = vocab if vocab is not None else np.arange(size)
+    lookup[ids] = np.arange(len(ids))
+    rows = lm_head_rows(model, mx.array(ids)) if opts.soft_weight > 0 else None
+    schedule = WarmupCosine(opts.lr, total_steps)
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=opts.weight_decay)
+    return Trainer(
+        model, drafter, lookup, rows, optimizer, schedule, opts.soft_weight, opts.hidden_weight
+    )

@@ -1,0 +1,187 @@
+"""The autotune profile store: the best beam shape per chip + backend + model + drafter +
+dtype/quantization (+ `` | sampling`` for the one tuned with ``--temp``), in one JSON file
+(``$REDRAFTER_CACHE/profiles.json``, default ``~/.cache/redrafter-mlx``) written atomically.
+A stale or unreadable profile is ignored with a warning, never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import astuple
+from pathlib import Path
+
+from redrafter_mlx.core.atomic import write_text
+from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.llm import compute_dtype
+from redrafter_mlx.core.paths import cache_dir
+from redrafter_mlx.core.shape import DEFAULT_SHAPE, SHAPE_FIELDS, BeamShape
+from redrafter_mlx.tuning.device import chip_info
+
+PROFILE_VERSION = 1
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def profile_key(
+    chip: dict, model_id: str, drafter_id: str | None, dtype: str, quantization: object
+) -> str:
+    """One string key: chip (+ BLAS on CPU), backend, model, drafter, dtype/quantization."""
+    quant = "none" if not quantization else json.dumps(quantization, sort_keys=True)
+    parts = [
+        chip.get("chip"),
+        chip.get("blas"),
+        chip.get("backend"),
+        model_id,
+        drafter_id,
+        dtype,
+        quant,
+    ]
+    return " | ".join(str(p) for p in parts if p is not None)
+
+
+def fingerprint(*paths: str | None) -> str:
+    """Size + mtime of the weight files under ``paths``: changes when a model is retrained."""
+    h = hashlib.sha1()
+    for p in paths:
+        if p is None:
+            continue
+        path = Path(p)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        for f in files:
+            try:
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+            except OSError:
+                h.update(f"{f}:missing;".encode())
+    return h.hexdigest()[:16]
+
+
+def runtime_identity(runtime) -> tuple[str, str]:
+    """(profile key, fingerprint) of a loaded runtime."""
+    dtype = str(compute_dtype(runtime.model)).replace("mlx.core.", "")
+    quant = runtime.config.get("quantization") if isinstance(runtime.config, dict) else None
+    key = profile_key(chip_info(), str(runtime.model_id), runtime.drafter_id, dtype, quant)
+    return key, fingerprint(runtime.model_id, runtime.drafter_id)
+
+
+def store_path() -> Path:
+    return cache_dir() / "profiles.json"
+
+
+def read_store(path: Path | None = None) -> dict:
+    """The profile store ``{"version", "profiles": {key: entry}}``; raises ValueError if corrupt."""
+    path = path or store_path()
+    if not path.exists():
+        return {"version": PROFILE_VERSION, "profiles": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable profile store ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
+        raise ValueError(f"{path}: not a profile store (no 'profiles' object)")
+    return data
+
+
+def write_store(data: dict, path: Path | None = None) -> None:
+    """Write the store atomically: a temp file in the same folder, then a rename."""
+    write_text(path or store_path(), json.dumps(data, indent=2, default=str) + "\n")
+
+
+def save_profile(key: str, entry: dict, path: Path | None = None) -> None:
+    """Add or replace one profile; an unreadable store is replaced (with a warning)."""
+    try:
+        data = read_store(path)
+    except ValueError as e:
+        warn(f"{e}; starting a new store")
+        data = {"version": PROFILE_VERSION, "profiles": {}}
+    data["version"] = PROFILE_VERSION
+    data["profiles"][key] = entry
+    write_store(data, path)
+
+
+def entry_shape(entry: dict) -> BeamShape:
+    """A stored profile's shape; raises (TypeError, KeyError, ValueError...) when malformed."""
+    width, length, *more = entry["shape"]  # [W, L], [W, L, min_prob] or [W, L, p, search]
+    floor = float(more[0]) if more else 0.0
+    search = int(more[1]) if len(more) > 1 else 0
+    return BeamShape(int(width), int(length), floor, search)
+
+
+def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | None:
+    """The stored shape for ``key``, or None (warning on stderr when stale or corrupt)."""
+    try:
+        data = read_store(path)
+        entry = data["profiles"].get(key)
+        if entry is None:
+            return None
+        if data.get("version") != PROFILE_VERSION or entry.get("fingerprint") != fp:
+            warn(
+                "ignoring a stale autotune profile (model or drafter changed): rerun "
+                "`redrafter-mlx autotune`"
+            )
+            return None
+        return entry_shape(entry)
+    except Exception as e:  # a profile must never break generation
+        warn(f"ignoring the autotune profile: {e}")
+        return None
+
+
+SAMPLING = " | sampling"  # suffix of the profile key tuned with --temp > 0
+
+
+def lookup_profile(runtime, *, sampling: bool = False) -> tuple[BeamShape, str] | None:
+    """The autotuned shape for this chip + model + drafter and where it came from, or None.
+    ``sampling``: the profile tuned at a temperature if there is one, else the greedy one."""
+    if runtime.drafter_id is None:
+        return None
+    try:
+        key, fp = runtime_identity(runtime)
+    except Exception as e:
+        warn(f"ignoring the autotune profile: {e}")
+        return None
+    if sampling and (shape := find_profile(key + SAMPLING, fp)) is not None:
+        return shape, "autotune profile, sampling"
+    shape = find_profile(key, fp)
+    return None if shape is None else (shape, "autotune profile")
+
+
+def resolve_shape(
+    runtime, *, overrides: dict | None = None, sampling: bool = False
+) -> tuple[BeamShape, str]:
+    """The beam shape to use and where it came from. Each field in ``overrides`` (BeamShape
+    field names: ``width``, ``length``, ``min_prob``, ``search_width``) overrides its field; the
+    others come from the autotune profile (if this chip, model and drafter have one; with
+    ``sampling`` the one tuned for sampling, if any), else from the default. A profile the
+    drafter cannot search (more beams than its vocabulary) is ignored with a warning."""
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if len(given) < len(SHAPE_FIELDS):
+        found = lookup_profile(runtime, sampling=sampling)
+        if found and not _searchable(runtime, found[0]):
+            found = None
+        base, source = found or (DEFAULT_SHAPE, "default")
+        if not given:
+            return base, source
+        source = f"flags + {source}"
+    else:  # every field given: no profile read (nor its warnings)
+        base, source = DEFAULT_SHAPE, "flags"
+    fields = dict(zip(SHAPE_FIELDS, astuple(base), strict=True)) | given
+    try:
+        return BeamShape(**fields), source
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _searchable(runtime, shape: BeamShape) -> bool:
+    """Whether ``runtime``'s drafter can search ``shape``; warns when it cannot."""
+    vocab = runtime.drafter.drafter.args.draft_vocab if runtime.drafter else None
+    if vocab is None or shape.searched <= vocab:
+        return True
+    warn(
+        f"ignoring the autotune profile {shape.describe()}: {shape.searched} beams exceed the "
+        f"drafter's vocabulary ({vocab} tokens); rerun `redrafter-mlx autotune`"
+    )
+    return False

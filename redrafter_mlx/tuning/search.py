@@ -1,0 +1,287 @@
+"""The autotune search: the fastest beam shape (W, L) for this chip, model and drafter.
+
+Legend: W beam width, L beam length, T packed tree nodes.
+
+Search: successive halving over the W x L grid on short held-out prompts (never MT-Bench),
+measuring real tokens/s with the benchmark's own timer (:func:`measure.measure`). Every round
+runs all surviving shapes once on the next prompt, in a shuffled order (so drift hits all
+alike), then keeps the best ~30% until three finalists remain, which get extra rounds.
+
+A single run is 20-30% noisy here, too noisy to rank shapes that differ by 5%. But a run's
+tokens/s is ``tokens per step / seconds per step``, and only the second factor is noisy
+(greedy acceptance is exact); seconds per step is a smooth function of the shape. So each
+round fits one small cost model over *all* runs (``seconds/step ~ 1, T, T^2, L-1, W(L-1)``,
+relative least squares) and ranks a shape by its own tokens/step over the modelled cost,
+corrected by its own mean residual shrunk towards zero (``n / (n + SHRINK)``). Noise then
+averages over every run instead of the one or two each shape gets.
+
+With ``temp`` > 0 the runs sample (reseeded per prompt, the same stream for every shape):
+tokens/step is then random too, and the same averaging over all runs absorbs it. Sampling
+accepts fewer drafts than greedy decoding, so its best shape is often shorter.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.tuning.device import chip_info
+from redrafter_mlx.tuning.measure import REDRAFTER, Method, measure
+from redrafter_mlx.tuning.profiles import runtime_identity
+
+DEFAULT_WIDTHS = tuple(range(1, 9))
+
+
+DEFAULT_LENGTHS = tuple(range(2, 7))
+
+
+KEEP = 0.3  # fraction of shapes kept per round
+
+
+FINALISTS = 3
+
+
+FINAL_ROUNDS = 4  # rounds the finalists get (including the one that made them finalists)
+
+
+SHRINK = 12.0  # runs of its own before a shape's residual counts half
+
+
+# Short generic held-out prompts (not MT-Bench, not training data).
+HELDOUT_PROMPTS = (
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short poem about autumn leaves.",
+    "What are three tips for learning a new language?",
+    "Describe the water cycle in simple terms.",
+    "Give me a recipe for a quick vegetable soup.",
+    "Why is the sky blue? Answer in a few sentences.",
+)
+
+
+@dataclass
+class Observation:
+    """One run of one shape: tokens/step (exact, greedy), seconds/step (noisy), tree size T."""
+
+    shape: BeamShape
+    prompt: int
+    tokens_per_step: float
+    seconds_per_step: float
+    tree_size: float
+
+    @property
+    def tps(self) -> float:
+        return self.tokens_per_step / max(self.seconds_per_step, 1e-12)
+
+
+Measure = Callable[[BeamShape, int], Observation]
+
+
+def _features(shape: BeamShape, tree: float) -> list[float]:
+    searched, n = shape.searched, shape.length  # drafting: L - 1 depths of S beams
+    return [1.0, tree, tree * tree / 16.0, n - 1.0, searched * (n - 1.0)]
+
+
+def fit_cost(observations: Sequence[Observation]) -> Callable[[BeamShape, float], float]:
+    """Seconds/step model from all runs (relative least squares) -> ``log seconds``."""
+    x = np.array([_features(o.shape, o.tree_size) for o in observations])
+    y = np.array([o.seconds_per_step for o in observations])
+    beta = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)[0]
+
+    def log_cost(shape: BeamShape, tree: float) -> float:
+        return math.log(max(float(np.dot(_features(shape, tree), beta)), 1e-9))
+
+    return log_cost
+
+
+def scores(
+    observations: Sequence[Observation], shapes: Sequence[BeamShape], *, shrink: float = SHRINK
+) -> dict[BeamShape, float]:
+    """Estimated log tokens/s of each shape: own tokens/step over the modelled cost, plus the
+    shape's own mean residual shrunk by ``n / (n + shrink)``."""
+    log_cost = fit_cost(observations)
+    out = {}
+    for shape in shapes:
+        own = [o for o in observations if o.shape == shape]
+        tree = statistics.fmean(o.tree_size for o in own)
+        resid = statistics.fmean(
+            math.log(o.seconds_per_step) - log_cost(shape, o.tree_size) for o in own
+        )
+        accepted = statistics.fmean(o.tokens_per_step for o in own)
+        out[shape] = (
+            math.log(accepted) - log_cost(shape, tree) - len(own) / (len(own) + shrink) * resid
+        )
+    return out
+
+
+@dataclass
+class SearchResult:
+    best: BeamShape
+    # tokens/s per shape: halving keeps each shape's estimate from the last round that ranked
+    # it (eliminated shapes keep their last one); the full grid, its measured median
+    estimates: dict[BeamShape, float]
+    observations: list[Observation] = field(default_factory=list)
+
+
+def successive_halving(
+    shapes: Sequence[BeamShape],
+    measure: Measure,
+    *,
+    num_prompts: int,
+    seed: int = 0,
+    keep: float = KEEP,
+    finalists: int = FINALISTS,
+    final_rounds: int = FINAL_ROUNDS,
+    shrink: float = SHRINK,
+    on_run: Callable[[BeamShape], None] | None = None,
+) -> SearchResult:
+    """Rounds over prompts ``0, 1, ...`` (mod ``num_prompts``); see the module docstring."""
+    rng = np.random.default_rng(seed)
+    alive, observations, ranked = list(shapes), [], {}
+    extra, rnd = None, 0
+    while True:
+        for i in rng.permutation(len(alive)):
+            observations.append(measure(alive[i], rnd % num_prompts))
+            if on_run:
+                on_run(alive[i])
+        rnd += 1
+        est = scores(observations, alive, shrink=shrink)
+        ranked |= {s: math.exp(v) for s, v in est.items()}
+        alive.sort(key=lambda s: -est[s])
+        if len(alive) <= finalists:
+            extra = final_rounds - 1 if extra is None else extra - 1
+            if extra <= 0:
+                return SearchResult(alive[0], ranked, observations)
+        else:
+            alive = alive[: max(finalists, math.ceil(len(alive) * keep))]
+
+
+def full_grid(
+    shapes: Sequence[BeamShape],
+    measure: Measure,
+    *,
+    num_prompts: int,
+    repetitions: int = 1,
+    seed: int = 0,
+    on_run: Callable[[BeamShape], None] | None = None,
+) -> SearchResult:
+    """Every shape on every prompt ``repetitions`` times (shuffled order); best = the highest
+    median over prompts of per-prompt median tokens/s (the bench's figure)."""
+    rng = np.random.default_rng(seed)
+    observations = []
+    for _ in range(repetitions):
+        for prompt in range(num_prompts):
+            for i in rng.permutation(len(shapes)):
+                observations.append(measure(shapes[i], prompt))
+                if on_run:
+                    on_run(shapes[i])
+    med = {s: grid_tps(observations, s) for s in shapes}
+    best = max(shapes, key=lambda s: med[s])
+    return SearchResult(best, med, observations)
+
+
+def grid_tps(observations: Sequence[Observation], shape: BeamShape) -> float:
+    """Median over prompts of the per-prompt median tokens/s of ``shape``."""
+    per: dict[int, list[float]] = {}
+    for o in observations:
+        if o.shape == shape:
+            per.setdefault(o.prompt, []).append(o.tps)
+    return statistics.median(statistics.median(v) for v in per.values())
+
+
+def make_measure(
+    runtime, prompts: Sequence[list[int]], *, max_tokens: int, temp: float = 0.0, seed: int = 0
+) -> Measure:
+    """A ``Measure`` that generates with the benchmark's timer (``bench.measure``); with
+    ``temp`` > 0 it samples, reseeded per prompt (every shape sees the same random stream)."""
+
+    def run(shape: BeamShape, prompt: int) -> Observation:
+        result = measure(
+            runtime,
+            Method(REDRAFTER, shape),
+            prompts[prompt],
+            max_tokens=max_tokens,
+            temp=temp,
+            seed=seed + prompt if temp else None,
+        )
+        steps = max(result.steps, 1)
+        tree = statistics.fmean(result.tree_sizes) if result.tree_sizes else 1.0
+        after_first = len(result.token_latencies)
+        return Observation(
+            shape,
+            prompt,
+            max(after_first, 1) / steps,
+            max(sum(result.token_latencies), 1e-9) / steps,
+            tree,
+        )
+
+    return run
+
+
+def heldout_prompt_ids(runtime, count: int, texts: Sequence[str] = HELDOUT_PROMPTS):
+    """The first ``count`` of ``texts`` (default: the built-in held-out prompts) as chat
+    token ids ``[ids, ...]``."""
+    return [rt.encode_chat(runtime, [{"role": "user", "content": p}]) for p in texts[:count]]
+
+
+def table(result: SearchResult) -> list[dict]:
+    """Per-shape rows: runs, tokens/step, tree size, median measured and estimated tokens/s."""
+    rows = []
+    for shape, estimate in sorted(result.estimates.items(), key=lambda kv: -kv[1]):
+        own = [o for o in result.observations if o.shape == shape]
+        rows.append(
+            {
+                "beam_width": shape.width,
+                "beam_length": shape.length,
+                "min_prob": shape.min_prob,
+                "search_width": shape.searched,
+                "runs": len(own),
+                "tokens_per_step": round(statistics.fmean(o.tokens_per_step for o in own), 3),
+                "mean_tree_size": round(statistics.fmean(o.tree_size for o in own), 2),
+                "measured_tps": round(statistics.median(o.tps for o in own), 3),
+                "estimated_tps": round(estimate, 3),
+            }
+        )
+    return rows
+
+
+def profile_entry(
+    runtime,
+    result: SearchResult,
+    *,
+    method: str,
+    seconds: float,
+    max_tokens: int,
+    temp: float = 0.0,
+    prompts: str | None = None,
+) -> dict:
+
+    _, fp = runtime_identity(runtime)
+    return {
+        "shape": [
+            result.best.width,
+            result.best.length,
+            result.best.min_prob,
+            result.best.searched,
+        ],
+        "method": method,
+        "fingerprint": fp,
+        "chip": chip_info(),
+        "model": str(runtime.model_id),
+        "drafter": runtime.drafter_id,
+        "mlx": mx.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(seconds, 1),
+        "max_tokens": max_tokens,
+        "temp": temp,
+        "prompts": prompts or "built-in",
+        "tokens_per_second": round(result.estimates[result.best], 3),
+        "table": table(result),
+    }
