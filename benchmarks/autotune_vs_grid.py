@@ -1,7 +1,7 @@
 """Autotune (successive halving) against the exhaustive W x L grid, in one session.
 
 Both use the same runtime, held-out prompts, token budget and timer (``bench.measure`` via
-``autotune.make_measure``); every shape is compiled once before either is timed. Reports the
+``search.make_measure``); every shape is compiled once before either is timed. Reports the
 grid's own tokens/s of the shape autotune chose relative to the grid's best, and the ratio of
 wall times.
 
@@ -28,10 +28,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.cli import autotune
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
-from redrafter_mlx.tuning.measure import environment
+from redrafter_mlx.tuning import search
+from redrafter_mlx.tuning.measure import REDRAFTER, Method, environment, warm_up
 
 
 class SyntheticDrafter:
@@ -70,7 +70,7 @@ def synthetic_measure(runtime, prompts, references, p: float, max_tokens: int):
     def measure(shape, prompt):
         drafter = SyntheticDrafter(runtime.drafter, references[prompt], p, vocab)
         fresh = dataclasses.replace(runtime, drafter=drafter)
-        return autotune.make_measure(fresh, prompts, max_tokens=max_tokens)(shape, prompt)
+        return search.make_measure(fresh, prompts, max_tokens=max_tokens)(shape, prompt)
 
     return measure
 
@@ -100,21 +100,21 @@ def main() -> None:
     shapes = [
         BeamShape(int(w), int(n)) for w in args.widths.split(",") for n in args.lengths.split(",")
     ]
-    prompts = autotune.heldout_prompt_ids(runtime, args.num_prompts)
+    prompts = search.heldout_prompt_ids(runtime, args.num_prompts)
     if args.synthetic_acceptance is None:
-        measure = autotune.make_measure(runtime, prompts, max_tokens=args.max_tokens)
+        measure = search.make_measure(runtime, prompts, max_tokens=args.max_tokens)
     else:
         refs = references_for(runtime, prompts, args.max_tokens)
         measure = synthetic_measure(
             runtime, prompts, refs, args.synthetic_acceptance, args.max_tokens
         )
     tic = time.perf_counter()
-    autotune.warm_up(runtime, shapes, prompts[0])
+    warm_up(runtime, [Method(REDRAFTER, s) for s in shapes], prompts[0])
     warm = time.perf_counter() - tic
     log = lambda s: print(f"  W{s.width}L{s.length}", end="", flush=True, file=sys.stderr)
     print(f"warm-up {warm:.0f} s; autotune:", file=sys.stderr)
     tic = time.perf_counter()
-    tuned = autotune.successive_halving(
+    tuned = search.successive_halving(
         shapes, measure, num_prompts=len(prompts), seed=args.seed, on_run=log
     )
     tuned_s = time.perf_counter() - tic
@@ -123,7 +123,7 @@ def main() -> None:
         file=sys.stderr,
     )
     tic = time.perf_counter()
-    grid = autotune.full_grid(
+    grid = search.full_grid(
         shapes,
         measure,
         num_prompts=len(prompts),
@@ -141,13 +141,13 @@ def main() -> None:
             "shape": [tuned.best.width, tuned.best.length],
             "seconds": tuned_s,
             "runs": len(tuned.observations),
-            "table": autotune.table(tuned),
+            "table": search.table(tuned),
         },
         "grid": {
             "shape": [grid.best.width, grid.best.length],
             "seconds": grid_s,
             "runs": len(grid.observations),
-            "table": autotune.table(grid),
+            "table": search.table(grid),
         },
         "grid_tps_of_autotune_choice": chosen_tps,
         "grid_best_tps": best_tps,

@@ -19,20 +19,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.cli.bench import _forward_seconds
 from redrafter_mlx.core import llm
 from redrafter_mlx.io import runtime as rt
-from redrafter_mlx.tuning.measure import environment
+from redrafter_mlx.tuning.measure import _forward_seconds, environment
 
 
 def _timed(model, cache, count: int, compiled: bool) -> float:
     """One forward + LM head over ``count`` tokens, compiled or through the modules."""
-    default = llm.COMPILED_MAX_ROWS
-    llm.COMPILED_MAX_ROWS = default if compiled else 0
-    try:
-        return _forward_seconds(model, cache, count)
-    finally:
-        llm.COMPILED_MAX_ROWS = default
+    return _forward_seconds(model, cache, count, compiled=compiled)
 
 
 def main() -> None:

@@ -31,9 +31,10 @@ if __name__ == "__main__":
 
 import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloaded BLAS)
 
-from redrafter_mlx import llm  # noqa: E402
-from redrafter_mlx import runtime as rt  # noqa: E402
-from redrafter_mlx.cli.bench import environment  # noqa: E402
+from redrafter_mlx.backend.plan import CPU_PLAN  # noqa: E402
+from redrafter_mlx.core import llm  # noqa: E402
+from redrafter_mlx.io import runtime as rt  # noqa: E402
+from redrafter_mlx.tuning.measure import environment  # noqa: E402
 
 
 def _seconds(fn) -> float:
@@ -64,7 +65,7 @@ def _products(matrices: list[mx.array], count: int) -> list[mx.array]:
     outs = []
     for w in matrices:
         x = mx.ones((count, w.shape[1]))
-        outs.append(w @ x.T if count in llm.TRANSPOSED_ROWS else x @ w.T)
+        outs.append(w @ x.T if count in CPU_PLAN.transposed_rows else x @ w.T)
     return outs
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.core import atomic, llm
 from redrafter_mlx.core.accept import accepted_lengths, greedy
 from redrafter_mlx.core.decode import Decoder, Step
@@ -300,6 +301,7 @@ def path_hidden(model, ids: list[int]) -> mx.array:
         llm.chain_mask(0, n),
         llm.make_cache(model),
         compiled=False,
+        plan=plan_for(),
     )
 
 

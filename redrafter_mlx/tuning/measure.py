@@ -277,13 +277,14 @@ def timed_runs(
     return totals
 
 
-def _forward_seconds(model, cache, count: int) -> float:
+def _forward_seconds(model, cache, count: int, *, compiled: bool = True) -> float:
     """Wall time of one target forward + LM head over ``count`` new tokens after the cache."""
     tokens = mx.zeros((count,), mx.int32)
     positions = mx.arange(cache.offset, cache.offset + count)
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
     tic = time.perf_counter()
-    mx.eval(llm.lm_head(model, llm.forward(model, tokens, positions, mask, cache)))
+    hidden = llm.forward(model, tokens, positions, mask, cache, compiled=compiled, plan=plan_for())
+    mx.eval(llm.lm_head(model, hidden))
     return time.perf_counter() - tic
 
 
@@ -292,7 +293,8 @@ def forward_cost_ratio(model, count: int, *, context: int = 128, repetitions: in
     runs after ``context`` cached tokens. Speedup is bounded by tokens/step / this ratio."""
     cache = llm.make_cache(model)
     tokens = mx.arange(context) % 100 + 10
-    mx.eval(llm.forward(model, tokens, mx.arange(context), llm.chain_mask(0, context), cache))
+    prefix = llm.chain_mask(0, context)
+    mx.eval(llm.forward(model, tokens, mx.arange(context), prefix, cache, plan=plan_for()))
     cache.commit(list(range(context)))
     one, many = [], []
     for rep in range(repetitions + 1):
