@@ -16,9 +16,8 @@ import os
 import sys
 from collections.abc import Callable
 
-# Neither imports MLX: the re-exec must come before MLX is loaded.
+# It imports no MLX: the re-exec must come before MLX is loaded.
 from redrafter_mlx.backend.blas import reexec_with_blas
-from redrafter_mlx.core.errors import ReDrafterError
 
 COMMANDS = {
     "generate": ("redrafter_mlx.cli.generate", "generate text (ReDrafter by default)"),
@@ -82,14 +81,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(command: Callable[[], None]) -> None:
-    """Run a command; a library error (:class:`ReDrafterError`) becomes ``error: <its one
-    line>`` and exit status 1; Ctrl-C and a closed output pipe end it quietly (no traceback).
-    Commands that can say more about an interrupt (chat, autotune, train) catch it themselves."""
+    """Run a command; Ctrl-C and a closed output pipe end it quietly (no traceback). Each
+    command's ``main`` turns library errors into their one-line messages itself
+    (``flags.reports_errors``), so it says the same when called from Python. Commands that can
+    say more about an interrupt (chat, autotune, train) catch it themselves."""
     try:
         command()
-    except ReDrafterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         raise SystemExit(130) from None

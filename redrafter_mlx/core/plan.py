@@ -25,7 +25,3 @@ class Plan:
     tree_sizes: tuple[int, ...] = ()
     # Prompt tokens per prefill forward.
     prefill_chunk: int = 512
-
-    @property
-    def name(self) -> str:
-        return "generic" if self == Plan() else "cpu-tuned"

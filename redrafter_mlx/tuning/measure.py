@@ -31,7 +31,7 @@ from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import PHASES
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.generate import stream_steps, tokens_per_step
 from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape
 from redrafter_mlx.core.tree import verified_size
 from redrafter_mlx.io.runtime import Runtime, encode_chat, make_decoder
@@ -392,7 +392,7 @@ def summarize_method(
         "prompt_tps": statistics.median(r.prompt_tokens / max(r.prompt_seconds, 1e-9) for r in runs)
         if runs
         else 0.0,
-        "tokens_per_step": sum(k * n for k, n in hist.items()) / max(steps, 1),
+        "tokens_per_step": tokens_per_step(hist, steps),
         "accept_histogram": {str(k): hist[k] for k in sorted(hist)},
         "syncs_per_step": sum(run.syncs for run in runs) / max(steps, 1),
         "latency_p50_ms": 1e3 * (_pct(lat, 50) or 0.0),

@@ -13,6 +13,7 @@ from dataclasses import astuple
 from pathlib import Path
 
 from redrafter_mlx.core.atomic import write_text
+from redrafter_mlx.core.draft import check_width
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.paths import cache_dir
@@ -177,11 +178,13 @@ def resolve_shape(
 
 def _searchable(runtime, shape: BeamShape) -> bool:
     """Whether ``runtime``'s drafter can search ``shape``; warns when it cannot."""
-    vocab = runtime.drafter.drafter.args.draft_vocab if runtime.drafter else None
-    if vocab is None or shape.searched <= vocab:
+    if runtime.drafter is None:
         return True
-    warn(
-        f"ignoring the autotune profile {shape.describe()}: {shape.searched} beams exceed the "
-        f"drafter's vocabulary ({vocab} tokens); rerun `redrafter-mlx autotune`"
-    )
-    return False
+    try:
+        check_width(runtime.drafter.drafter, shape.searched)
+    except ValueError as e:
+        warn(
+            f"ignoring the autotune profile {shape.describe()}: {e}; rerun `redrafter-mlx autotune`"
+        )
+        return False
+    return True
