@@ -63,7 +63,8 @@ def truncate_log(path: Path, step: int) -> None:
 def finished(state: dict, *, patience: int, max_minutes: float) -> bool:
     """Whether a checkpoint's run ended: all its steps, early stopping, or its ``max_minutes``."""
     ran_out = "total_steps" in state and state["step"] >= state["total_steps"]
-    timed_out = max_minutes and state.get("seconds", 0.0) >= max_minutes * 60
+    # in minutes, as the option is given: seconds / 60 * 60 need not give the seconds back
+    timed_out = max_minutes and state.get("seconds", 0.0) / 60 >= max_minutes
     return bool(ran_out or state.get("bad", 0) >= patience or timed_out)
 
 
