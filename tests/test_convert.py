@@ -458,6 +458,24 @@ def test_drafter_model_pt_converts(tmp_path):
 # bad inputs: one-line messages, nothing left on disk
 
 
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 32,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+    "partial_rotary_factor": 0.25,
+    "head_dim": 16,
+}
+
+
 def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
     src = tmp / f"bad-{kind}"
     shutil.copytree(tiny, src)
@@ -468,9 +486,8 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
         cfg["model_type"] = "gpt_bogus"
     elif kind == "shape":
         cfg["intermediate_size"] = 6
-    elif kind == "sliding":
-        cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
-        cfg["sliding_window"] = 4
+    elif kind == "hybrid":  # a tiny Qwen3-Next: linear-attention (recurrent) layers
+        cfg.update(QWEN3_NEXT)
     elif kind == "dynamic-rope":
         cfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     elif kind == "truncated":
@@ -486,7 +503,7 @@ BAD_HF = {
     "architecture": "unsupported architecture",
     "shape": "do not match config",
     "truncated": "truncated safetensors",
-    "sliding": "unsupported: sliding-window attention",
+    "hybrid": "layer 0 is Qwen3NextGatedDeltaNet, a layer with recurrent state",
     "dynamic-rope": "unsupported: dynamic RoPE",
 }
 

@@ -386,7 +386,7 @@ def test_sampling_matches_target_distribution(temp, top_p, width, search):
 
 def test_prompts_run_on_modules_and_only_decode_steps_compile():
     model = tiny_llama(seed=5)
-    decoder, cache = Decoder(model, GREEDY), llm.make_cache(model)
+    decoder, cache = Decoder(model, GREEDY, plan=CPU_PLAN), llm.make_cache(model)
     decoder.prefill(cache, [3, 5, 7, 11, 13])  # any prompt length: no kernels built for it
     assert "_redrafter_compiled" not in model.__dict__
     steps = decoder.autoregressive(llm.make_cache(model), [3, 5, 7])

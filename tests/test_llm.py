@@ -13,9 +13,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.backend.plan import CPU_PLAN
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.tree import pack_beams, tree_mask
 
 PREFIX = [3, 14, 15, 9, 2, 6]
@@ -99,11 +100,11 @@ def test_quantized_target_gets_float_cache_and_same_tokens():
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
+@pytest.mark.parametrize("plan", [Plan(llama_layers=True), CPU_PLAN])
 def test_compiled_small_forwards_equal_module_forward(quantized, plan):
-    """Decode-sized forwards run compiled layer halves (on the CPU plan with W @ x.T
-    projections at 2-3 rows); they must match running mlx-lm's modules directly (the prefill
-    path)."""
+    """On the specialised Llama path decode-sized forwards run compiled layer halves (on the
+    CPU plan with W @ x.T projections at 2-3 rows); they must match running mlx-lm's modules
+    directly (the prefill path)."""
     model = tiny_llama(seed=7, tie=True)
     if quantized:
         nn.quantize(model, group_size=32, bits=8)
@@ -186,7 +187,9 @@ def test_fused_projections_keep_module_weights():
     model = tiny_llama(seed=3)
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     cache = llm.make_cache(model)
-    mx.eval(llm.forward(model, mx.array([1, 2]), mx.arange(2), llm.chain_mask(0, 2), cache))
+    tokens, mask = mx.array([1, 2]), llm.chain_mask(0, 2)
+    mx.eval(llm.forward(model, tokens, mx.arange(2), mask, cache, plan=CPU_PLAN))
+    assert "_redrafter_compiled" in model.__dict__  # the fused path ran
     after = dict(tree_flatten(model.parameters()))
     assert after.keys() == before.keys()
     for name, value in before.items():

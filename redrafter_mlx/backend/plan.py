@@ -18,6 +18,7 @@ from redrafter_mlx.core.plan import Plan
 # cost ~40 us each; grouped matmuls beat SDPA's CPU fallback; evaluating every 2 layers
 # overlaps graph building; a 16-row verify costs less than a 9..15-row one.
 CPU_PLAN = Plan(
+    llama_layers=True,
     transposed_rows=(2, 3),
     rope_tables=True,
     grouped_attention=True,

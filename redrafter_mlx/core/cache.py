@@ -23,8 +23,7 @@ class KVCache:
     ``ids`` mirrors the committed token ids on the host so a chat can reuse a shared prefix.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        self.shape = (1, num_kv_heads, 0, head_dim)
+    def __init__(self, num_layers: int, dtype: mx.Dtype):
         self.dtype = dtype
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
@@ -38,18 +37,26 @@ class KVCache:
         if needed <= self.capacity:
             return
         new_capacity = -(-needed // GROW_STEP) * GROW_STEP
-        b, h, _, d = self.shape
-        extra = (b, h, new_capacity - self.capacity, d)
         # Fresh arrays per slot: slice assignment mutates the array object in place.
         for cache in (self.keys, self.values):
             for i, old in enumerate(cache):
-                new = mx.zeros(extra, self.dtype)
-                cache[i] = new if old is None else mx.concatenate([old, new], axis=2)
+                if old is not None:
+                    b, h, _, d = old.shape
+                    extra = mx.zeros((b, h, new_capacity - self.capacity, d), self.dtype)
+                    cache[i] = mx.concatenate([old, extra], axis=2)
         self.capacity = new_capacity
+
+    def _allocate(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """A layer's first write sets its shape (layers may differ in heads and head size)."""
+        for cache, x in ((self.keys, keys), (self.values, values)):
+            b, h, _, d = x.shape
+            cache[layer] = mx.zeros((b, h, self.capacity, d), self.dtype)
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write K/V ``(1, K, T, D)`` at ``[offset, offset + T)``; return ``(1, K, S + T, D)``."""
         end = self.offset + keys.shape[2]
+        if self.keys[layer] is None:
+            self._allocate(layer, keys, values)
         self.keys[layer][..., self.offset : end, :] = keys.astype(self.dtype)
         self.values[layer][..., self.offset : end, :] = values.astype(self.dtype)
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
@@ -62,6 +69,8 @@ class KVCache:
         src = self.offset + path
         end = self.offset + path.shape[0]
         for i in range(len(self.keys)):
+            if self.keys[i] is None:
+                continue
             self.keys[i][..., self.offset : end, :] = mx.take(self.keys[i], src, axis=2)
             self.values[i][..., self.offset : end, :] = mx.take(self.values[i], src, axis=2)
 

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from redrafter_mlx.core.atomic import write_text, write_with
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import compute_dtype, lm_head, target_dims
+from redrafter_mlx.core.llm import compute_dtype, head_linear, target_dims
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 
@@ -149,8 +149,8 @@ def tensor_shapes(args: DrafterArgs) -> dict[str, tuple[int, ...]]:
 def lm_head_rows(target: nn.Module, ids: mx.array) -> mx.array:
     """The target's (frozen) LM-head rows for token ids ``(K,)`` -> ``(K, H)`` float32."""
     # The head applied to the identity gives W.T (H, V), tied/untied/quantized alike.
-    basis = mx.eye(target.args.hidden_size, dtype=compute_dtype(target))
-    return mx.stop_gradient(lm_head(target, basis).T[ids].astype(mx.float32))
+    basis = mx.eye(target_dims(target)[0], dtype=compute_dtype(target))
+    return mx.stop_gradient(head_linear(target, basis).T[ids].astype(mx.float32))
 
 
 def random_drafter(target_hidden: int, target_vocab: int, seed: int = 0, **kwargs) -> Drafter:

@@ -1,14 +1,22 @@
-"""The target's verify forward over an mlx-lm Llama-family model's own submodules.
+"""The target's verify forward over an mlx-lm model's own modules.
 
 Legend: T new tokens, S cached tokens, H hidden size, V vocab.
 
 Every token carries an explicit position, and attention uses an explicit boolean mask over
 ``cache + T``, so the same forward serves prefill (a chain), autoregressive steps (T = 1) and
-tree verification (a packed tree of draft tokens). Each token gets its own RoPE position by
-moving tokens to the batch axis, where RoPE applies one offset per row, or (a device
-:class:`~redrafter_mlx.core.plan.Plan` may ask) from cos/sin tables computed once per forward.
-What a plan changes is numerically the same forward; the generic plan is mlx-lm's own modules
-and MLX's fused attention.
+tree verification (a packed tree of draft tokens).
+
+The generic path runs the model's own ``model.model(tokens, cache=...)`` (any mlx-lm
+architecture whose layers are attention layers): each layer gets a :class:`TreeLayerCache`
+that writes its K/V into our :class:`KVCache`, hands the layer the tree mask through
+``make_mask`` (windowed for sliding-window layers, by position), and whose ``offset`` is the
+tokens' positions; each RoPE module is wrapped (:class:`TokenRope`) to rotate every token at
+its own position by moving the tokens to the batch axis, where RoPE takes one offset per row.
+
+A device :class:`~redrafter_mlx.core.plan.Plan` may ask for the specialised path instead
+(``llama_layers``): plain Llama/Qwen2 blocks run as compiled halves around attention with
+fused projections, RoPE from shared cos/sin tables and grouped attention. Numerically it is
+the same forward.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import RotatingKVCache
 
 from redrafter_mlx.core.cache import KVCache
 from redrafter_mlx.core.plan import Plan
@@ -26,9 +36,17 @@ GENERIC = Plan()
 
 
 def compute_dtype(model: nn.Module) -> mx.Dtype:
-    """Floating dtype of activations (a quantized model's scales dtype, never uint32)."""
+    """Floating dtype of activations: the embedding's weight, or a quantized embedding's
+    floating scales (affine), or else (microscaled formats keep uint8 scales) the first
+    floating parameter, e.g. a norm's weight."""
     embed = model.model.embed_tokens
-    return embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype
+    for x in (getattr(embed, "scales", None), embed.weight):
+        if x is not None and mx.issubdtype(x.dtype, mx.floating):
+            return x.dtype
+    for _, x in tree_flatten(model.parameters()):
+        if mx.issubdtype(x.dtype, mx.floating):
+            return x.dtype
+    raise ValueError("the model has no floating-point parameters to take a dtype from")
 
 
 def target_dims(model: nn.Module) -> tuple[int, int]:
@@ -44,10 +62,8 @@ def target_dims(model: nn.Module) -> tuple[int, int]:
 
 
 def make_cache(model: nn.Module) -> KVCache:
-    """An empty pre-allocating KV cache shaped for ``model``."""
-    attn = model.model.layers[0].self_attn
-    head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads  # rows = out features, quantized too
-    return KVCache(len(model.model.layers), attn.n_kv_heads, head_dim, compute_dtype(model))
+    """An empty pre-allocating KV cache for ``model`` (each layer shaped by its first write)."""
+    return KVCache(len(model.model.layers), compute_dtype(model))
 
 
 def _matmul(weight: mx.array, x: mx.array, transposed: bool) -> mx.array:
@@ -112,6 +128,7 @@ def rope_tables(attn, positions: mx.array, dtype: mx.Dtype) -> tuple[mx.array, m
     traditional (interleaved) or partial, or not an ``nn.RoPE``-like module.
     """
     rope, d = attn.rope, attn.k_proj.weight.shape[0] // attn.n_kv_heads
+    rope = rope.inner if isinstance(rope, TokenRope) else rope
     if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != d:
         return None
     t, half = positions.shape[0], d // 2
@@ -233,18 +250,35 @@ def forward(
     """Run the target over ``tokens (T,)`` at ``positions (T,)``; return final-norm hidden (T, H).
 
     ``mask (T, S + T)`` is boolean (True = may attend), ``None`` means attend to everything
-    (one token). K/V are written at ``cache.offset`` and not committed. ``compiled=False`` keeps
-    a forward of any T on mlx-lm's modules: prompts have arbitrary lengths, and each new T
-    would compile new kernels (seconds of g++ on CPU, during which Ctrl-C is ignored).
-    ``plan``: the device's way of running it (:mod:`redrafter_mlx.backend.plan`).
+    (one token). K/V are written at ``cache.offset`` and not committed. ``plan``: the device's
+    way of running it (:mod:`redrafter_mlx.backend.plan`). ``compiled=False`` keeps the
+    specialised path's forward of any T uncompiled: prompts have arbitrary lengths, and each
+    new T would compile new kernels (seconds of g++ on CPU, during which Ctrl-C is ignored).
     """
     cache.reserve(tokens.shape[0])
     positions = positions.astype(mx.int32)
+    if plan.llama_layers and has_llama_layers(model):
+        return _llama_forward(model, tokens, positions, mask, cache, compiled, plan)
+    return _model_forward(model, tokens, positions, mask, cache)
+
+
+def _model_forward(model, tokens, positions, mask, cache: KVCache) -> mx.array:
+    """The generic path: the model's own ``model.model`` with one tree cache per layer."""
+    caches = [
+        TreeLayerCache(cache, i, positions, mask, window)
+        for i, window in enumerate(_prepared(model))
+    ]
+    return model.model(tokens[None], cache=caches)[0]
+
+
+def _llama_forward(model, tokens, positions, mask, cache: KVCache, compiled: bool, plan: Plan):
+    """The specialised path (``plan.llama_layers``) over plain Llama/Qwen2 blocks."""
     h = model.model.embed_tokens(tokens)[None]
     before, after = _layer_blocks(model, tokens.shape[0], compiled, plan)
     layers = model.model.layers
     dtype = compute_dtype(model)
-    tables = rope_tables(layers[0].self_attn, positions, dtype) if plan.rope_tables else None
+    shared = plan.rope_tables and _one_rope(layers)
+    tables = rope_tables(layers[0].self_attn, positions, dtype) if shared else None
     rope_args = tables or (positions,)
     every = plan.async_layers
     for i, layer in enumerate(layers):
@@ -257,11 +291,133 @@ def forward(
     return model.model.norm(h)[0]
 
 
-def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    """Final-norm hidden (..., H) -> logits (..., V)."""
+def _rope_key(rope: nn.Module) -> tuple:
+    """What tells RoPE modules apart: their type and plain settings (dims, base, scaling)."""
+    rope = rope.inner if isinstance(rope, TokenRope) else rope
+    plain = (int, float, bool, str, type(None))
+    return type(rope), sorted((k, v) for k, v in vars(rope).items() if isinstance(v, plain))
+
+
+def _one_rope(layers) -> bool:
+    """Whether every layer rotates alike (SmolLM3 leaves every few layers unrotated), so one
+    pair of RoPE tables serves them all."""
+    first = _rope_key(layers[0].self_attn.rope)
+    return all(_rope_key(x.self_attn.rope) == first for x in layers[1:])
+
+
+LLAMA_BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
+
+
+def has_llama_layers(model: nn.Module) -> bool:
+    """Whether every layer is a plain full-attention Llama or Qwen2 block (mistral loads as
+    llama): what the specialised path computes exactly."""
+    layers = model.model.layers
+    return bool(layers) and all(
+        type(x) in LLAMA_BLOCKS and not getattr(x, "use_sliding", False) for x in layers
+    )
+
+
+class TokenRope(nn.Module):
+    """A layer's RoPE module that rotates each token at its own position.
+
+    mlx-lm's attention calls ``self.rope(x, offset=cache.offset)`` with ``x (1, heads, T, D)``;
+    a :class:`TreeLayerCache`'s offset is the tokens' positions ``(T,)``. MLX's RoPE takes one
+    offset per batch row, so the tokens go to the batch axis and back. Any other call (an int
+    offset, mlx-lm's own caches) passes through unchanged.
+    """
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.inner = rope
+
+    def __call__(self, x: mx.array, offset=0, **kwargs) -> mx.array:
+        per_token = (
+            isinstance(offset, mx.array)
+            and offset.ndim == 1
+            and x.ndim == 4
+            and x.shape[0] == 1
+            and offset.shape[0] == x.shape[2] > 1
+        )
+        if not per_token:
+            return self.inner(x, offset=offset, **kwargs)
+        return self.inner(x.swapaxes(0, 2), offset=offset, **kwargs).swapaxes(0, 2)
+
+
+ROPE_NAMES = ("rope", "rotary_emb")
+
+
+def _prepared(model: nn.Module) -> list[tuple[int, int] | None]:
+    """Wrap every attention's RoPE in :class:`TokenRope` (once per model) and return each
+    layer's sliding window ``(size, keep)`` (None: full attention), read from the model's own
+    ``make_cache`` (a ``RotatingKVCache`` marks a sliding-window layer)."""
+    windows = model.__dict__.get("_redrafter_windows")
+    if windows is not None:
+        return windows
+    for _, module in model.model.named_modules():
+        for name in ROPE_NAMES:
+            rope = module.get(name)
+            if isinstance(rope, nn.Module) and not isinstance(rope, TokenRope):
+                module[name] = TokenRope(rope)
+    layer_caches = model.make_cache() if hasattr(model, "make_cache") else []
+    windows = [None] * len(model.model.layers)
+    for i, c in enumerate(layer_caches[: len(windows)]):
+        if isinstance(c, RotatingKVCache):
+            windows[i] = (c.max_size, c.keep)
+    model.__dict__["_redrafter_windows"] = windows  # a plain attribute, not a parameter
+    return windows
+
+
+class TreeLayerCache:
+    """One layer's cache as mlx-lm's attention modules use it, over our :class:`KVCache`.
+
+    ``offset`` is the positions ``(T,)`` (for :class:`TokenRope`), ``update_and_fetch`` writes
+    the layer's new K/V ``(1, K, T, D)`` and returns ``(1, K, S + T, D)``, ``make_mask`` returns
+    the forward's mask ``(T, S + T)``, narrowed by position on sliding-window layers (a key
+    ``k`` is seen from ``q`` when ``pos(q) - pos(k) < window``, or among the first ``keep``).
+    Cached tokens sit at positions ``0 .. S - 1``.
+    """
+
+    def __init__(self, cache: KVCache, layer: int, positions, mask, window=None):
+        self.cache, self.layer = cache, layer
+        self.offset = positions
+        self.mask, self.window = mask, window
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.cache.write(self.layer, keys, values)
+
+    def make_mask(self, n: int, *, window_size: int | None = None, **_) -> mx.array | None:
+        size, keep = (window_size, 0) if window_size else (self.window or (None, 0))
+        if size is None:
+            return self.mask
+        s = self.cache.offset
+        key_positions = mx.concatenate([mx.arange(s, dtype=mx.int32), self.offset])
+        seen = self.offset[:, None] - key_positions[None] < size
+        if keep:
+            seen = seen | (mx.arange(s + n) < keep)[None]
+        return seen if self.mask is None else seen & self.mask
+
+
+def head_linear(model: nn.Module, hidden: mx.array) -> mx.array:
+    """Final-norm hidden (..., H) -> the output projection (..., V), before any logit
+    transform (the LM head's own matrix, or the tied embedding's)."""
     if hasattr(model, "lm_head"):
         return model.lm_head(hidden)
     return model.model.embed_tokens.as_linear(hidden)
+
+
+def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
+    """Final-norm hidden (..., H) -> logits (..., V), as the model's own ``__call__`` ends:
+    the output projection, then soft-capping (Gemma 2) or a logit scale where the model has
+    one."""
+    logits = head_linear(model, hidden)
+    args = getattr(model, "args", None)
+    cap = getattr(args, "final_logit_softcapping", None)
+    if cap:
+        logits = mx.tanh(logits / cap) * cap
+    scale = getattr(args, "logits_scaling", None)  # granite
+    if scale:
+        logits = logits / scale
+    return logits
 
 
 def chain_mask(cached: int, new: int) -> mx.array:

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Plan:
+    # Plain Llama/Qwen2 layers run the forward's own compiled, fused blocks instead of the
+    # model's own modules (``llm.has_llama_layers``); the other fields below tune that path.
+    llama_layers: bool = False
     # Row counts T whose projections run as ``W @ x.T`` instead of ``x @ W.T``.
     transposed_rows: tuple[int, ...] = ()
     # RoPE's cos/sin computed once per forward and shared by the layers, instead of each

@@ -11,12 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from redrafter_mlx.core.errors import LoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-ATTN_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-LAYER_ATTRS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+# What a layer's cache may be (mlx-lm's ``make_cache``) for its K/V to roll back: plain and
+# sliding-window attention. Recurrent state (ArraysCache, MambaCache, ...), chunked or
+# composite caches cannot drop a rejected draft.
+ATTENTION_CACHES = (KVCache, RotatingKVCache)
+# A layer's submodules that are not what makes it recurrent (named by the refusal otherwise)
+COMMON_PARTS = re.compile(r"norm|mlp|moe|feedforward|expert|embedding|^self_attn$", re.I)
 
 
 def one_line(text: object) -> str:
@@ -80,21 +84,66 @@ def read_config(path: Path) -> dict[str, Any]:
         config = load_config(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoadError(f"{cfg_file}: not valid JSON ({one_line(e)})") from e
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise LoadError(
-            f"{cfg_file}: unsupported architecture model_type={model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
     check_attention(config, cfg_file)
+    check_layers(build_empty(config, cfg_file), config, cfg_file)
     return config
 
 
+def model_classes(config: dict[str, Any], where: Path) -> tuple[type, type]:
+    """mlx-lm's ``(Model, ModelArgs)`` classes for ``config``'s ``model_type``."""
+    from mlx_lm.utils import _get_classes
+
+    if not config.get("model_type"):
+        raise LoadError(f"{where}: unsupported architecture (no model_type)")
+    try:
+        return _get_classes(config)
+    except ValueError as e:
+        raise LoadError(
+            f"{where}: unsupported architecture model_type={config['model_type']!r} "
+            f"(mlx-lm has no such model: {one_line(e)})"
+        ) from e
+
+
+def build_empty(config: dict[str, Any], where: Path) -> nn.Module:
+    """The mlx-lm model ``config`` describes, with its (lazy, never evaluated) initial weights:
+    its structure, before any weights are read."""
+    model_class, args_class = model_classes(config, where)
+    try:
+        return model_class(args_class.from_dict(config))
+    except Exception as e:  # a config mlx-lm cannot build from: missing or odd fields
+        raise LoadError(f"{where}: unsupported architecture ({one_line(e)})") from e
+
+
+def check_layers(model: nn.Module, config: dict[str, Any], where: Path) -> None:
+    """Refuse a model with a layer whose cache is not attention K/V (the model's own
+    ``make_cache``): a recurrent or state-space layer cannot roll back a rejected draft."""
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    for i, cache in enumerate(caches):
+        if type(cache) in ATTENTION_CACHES:
+            continue
+        layers = getattr(model, "layers", None) or []
+        kind = _layer_kind(layers[i]) if i < len(layers) else type(cache).__name__
+        raise LoadError(
+            f"{where}: unsupported: {config.get('model_type')} layer {i} is {kind}, a layer "
+            f"with recurrent state ({type(cache).__name__}), which cannot roll back a rejected "
+            "draft; ReDrafter verifies trees on models whose layers are all attention layers"
+        )
+
+
+def _layer_kind(layer: nn.Module) -> str:
+    """The class name of what makes ``layer`` recurrent (e.g. GatedDeltaNet, MambaBlock): its
+    first submodule that is no norm, MLP or attention; else the layer's own class."""
+    if isinstance(layer, nn.Module):
+        for name, child in layer.children().items():
+            if isinstance(child, nn.Module) and not COMMON_PARTS.search(name):
+                if not COMMON_PARTS.search(type(child).__name__):
+                    return type(child).__name__
+    return type(layer).__name__
+
+
 def check_attention(config: dict[str, Any], where: Path) -> None:
-    """Refuse what the verify forward (explicit masks, per-token RoPE offsets) does not do:
-    sliding-window layers and dynamic RoPE scaling (it needs the sequence length)."""
-    if "sliding_attention" in (config.get("layer_types") or []):
-        raise LoadError(f"{where}: unsupported: sliding-window attention layers (layer_types)")
+    """Refuse dynamic RoPE scaling: it rescales by the sequence length, which a tree of
+    per-token positions does not have."""
     scaling = config.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind == "dynamic":
@@ -102,17 +151,16 @@ def check_attention(config: dict[str, Any], where: Path) -> None:
 
 
 def check_structure(model: nn.Module, where: Path) -> None:
-    """Raise LoadError unless ``model`` has the Llama-shaped submodules the verify forward uses."""
+    """Raise LoadError unless ``model`` has what the verify forward uses: ``model.model`` with
+    ``embed_tokens`` and ``layers`` (its own ``__call__`` runs the layers), and an output
+    projection (``lm_head`` or a tied embedding)."""
     inner = getattr(model, "model", None)
-    missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(inner, a)]
-    if not missing:
-        layer = inner.layers[0] if inner.layers else None
-        missing += [a for a in LAYER_ATTRS if not hasattr(layer, a)]
-        attn = getattr(layer, "self_attn", None)
-        missing += [f"self_attn.{a}" for a in ATTN_ATTRS if not hasattr(attn, a)]
-    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
-    if not hasattr(model, "lm_head") and not tied:
-        missing.append("lm_head")
+    missing = [f"model.{a}" for a in ("embed_tokens", "layers") if not hasattr(inner, a)]
+    if inner is None:
+        missing = ["model"]
+    elif not missing and not hasattr(model, "lm_head"):
+        if not hasattr(inner.embed_tokens, "as_linear"):
+            missing.append("lm_head")
     if missing:
         raise LoadError(
             f"{where}: unsupported architecture (missing submodules: {', '.join(missing)})"

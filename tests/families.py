@@ -1,0 +1,157 @@
+"""Tiny random configs of the mlx-lm families ReDrafter's verify forward is tested on.
+
+Each is an HF-style ``config.json`` dict, instantiated through mlx-lm's own ``ModelArgs`` and
+``Model``. Sizes are the smallest that keep each family's features: grouped K/V heads, MoE
+routing, sliding windows shorter than the test sequences (so masking by position is
+exercised), soft-capping, NoPE layers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+VOCAB = 97
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+FAMILIES: dict[str, dict] = {
+    "llama": {"model_type": "llama"},
+    "llama3": {
+        "model_type": "llama",
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "tie_word_embeddings": True,
+    },
+    "mistral": {"model_type": "mistral", "head_dim": 16},
+    "ministral": {  # Llama layers with alternating sliding-window attention
+        "model_type": "mistral",
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 5,
+    },
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 5,
+        "sliding_window_pattern": 2,
+        "num_hidden_layers": 4,
+    },
+    "phi3": {"model_type": "phi3"},
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "smollm3": {"model_type": "smollm3", "no_rope_layer_interval": 2},
+}
+
+
+def config(family: str) -> dict:
+    return {**BASE, **FAMILIES[family]}
+
+
+def build(family: str, seed: int = 0) -> nn.Module:
+    """The family's tiny model with random weights (float32, evaluated)."""
+    return build_config(config(family), seed)
+
+
+def build_config(cfg: dict, seed: int = 0) -> nn.Module:
+    """mlx-lm's model for ``cfg`` with random weights, random norms included."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(cfg))
+    # norms start at ones (Gemma's at zero): random ones exercise them
+    params = [
+        (k, mx.random.normal(v.shape) * 0.5)
+        for k, v in tree_flatten(model.parameters())
+        if "norm" in k
+    ]
+    model.load_weights(params, strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def save(model: nn.Module, cfg: dict, out: Path) -> Path:
+    """Save ``model`` as an mlx-lm folder (weights + config, no tokenizer)."""
+    from mlx_lm.utils import save_config, save_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    save_config(dict(cfg), config_path=out / "config.json")
+    return out
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def model_folder(family: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
+    """The family's tiny model as an mlx-lm folder with ``tokenizer``'s files (a SentencePiece
+    tokenizer; a ChatML chat template is added, so prompts go through the tokenizer's own
+    template) and a vocabulary of the tokenizer's size."""
+    import shutil
+
+    vocab = json.loads((tokenizer / "tokenizer_config.json").read_text()).get("vocab_size", 32000)
+    cfg = {**config(family), "vocab_size": vocab, "eos_token_id": 2, "bos_token_id": 1}
+    model = build_config(cfg, seed)
+    save(model, cfg, out)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, out / f.name)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": CHATML}))
+    return out
+
+
+def exchanges(sharegpt: Path, out: Path) -> Path:
+    """Each (human, gpt) exchange of a ShareGPT file as a conversation of its own (JSONL): the
+    tiny file holds one long conversation, and training holds whole conversations out."""
+    lines = []
+    for record in json.loads(sharegpt.read_text()):
+        turns = record["conversations"]
+        for i in range(0, len(turns) - 1, 2):
+            lines.append(json.dumps({"conversations": turns[i : i + 2]}))
+    out.write_text("\n".join(lines) + "\n")
+    return out

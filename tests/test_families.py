@@ -1,0 +1,288 @@
+"""Tree verification through mlx-lm's own model classes, family by family (tests/families.py).
+
+The reference is always mlx-lm itself: its forward over each root-to-node path, and
+``mlx_lm.generate``'s greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import shared_data
+from families import FAMILIES, build, config, exchanges, model_folder, save
+from mlx_lm.generate import generate_step
+from test_chat import ask, session
+
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.cli import main
+from redrafter_mlx.core import llm
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.tree import pack_beams, tree_mask
+from redrafter_mlx.io.load import load_target
+from redrafter_mlx.io.runtime import encode_chat, load_runtime, make_decoder
+
+PLANS = {"generic": GENERIC_PLAN, "cpu": CPU_PLAN}
+PREFIX = [3, 14, 15, 9, 26, 5, 35]  # longer than gemma3_text's test window (5)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param, build(request.param)
+
+
+def random_beams(rng: np.random.Generator, width: int, length: int, vocab: int) -> np.ndarray:
+    """``(W, L)`` beams sharing their root and, often, more of a prefix (a real tree)."""
+    beams = rng.integers(0, vocab, (width, length))
+    beams[:, 0] = beams[0, 0]
+    for w in range(1, width):
+        shared = rng.integers(0, length)
+        beams[w, :shared] = beams[rng.integers(0, w), :shared]
+    return beams
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_tree_verify_equals_mlx_lm_on_each_path(family, plan):
+    name, model = family
+    rng = np.random.default_rng(len(name))
+    cache = llm.make_cache(model)
+    n = len(PREFIX)
+    llm.forward(model, mx.array(PREFIX), mx.arange(n), llm.chain_mask(0, n), cache)
+    cache.commit(PREFIX)
+    for _ in range(2):
+        beams = random_beams(rng, 4, 5, config(name)["vocab_size"])
+        tree = pack_beams(beams)
+        hidden = llm.forward(
+            model,
+            mx.array(tree.tokens),
+            mx.array(n + tree.depths),
+            tree_mask(tree, n),
+            cache,
+            plan=PLANS[plan],
+        )
+        logits = llm.lm_head(model, hidden)
+        for w, d in np.ndindex(*beams.shape):
+            path = mx.array([PREFIX + beams[w, : d + 1].tolist()])
+            node = tree.unpack[w, d]
+            want_hidden = model.model(path)[0, -1]
+            want_logits = model(path)[0, -1]
+            np.testing.assert_allclose(hidden[node], want_hidden, atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(logits[node], want_logits, atol=2e-4, rtol=1e-4)
+
+
+def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: x.argmax(-1))
+    return [int(token) for token, _ in steps]
+
+
+class PartOracle:
+    """Drafts the target's own continuation for a random number of tokens in one beam (a
+    random row), then tokens that cannot match, so each step accepts a known count and its
+    path is compacted out of the tree."""
+
+    def __init__(self, continuation: list[int], vocab: int, seed: int):
+        self.continuation, self.vocab = continuation, vocab
+        self.rng, self.start = np.random.default_rng(seed), 0
+
+    def __call__(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
+        want = np.array(self.continuation[self.start : self.start + length])
+        want = np.pad(want, (0, length - len(want)))
+        beams = (want + self.rng.integers(1, self.vocab, (width, length))) % self.vocab
+        beams[:, 0] = want[0]
+        good = int(self.rng.integers(0, length))  # drafted tokens that match
+        beams[self.rng.integers(0, width), : good + 1] = want[: good + 1]
+        self.start += good + 1
+        return mx.array(beams), None
+
+
+def test_accepted_paths_equal_mlx_lm_generate(family):
+    name, model = family
+    want = mlx_lm_greedy(model, PREFIX, 40)
+    for plan in PLANS.values():
+        oracle = PartOracle(want, config(name)["vocab_size"], seed=len(name))
+        decoder = Decoder(model, greedy, oracle, BeamShape(3, 5), plan=plan)
+        got, steps = [], 0
+        for step in decoder.speculative(decoder.new_cache(), PREFIX):
+            got, steps = got + step.tokens, steps + 1
+            if len(got) >= 40:
+                break
+        assert got[:40] == want, name
+        assert steps < 30  # drafts were accepted
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_redrafter_equals_mlx_lm_generate(family, seed):
+    name, model = family
+    hidden, vocab = llm.target_dims(model)
+    drafter = BeamDrafter(random_drafter(hidden, vocab, seed=seed), model.model.embed_tokens)
+    prompt = PREFIX[seed:]
+    want = mlx_lm_greedy(model, prompt, 32)
+    for plan in PLANS.values():
+        decoder = Decoder(model, greedy, drafter, BeamShape(4, 4), plan=plan)
+        got = []
+        for step in decoder.speculative(decoder.new_cache(), prompt):
+            got += step.tokens
+            if len(got) >= 32:
+                break
+        assert got[:32] == want, name
+
+
+def test_chat_turns_equal_autoregressive(family):
+    """A multi-turn chat reuses the cache's prefix across turns (sliding windows included)."""
+    name, model = family
+    hidden, vocab = llm.target_dims(model)
+    drafter = BeamDrafter(random_drafter(hidden, vocab, seed=5), model.model.embed_tokens)
+    fast, slow = session(model, drafter, max_tokens=12), session(model, max_tokens=12)
+    for question in ("abc", "defgh", "i"):
+        assert ask(fast, question) == ask(slow, question), name
+    assert fast.messages == slow.messages
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer and the commands, on a tiny folder of each family
+
+TOKENIZER = "vicuna-7b-v1.3-tokenizer"  # SentencePiece; the folders get a ChatML template
+PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?"]
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    """sharegpt-tiny's exchanges, one conversation each (JSONL)."""
+    out = tmp_path_factory.mktemp("data") / "exchanges.jsonl"
+    return exchanges(shared_data("sharegpt-tiny/sharegpt_tiny.json"), out)
+
+
+def train_flags(model: Path, data: Path, root: Path) -> list[str]:
+    return [
+        "train",
+        *("--model", str(model), "--data", str(data)),
+        *("--out", str(root / "drafter"), "--cache-dir", str(root / "cache")),
+        *("--heldout", "1", "--max-tokens", "4000", "--head", "own", "--draft-vocab", "64"),
+        *("--exit-dim", "64", "--batch-size", "32", "--epochs", "6", "--eval-every", "100"),
+        *("--seed", "0", "--quiet"),
+    ]
+
+
+def generated(runtime, prompt: str, shape: BeamShape, *, autoregressive: bool) -> list[int]:
+    decoder = make_decoder(runtime, shape)
+    ids = encode_chat(runtime, [{"role": "user", "content": prompt}])
+    steps = stream_steps(
+        decoder, runtime.tokenizer, ids, max_tokens=32, autoregressive=autoregressive
+    )
+    return [t for step in steps for t in step.tokens]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_drafter_trained_on_sharegpt_tiny_loads_and_decodes_exactly(
+    name, conversations, tmp_path
+):
+    folder = model_folder(name, tmp_path / "model", shared_data(TOKENIZER))
+    main(train_flags(folder, conversations, tmp_path))
+    log = (tmp_path / "drafter" / "train_log.jsonl").read_text().splitlines()
+    log = [json.loads(x) for x in log]
+    assert max(entry.get("step", 0) for entry in log) >= 200
+    runtime = load_runtime(str(folder), str(tmp_path / "drafter"), need_drafter=True)
+    for prompt in PROMPTS:
+        want = generated(runtime, prompt, BeamShape(), autoregressive=True)
+        assert len(want) == 32
+        for shape in (BeamShape(1, 2), BeamShape(4, 4)):
+            assert generated(runtime, prompt, shape, autoregressive=False) == want, shape
+
+
+# ----------------------------------------------------------------------------------------------
+# quantized targets
+
+QUANTIZED = {"4bit": (64, 4, "affine"), "8bit": (64, 8, "affine"), "mxfp4": (32, 4, "mxfp4")}
+
+
+def quantized_folder(name: str, kind: str, out: Path) -> Path:
+    """The family's tiny model quantized by mlx-lm and saved as a folder (as mlx-community
+    publishes them: the ``quantization`` block in config.json)."""
+    from mlx_lm.utils import quantize_model
+
+    group_size, bits, mode = QUANTIZED[kind]
+    model = build(name)
+    _, cfg = quantize_model(model, config(name), group_size, bits, mode=mode)
+    return save(model, cfg, out)
+
+
+def ours(decoder: Decoder, prompt: list[int], n: int, autoregressive: bool = False) -> list[int]:
+    cache = decoder.new_cache()
+    steps = decoder.autoregressive if autoregressive else decoder.speculative
+    got = []
+    for step in steps(cache, prompt):
+        got += step.tokens
+        if len(got) >= n:
+            return got[:n]
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text"])
+def test_quantized_targets_decode_exactly(name, kind, tmp_path):
+    model, _, cfg = load_target(quantized_folder(name, kind, tmp_path / "q"), tokenizer=False)
+    assert cfg["quantization"]["bits"] == QUANTIZED[kind][1]
+    assert llm.compute_dtype(model) == mx.float32  # mxfp4's scales are uint8
+    want = mlx_lm_greedy(model, PREFIX, 40)
+    hidden, vocab = llm.target_dims(model)
+    for plan in PLANS.values():
+        assert ours(Decoder(model, greedy, plan=plan), PREFIX, 40, autoregressive=True) == want
+        oracle = PartOracle(want, vocab, seed=3)
+        assert ours(Decoder(model, greedy, oracle, BeamShape(3, 5), plan=plan), PREFIX, 40) == want
+        drafter = BeamDrafter(random_drafter(hidden, vocab, seed=2), model.model.embed_tokens)
+        assert ours(Decoder(model, greedy, drafter, BeamShape(4, 3), plan=plan), PREFIX, 40) == want
+
+
+# ----------------------------------------------------------------------------------------------
+# a user's whole path, from the command line
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    main(argv)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_qwen3_from_hf_folder_to_exact_redrafter_output(conversations, tmp_path, capsys):
+    """convert (an HF-style folder) -> train a drafter (tiny budget) -> generate with it, equal
+    to --autoregressive; then eval-drafter and bench run on the same pair."""
+    hf = model_folder("qwen3", tmp_path / "hf", shared_data(TOKENIZER))
+    model = tmp_path / "qwen3-mlx"
+    main(["convert", "--src", str(hf), "--out", str(model), "--dtype", "float32"])
+    main(train_flags(model, conversations, tmp_path))
+    drafter = str(tmp_path / "drafter")
+    for prompt in PROMPTS:
+        base = ["generate", "--model", str(model), "--prompt", prompt, "--max-tokens", "24"]
+        want = run_json(capsys, [*base, "--autoregressive", "--json"])
+        shape = ["--beam-width", "4", "--beam-length", "4"]
+        got = run_json(capsys, [*base, "--drafter", drafter, *shape, "--json"])
+        assert got["mode"] == "redrafter" and want["mode"] == "autoregressive"
+        assert got["tokens"] == want["tokens"] and len(want["tokens"]) == 24
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    pair = ["--model", str(model), "--drafter", drafter, "--prompts", str(prompts)]
+    report = run_json(capsys, [
+        "eval-drafter", *pair, "--max-tokens", "16", "--beam-width", "1,2",
+        "--beam-length", "3", "--json",
+    ])  # fmt: skip
+    assert report
+    out = tmp_path / "bench"
+    main([
+        "bench", *pair, "--num-prompts", "1", "--max-tokens", "12", "--repetitions", "1",
+        "--beam-width", "2", "--beam-length", "3", "--timed-prompts", "0", "--out", str(out),
+    ])  # fmt: skip
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    assert {r["kind"] for r in rows} >= {"mlx-lm", "redrafter"}, rows
+    assert all(r["exact"] for r in rows), rows
+    main([
+        "autotune", *pair, "--num-prompts", "1", "--max-tokens", "12", "--beam-width", "1,2",
+        "--beam-length", "2,3", "--repetitions", "1", "--no-save",
+    ])  # fmt: skip
+    assert "best: W=" in capsys.readouterr().out
