@@ -20,7 +20,7 @@ from redrafter_mlx.core.errors import LoadError
 # composite caches cannot drop a rejected draft.
 ATTENTION_CACHES = (KVCache, RotatingKVCache)
 # A layer's submodules that are not what makes it recurrent (named by the refusal otherwise)
-COMMON_PARTS = re.compile(r"norm|mlp|moe|feedforward|expert|embedding|^self_attn$", re.I)
+COMMON_PARTS = re.compile(r"norm|mlp|moe|feed_?forward|expert|embed|^self_attn$|^attention$", re.I)
 
 
 def one_line(text: object) -> str:
@@ -123,10 +123,15 @@ def check_layers(model: nn.Module, config: dict[str, Any], where: Path) -> None:
             continue
         layers = getattr(model, "layers", None) or []
         kind = _layer_kind(layers[i]) if i < len(layers) else type(cache).__name__
+        name = type(cache).__name__
+        what = (
+            f"attention over chunks ({name}), which ReDrafter's tree masks do not do"
+            if name == "ChunkedKVCache"
+            else f"a layer with recurrent state ({name}), which cannot roll back a rejected draft"
+        )
         raise LoadError(
-            f"{where}: unsupported: {config.get('model_type')} layer {i} is {kind}, a layer "
-            f"with recurrent state ({type(cache).__name__}), which cannot roll back a rejected "
-            "draft; ReDrafter verifies trees on models whose layers are all attention layers"
+            f"{where}: unsupported: {config.get('model_type')} layer {i} is {kind}, {what}; "
+            "ReDrafter verifies trees on models whose layers are all attention layers"
         )
 
 

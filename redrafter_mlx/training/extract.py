@@ -111,7 +111,7 @@ def _note_short(cache: Cache, opts: ExtractOptions) -> None:
 
 def fingerprint(model) -> str:
     """A short hash of the target's embedding (tells caches of different targets apart)."""
-    row = llm.lm_head(model, mx.ones((1, model.args.hidden_size)))
+    row = llm.lm_head(model, mx.ones((1, llm.target_dims(model)[0])))
     return hashlib.sha1(np.array(row.astype(mx.float32)).round(3).tobytes()).hexdigest()[:12]
 
 

@@ -310,7 +310,7 @@ def draft_cost_ratio(runtime: Runtime, shape: BeamShape, *, repetitions: int = 7
     search runs to full depth: where a ``min_prob`` floor stops it depends on the step."""
     model, drafter = runtime.model, runtime.drafter
     cache = llm.make_cache(model)
-    context = mx.zeros((model.args.hidden_size,), llm.compute_dtype(model))
+    context = mx.zeros((llm.target_dims(model)[0],), llm.compute_dtype(model))
     pending = mx.array(10)
     drafts, forwards = [], []
     for _ in range(repetitions + 1):
