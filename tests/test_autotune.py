@@ -13,10 +13,11 @@ import pytest
 from conftest import toy_tokenizer
 from rich.console import Console
 
+from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.cli import autotune
 from redrafter_mlx.cli.flags import shape_overrides
 from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape
+from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning import profiles, search
 from redrafter_mlx.tuning.search import Observation
@@ -194,7 +195,7 @@ def resolve(args, runtime):
 
 
 def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
-    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
+    assert resolve(shape_args(), runtime) == (default_shape(), "default")
     key, fp = profiles.runtime_identity(runtime)
     profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     assert (tmp_path / "cache" / "profiles.json").exists()
@@ -220,7 +221,7 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
 def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
     key, fp = profiles.runtime_identity(runtime)
     sampled = argparse.Namespace(**vars(shape_args()), temp=0.7)
-    assert resolve(sampled, runtime) == (DEFAULT_SHAPE, "default")
+    assert resolve(sampled, runtime) == (default_shape(), "default")
     profiles.save_profile(key, {"shape": [3, 5, 0.3, 0], "fingerprint": fp})
     assert resolve(sampled, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
     profiles.save_profile(key + profiles.SAMPLING, {"shape": [1, 2], "fingerprint": fp})
@@ -235,7 +236,7 @@ def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
 
 
 def test_shape_flags_without_a_profile_fill_in_the_default_shape(runtime):
-    d = DEFAULT_SHAPE
+    d = default_shape()
     assert resolve(shape_args(search_width=8), runtime) == (
         BeamShape(d.width, d.length, d.min_prob, 8),
         "flags + default",
@@ -258,14 +259,14 @@ def test_retrained_drafter_makes_the_profile_stale(runtime, tmp_path, capsys):
     key, fp = profiles.runtime_identity(runtime)
     profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     (tmp_path / "drafter" / "model.safetensors").write_bytes(b"retrained weights")
-    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
+    assert resolve(shape_args(), runtime) == (default_shape(), "default")
     assert "stale" in capsys.readouterr().err
 
 
 def test_corrupt_store_never_breaks_resolve_shape(runtime, tmp_path, capsys):
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "profiles.json").write_bytes(b"\xff\x00garbage")
-    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
+    assert resolve(shape_args(), runtime) == (default_shape(), "default")
     assert "warning" in capsys.readouterr().err
 
 
@@ -324,6 +325,6 @@ def test_a_profile_wider_than_the_draft_vocabulary_is_ignored_with_a_warning(run
     key, fp = profiles.runtime_identity(runtime)
     vocab = runtime.drafter.drafter.args.draft_vocab
     profiles.save_profile(key, {"shape": [vocab + 1, 3], "fingerprint": fp})
-    assert resolve(shape_args(), runtime) == (DEFAULT_SHAPE, "default")
+    assert resolve(shape_args(), runtime) == (default_shape(), "default")
     assert f"{vocab + 1} beams exceed the drafter's vocabulary" in capsys.readouterr().err
     assert resolve(shape_args(width=2), runtime) == (BeamShape(2, 2), "flags + default")

@@ -10,9 +10,10 @@ from collections import Counter
 import pytest
 from conftest import toy_tokenizer
 
+from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.cli import bench
 from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape
+from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.prompts import load_prompts
 from redrafter_mlx.io.runtime import Runtime
 from redrafter_mlx.tuning import measure
@@ -231,7 +232,7 @@ def test_grid_flags(runtime):
     with pytest.raises(SystemExit):  # a floor outside [0, 1)
         bench.shapes_from_args(bench.setup_arg_parser().parse_args(["--min-prob", "1"]), runtime)
     default = bench.shapes_from_args(bench.setup_arg_parser().parse_args([]), runtime)
-    assert DEFAULT_SHAPE in default and len(set(default)) == len(default)
+    assert default_shape() in default and len(set(default)) == len(default)
 
 
 def test_rotation_interleaves():

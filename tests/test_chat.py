@@ -293,14 +293,14 @@ def test_reset_and_system_prompt(target):
 
 EXPECTED_SCRIPT = """
 import json, sys
-from redrafter_mlx.core.shape import DEFAULT_SHAPE
+from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.cli.chat import encoder
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.generate import stream_steps
 record = json.load(open(sys.argv[1]))
 runtime = rt.load_runtime(None, None, need_drafter=False)
-decoder = rt.make_decoder(runtime, DEFAULT_SHAPE)
+decoder = rt.make_decoder(runtime, default_shape())
 encode, messages, out = encoder(runtime), record["messages"], []
 for i, m in enumerate(messages):
     if m["role"] == "assistant":

@@ -225,3 +225,18 @@ def test_text_that_is_not_utf8_is_named_by_byte_and_offset(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--prompt", "-"])
     assert "stdin: byte 0x80 at byte offset 1" in capsys.readouterr().err
+
+
+def test_a_missing_mlx_backend_says_which_extra_to_install():
+    """A Linux install without the cpu/cuda extra has mlx without libmlx: one line, exit 1."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['mlx'] = None  # as if mlx could not load its backend\n"
+        "from redrafter_mlx.cli import main; main(['generate', '--prompt', 'hi'])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert "redrafter-mlx[cpu]" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -182,17 +182,27 @@ def test_near_the_context_end_redrafter_stops_where_plain_decoding_does(
 
 
 def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
-    """With a floor the drafter reads its best score after each depth but the last and stops
-    once it is below the floor: a step reads 1 + (drafted depths, at most L - 2) times."""
+    """With a floor and the CPU plan's early stop the drafter reads its best score after each
+    depth but the last and stops once it is below the floor: a step reads 1 + (drafted depths,
+    at most L - 2) times. The generic plan drafts every depth: one read per step, and the same
+    tokens and trees."""
     for min_prob, most in ((1e-9, 3), (0.5, 3)):
-        decoder = Decoder(target, GREEDY, beam_drafter, BeamShape(4, 4, min_prob))
-        steps = itertools.islice(decoder.speculative(decoder.new_cache(), PROMPT), 1, 30)
-        syncs = [step.syncs for step in steps]
+        shape = BeamShape(4, 4, min_prob)
+        runs = {}
+        for plan in (CPU_PLAN, GENERIC_PLAN):
+            decoder = Decoder(target, GREEDY, beam_drafter, shape, plan=plan)
+            steps = list(itertools.islice(decoder.speculative(decoder.new_cache(), PROMPT), 1, 30))
+            runs[plan] = steps
+        syncs = [step.syncs for step in runs[CPU_PLAN]]
         assert all(1 < s <= most for s in syncs)
         if min_prob == 1e-9:
             assert set(syncs) == {3}  # never stops early
         else:
             assert min(syncs) == 2  # a random drafter is rarely 50% sure: stops at depth 1
+        assert {step.syncs for step in runs[GENERIC_PLAN]} == {1}
+        assert [(s.tokens, s.tree_size) for s in runs[GENERIC_PLAN]] == [
+            (s.tokens, s.tree_size) for s in runs[CPU_PLAN]
+        ]
 
 
 def test_compiled_and_eager_beam_search_agree(target, drafter):

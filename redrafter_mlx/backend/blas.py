@@ -11,8 +11,9 @@ faster here (benchmarks/README.md):
   against a weight matrix, about 2x OpenBLAS's speed on x86-64 with AVX2) and passes every other
   product on.
 
-``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either. This module
-must not import MLX.
+``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either;
+``REDRAFTER_CPU_TUNING=0`` out of both, and so does an installed CUDA backend with an NVIDIA
+driver (MLX then multiplies on the GPU). This module must not import MLX.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from redrafter_mlx.backend.switches import cpu_tuning_enabled, cuda_backend_installed
 from redrafter_mlx.core.paths import cache_dir
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -109,6 +111,8 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     what it holds already. The kernel comes only with a BLAS to pass other products on to."""
     if not sys.platform.startswith("linux"):
         return None
+    if not cpu_tuning_enabled(env) or cuda_backend_installed():
+        env = {**env, "REDRAFTER_NO_SMALLROWS": "1", "REDRAFTER_NO_OPENBLAS": "1"}
     current = _preload_list(env)
     kept = current
     if env.get("REDRAFTER_NO_SMALLROWS"):  # also when inherited from a parent that had it

@@ -7,16 +7,18 @@ execute, testable on a machine without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
+from redrafter_mlx.backend.switches import cpu_tuning_enabled
 from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.shape import BeamShape
 
 # Each choice was measured on a 2-core x86 CPU with OpenBLAS (benchmarks/README.md: "verify
 # forward", "verify cost"): 2-3-row projections cost less transposed; RoPE angles per call
 # cost ~40 us each; grouped matmuls beat SDPA's CPU fallback; evaluating every 2 layers
-# overlaps graph building; a 16-row verify costs less than a 9..15-row one.
+# overlaps graph building; a 16-row verify costs less than a 9..15-row one; W1 L2 is the
+# fastest shape autotune found here. A drafter pass costs more than a host read here, so a
+# floored search stops early; MLX's CPU float16 matmuls are slow, so the drafter stays float32.
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -24,13 +26,17 @@ CPU_PLAN = Plan(
     grouped_attention=True,
     async_layers=2,
     tree_sizes=(*range(1, 9), 16, 32),
+    prefill_chunk=512,
+    draft_early_stop=True,
+    drafter_float32=True,
+    default_shape=BeamShape(width=1, length=2),
 )
 GENERIC_PLAN = Plan()
 
 
-def cpu_tuning_enabled() -> bool:
-    """False when ``REDRAFTER_CPU_TUNING=0`` (or ``false``/``off``) is set."""
-    return os.environ.get("REDRAFTER_CPU_TUNING", "1").strip().lower() not in ("0", "false", "off")
+def default_shape() -> BeamShape:
+    """The beam shape where no autotune profile or flag gives one, for where MLX runs now."""
+    return plan_for().default_shape
 
 
 def plan_for(device: mx.Device | None = None) -> Plan:

@@ -72,12 +72,31 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
 
     def command() -> None:  # importing a command takes seconds: Ctrl-C may come meanwhile
-        module = importlib.import_module(COMMANDS[name][0])
+        module = import_command(COMMANDS[name][0])
         parser = module.setup_arg_parser()
         parser.prog = f"redrafter-mlx {name}"
         module.main(parser.parse_args(rest))
 
     run(command)
+
+
+NO_BACKEND = (
+    "error: MLX has no backend installed ({error}); on Linux install one extra: "
+    "pip install 'redrafter-mlx[cpu]', or 'redrafter-mlx[cuda]' with an NVIDIA GPU "
+    "(make setup picks one)"
+)
+
+
+def import_command(module: str):
+    """A command's module; a missing MLX backend (a Linux install without the ``cpu`` or
+    ``cuda`` extra) ends with one line saying which extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if not (e.name or "").startswith("mlx") and "libmlx" not in str(e):
+            raise
+        print(NO_BACKEND.format(error=" ".join(str(e).split())), file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def run(command: Callable[[], None]) -> None:

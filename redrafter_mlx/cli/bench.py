@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
+from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail, read_prompts
 from redrafter_mlx.core import atomic
 from redrafter_mlx.core.decode import PHASES
-from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape, shape_grid
+from redrafter_mlx.core.shape import BeamShape, shape_grid
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH
 from redrafter_mlx.tuning.measure import BenchConfig, bench_methods, run_bench
@@ -221,18 +222,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
     """The grid from flags; without flags the short default grid plus the decoder's default
     shape and the autotuned one."""
+    default = default_shape()
     if args.beam_width or args.beam_length or args.min_prob or args.search_width:
-        widths = args.beam_width or [DEFAULT_SHAPE.width]
-        lengths = args.beam_length or [DEFAULT_SHAPE.length]
-        floors = args.min_prob or [DEFAULT_SHAPE.min_prob]
-        searches = args.search_width or [DEFAULT_SHAPE.search_width]
+        widths = args.beam_width or [default.width]
+        lengths = args.beam_length or [default.length]
+        floors = args.min_prob or [default.min_prob]
+        searches = args.search_width or [default.search_width]
         try:
             return shape_grid(widths, lengths, floors, searches)
         except ValueError as e:
             fail(str(e))
     shapes = [BeamShape(w, n) for w in DEFAULT_WIDTHS for n in DEFAULT_LENGTHS]
     found = lookup_profile(runtime, sampling=args.temp > 0)
-    for extra in (DEFAULT_SHAPE, found and found[0]):
+    for extra in (default, found and found[0]):
         if extra and extra not in shapes:
             shapes.append(extra)
     return shapes

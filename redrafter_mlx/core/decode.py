@@ -86,8 +86,11 @@ class Decoder:
             self.model, tokens, positions, mask, cache, compiled=compiled, plan=self.plan
         )
 
+    def _has_room(self, cache: KVCache, needed: int) -> bool:
+        return self.max_context is None or cache.offset + needed <= self.max_context
+
     def _check_room(self, cache: KVCache, needed: int) -> None:
-        if self.max_context is not None and cache.offset + needed > self.max_context:
+        if not self._has_room(cache, needed):
             raise ContextFull(
                 f"context full: {cache.offset} cached + {needed} new tokens exceed the "
                 f"model's {self.max_context}-token context"
@@ -112,8 +115,7 @@ class Decoder:
         sizes = [1] if autoregressive else verified_sizes(self.shape, self.plan.tree_sizes)
         cache = self.new_cache()
         prompt = mx.zeros((2,), mx.int32)
-        mask = llm.chain_mask(0, 2)
-        hidden = self._forward(prompt, mx.arange(2), mask, cache, compiled=False)
+        hidden = self._forward(prompt, mx.arange(2), llm.CAUSAL, cache, compiled=False)
         logits = llm.lm_head(self.model, hidden)
         mx.eval(logits)
         for size in sorted({1, *sizes}):
@@ -125,7 +127,7 @@ class Decoder:
             mx.eval(hidden, choose(rows, self.sampler))
         if not autoregressive and self.drafter is not None:
             pending = mx.array(0, mx.int32)
-            self.drafter.warm_up(hidden[-1], pending, **self.shape.search_options())
+            self.drafter.warm_up(hidden[-1], pending, **self._search_options())
         if self.seed is not None:
             mx.random.seed(self.seed)
 
@@ -140,27 +142,38 @@ class Decoder:
             hidden = self._forward(
                 mx.array(chunk),
                 positions,
-                llm.chain_mask(cache.offset, len(chunk)),
+                llm.CAUSAL,
                 cache,
                 compiled=False,  # fixed shapes only: decode steps, not prompts
             )
             mx.eval(hidden, *cache.state())  # bound the graph per chunk
+            mx.clear_cache()  # a chunk's activations are large: give them back (as mlx-lm)
             cache.commit(chunk)
         logits = llm.lm_head(self.model, hidden[-1:])
         token = choose(logits, self.sampler)[0]
         return token.astype(mx.int32), hidden[-1]
 
     def autoregressive(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
-        """Plain decoding with the same forward: one target pass, one token, one sync per step."""
+        """Plain decoding with the same forward: one target pass, one token, one sync per step.
+
+        Pipelined as mlx-lm's loop is: the next token's forward is built from the current
+        token while it is still on the device, and handed to MLX (``async_eval``) before the
+        current token is read, so the device never waits for Python between steps. Each
+        yielded token is in the cache (its K/V written, committed) by the time it is yielded,
+        but for the last one a full context has no room for.
+        """
         token, _ = self.prefill(cache, prompt)
-        token = token.item()  # host read: the first token
-        yield Step([token])
+        token = token[None]  # (1,)
         while True:
-            self._check_room(cache, 1)
-            choice, _ = self._one_token(cache, mx.array([token]))
-            cache.commit([token])
-            token = choice.item()  # host read: the next token
-            yield Step([token])
+            if not self._has_room(cache, 1):
+                yield Step([token.item()])  # the context's last token: no K/V needed
+                self._check_room(cache, 1)  # raises ContextFull
+            choice, _ = self._one_token(cache, token)  # writes this token's K/V
+            mx.async_eval(choice)
+            value = token.item()  # host read: this token (the next one is computing)
+            cache.commit([value])
+            yield Step([value])
+            token = choice
 
     def speculative(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
         """ReDrafter decoding: each step emits 1..L tokens with one target pass."""
@@ -221,7 +234,16 @@ class Decoder:
     def _draft(self, context: mx.array, token: mx.array) -> tuple[mx.array, mx.array | None]:
         """The drafter's beams ``(W, L)`` (and log-probs) of the current shape from the
         hidden state ``context (H,)`` and the pending ``token ()``, lazily."""
-        return self.drafter(context, token, **self.shape.search_options())
+        return self.drafter(context, token, **self._search_options())
+
+    def _search_options(self) -> dict:
+        """The drafter's options for this shape. Without the plan's early stop a floored search
+        drafts every depth (no host read per depth); the step prunes the tree by the same
+        floor after its one read, so the verified tree is the same."""
+        options = self.shape.search_options()
+        if not self.plan.draft_early_stop:
+            options["min_prob"] = 0.0
+        return options
 
     def _first_draft(self, context: mx.array, pending: mx.array):
         """Draft from the prompt's (or any) state: one host read -> ``(read, draft)``, where

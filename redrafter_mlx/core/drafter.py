@@ -105,7 +105,8 @@ class Drafter(nn.Module):
         """Copy the target's LM-head rows for the draft vocabulary (``head == "target"`` only)."""
         if self.args.head != "target":
             return
-        self._target_rows = lm_head_rows(target, self.draft_ids(mx.arange(self.args.draft_vocab)))
+        rows = lm_head_rows(target, self.draft_ids(mx.arange(self.args.draft_vocab)))
+        self._target_rows = rows.astype(self.lm_head[-1].weight.dtype)  # the drafter's dtype
         mx.eval(self._target_rows)
 
     def draft_ids(self, index: mx.array) -> mx.array:
@@ -169,8 +170,12 @@ def save_drafter(drafter: Drafter, out: Path | str) -> None:
     write_text(Path(out) / "config.json", json.dumps(asdict(drafter.args), indent=2) + "\n")
 
 
-def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:
-    """Load a drafter folder (reference format or ours), check it against ``target``, eval it."""
+def load_drafter(
+    path: Path | str, target: nn.Module | None = None, dtype: mx.Dtype | None = None
+) -> Drafter:
+    """Load a drafter folder (reference format or ours), check it against ``target``, eval it;
+    its floating weights cast to ``dtype`` when given (the target's LM-head rows it scores with
+    too)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise DrafterError(f"{path}: a file, not a drafter folder (config.json, safetensors)")
@@ -200,6 +205,8 @@ def load_drafter(path: Path | str, target: nn.Module | None = None) -> Drafter:
         raise DrafterError(
             f"{weights_file}: does not match its config.json (layers or sizes): {_short(e)}"
         ) from None
+    if dtype is not None:
+        drafter.set_dtype(dtype)
     mx.eval(drafter.parameters())
     if target is not None:
         drafter.bind_target(target)

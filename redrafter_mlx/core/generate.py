@@ -13,11 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 
 from redrafter_mlx.core.cache import KVCache
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.stops import first_stop
+
+CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm: 256 tokens)
 
 
 def tokens_per_step(histogram: dict[int, int], steps: int) -> float:
@@ -136,7 +139,18 @@ def stream_steps(
     Stop strings are looked for token by token and text that may begin one is held back, so
     the text and tokens returned do not depend on how tokens were grouped into steps: a
     ReDrafter answer stops exactly where the autoregressive one does.
+
+    As mlx-lm's generation does, it raises Metal's wired memory limit to the recommended
+    working set meanwhile (a no-op elsewhere), and returns MLX's cached buffers to the system
+    every ``CLEAR_CACHE_EVERY`` steps (each cache growth leaves the old buffers there).
     """
+    with wired_limit(decoder.model):
+        yield from _stream_steps(
+            decoder, tokenizer, prompt, max_tokens, autoregressive, stop_strings, cache
+        )
+
+
+def _stream_steps(decoder, tokenizer, prompt, max_tokens, autoregressive, stop_strings, cache):
     cache = decoder.new_cache() if cache is None else cache
     steps = (decoder.autoregressive if autoregressive else decoder.speculative)(cache, prompt)
     stats = GenerationStats(prompt_tokens=len(prompt))
@@ -162,6 +176,8 @@ def stream_steps(
             stats.tree_sizes.append(step.tree_size)
             stats.accept_histogram[len(step.tokens)] += 1
             stats.generation_seconds = now - tic
+            if stats.steps % CLEAR_CACHE_EVERY == 0:
+                mx.clear_cache()
         emitted, reason = _apply_stops(step.tokens, eos, max_tokens - stats.generation_tokens)
         emitted, cut = _add_until_stop_string(detokenizer, emitted, stop_strings)
         stats.generation_tokens += len(emitted)

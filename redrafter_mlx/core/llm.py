@@ -33,6 +33,9 @@ from redrafter_mlx.core.cache import KVCache
 from redrafter_mlx.core.plan import Plan
 
 GENERIC = Plan()
+# A chain of new tokens after the cache, each attending to the cache and the chain up to it:
+# MLX's fused attention builds this mask itself (a prompt's mask is never materialised).
+CAUSAL = "causal"
 
 
 def compute_dtype(model: nn.Module) -> mx.Dtype:
@@ -250,10 +253,11 @@ def forward(
     """Run the target over ``tokens (T,)`` at ``positions (T,)``; return final-norm hidden (T, H).
 
     ``mask (T, S + T)`` is boolean (True = may attend), ``None`` means attend to everything
-    (one token). K/V are written at ``cache.offset`` and not committed. ``plan``: the device's
-    way of running it (:mod:`redrafter_mlx.backend.plan`). ``compiled=False`` keeps the
-    specialised path's forward of any T uncompiled: prompts have arbitrary lengths, and each
-    new T would compile new kernels (seconds of g++ on CPU, during which Ctrl-C is ignored).
+    (one token), :data:`CAUSAL` a chain after the cache (a prompt). K/V are written at
+    ``cache.offset`` and not committed. ``plan``: the device's way of running it
+    (:mod:`redrafter_mlx.backend.plan`). ``compiled=False`` keeps the specialised path's
+    forward of any T uncompiled: prompts have arbitrary lengths, and each new T would compile
+    new kernels (seconds of g++ on CPU, during which Ctrl-C is ignored).
     """
     cache.reserve(tokens.shape[0])
     positions = positions.astype(mx.int32)
@@ -273,6 +277,8 @@ def _model_forward(model, tokens, positions, mask, cache: KVCache) -> mx.array:
 
 def _llama_forward(model, tokens, positions, mask, cache: KVCache, compiled: bool, plan: Plan):
     """The specialised path (``plan.llama_layers``) over plain Llama/Qwen2 blocks."""
+    if isinstance(mask, str):
+        mask = chain_mask(cache.offset, tokens.shape[0])
     h = model.model.embed_tokens(tokens)[None]
     before, after = _layer_blocks(model, tokens.shape[0], compiled, plan)
     layers = model.model.layers
@@ -385,16 +391,20 @@ class TreeLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self.cache.write(self.layer, keys, values)
 
-    def make_mask(self, n: int, *, window_size: int | None = None, **_) -> mx.array | None:
+    def make_mask(
+        self, n: int, *, window_size: int | None = None, return_array: bool = False, **_
+    ) -> mx.array | str | None:
         size, keep = (window_size, 0) if window_size else (self.window or (None, 0))
+        mask, s = self.mask, self.cache.offset
+        if isinstance(mask, str) and (size is not None or return_array):
+            mask = chain_mask(s, n)  # the model (or the window) needs it as an array
         if size is None:
-            return self.mask
-        s = self.cache.offset
+            return mask
         key_positions = mx.concatenate([mx.arange(s, dtype=mx.int32), self.offset])
         seen = self.offset[:, None] - key_positions[None] < size
         if keep:
             seen = seen | (mx.arange(s + n) < keep)[None]
-        return seen if self.mask is None else seen & self.mask
+        return seen if mask is None else seen & mask
 
 
 def head_linear(model: nn.Module, hidden: mx.array) -> mx.array:

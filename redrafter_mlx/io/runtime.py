@@ -17,6 +17,7 @@ from redrafter_mlx.core.decode import Decoder, PhaseTimer
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
+from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.embedded import default_drafter_path, default_model_path, is_embedded_model
 from redrafter_mlx.io.load import load_target
@@ -50,7 +51,8 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         drafter_path = drafter or (default_drafter_path() if embedded else None)
         beam_drafter = None
         if drafter_path is not None:
-            loaded = load_drafter(drafter_path, target)
+            dtype = None if plan_for().drafter_float32 else compute_dtype(target)
+            loaded = load_drafter(drafter_path, target, dtype)
             beam_drafter = BeamDrafter(loaded, target.model.embed_tokens)
     except ReDrafterError:
         raise

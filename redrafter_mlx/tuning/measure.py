@@ -28,11 +28,11 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_off
-from redrafter_mlx.backend.plan import plan_for
+from redrafter_mlx.backend.plan import default_shape, plan_for
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import PHASES
 from redrafter_mlx.core.generate import stream_steps, tokens_per_step
-from redrafter_mlx.core.shape import DEFAULT_SHAPE, BeamShape
+from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.tree import verified_size
 from redrafter_mlx.io.runtime import Runtime, encode_chat, make_decoder
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
@@ -141,7 +141,7 @@ def run_decoder(
     timing: bool = False,
 ) -> Run:
     """This project's decode loop: autoregressive, or ReDrafter at ``method.shape``."""
-    shape = method.shape or DEFAULT_SHAPE
+    shape = method.shape or default_shape()
     decoder = make_decoder(runtime, shape, temp=temp, timing=timing)
     stream = stream_steps(
         decoder,
@@ -239,7 +239,7 @@ def warm_up(
     then page everything in with a short generation, so no timed run pays for either."""
     for method in methods:
         if method.kind not in (MLX_LM, MLX_LM_STOCK):
-            shape = method.shape or DEFAULT_SHAPE
+            shape = method.shape or default_shape()
             decoder = make_decoder(runtime, shape, temp=temp)
             decoder.warm_up(autoregressive=method.kind == AUTOREGRESSIVE)
         measure(runtime, method, prompt, max_tokens=8, temp=temp)

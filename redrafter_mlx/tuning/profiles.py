@@ -12,12 +12,13 @@ import sys
 from dataclasses import astuple
 from pathlib import Path
 
+from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.draft import check_width
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.paths import cache_dir
-from redrafter_mlx.core.shape import DEFAULT_SHAPE, SHAPE_FIELDS, BeamShape
+from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.tuning.device import chip_info
 
 PROFILE_VERSION = 1
@@ -163,12 +164,12 @@ def resolve_shape(
         found = lookup_profile(runtime, sampling=sampling)
         if found and not _searchable(runtime, found[0]):
             found = None
-        base, source = found or (DEFAULT_SHAPE, "default")
+        base, source = found or (default_shape(), "default")
         if not given:
             return base, source
         source = f"flags + {source}"
     else:  # every field given: no profile read (nor its warnings)
-        base, source = DEFAULT_SHAPE, "flags"
+        base, source = default_shape(), "flags"
     fields = dict(zip(SHAPE_FIELDS, astuple(base), strict=True)) | given
     try:
         return BeamShape(**fields), source

@@ -1,0 +1,114 @@
+"""How often greedy ReDrafter output leaves the autoregressive output in a half-precision dtype,
+and how close the target's own top two logits were where it first does.
+
+In float32 the two are equal token for token (the tests assert it). In float16 or bfloat16 a
+verify forward over T tree nodes and a one-token forward run different kernels (on a GPU:
+qmm vs qmv, gemm vs gemv, full vs vector attention), whose roundings differ, so where the
+target's top two logits are nearly tied the argmax can flip. For each prompt this runs both
+greedy decodings from the same weights, finds the first position where they differ, and
+reports the autoregressive run's logit gap (top-1 minus top-2) there, recomputed with
+mlx-lm's own forward over the prompt and the agreed prefix:
+
+    .venv/bin/python benchmarks/fp16_divergence.py --dtype float16 --num-prompts 20 \\
+        --out benchmarks/results/fp16_divergence.json
+
+It runs the generic plan (the path Metal and CUDA run) unless ``--plan cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import mlx.core as mx
+
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.io.prompts import MT_BENCH, load_prompts
+from redrafter_mlx.tuning.measure import environment
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def tokens(decoder: Decoder, prompt: list[int], n: int, autoregressive: bool) -> list[int]:
+    steps = (decoder.autoregressive if autoregressive else decoder.speculative)(
+        decoder.new_cache(), prompt
+    )
+    out: list[int] = []
+    for step in steps:
+        out += step.tokens
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
+def logit_gap(model, ids: list[int]) -> float:
+    """Top-1 minus top-2 logit of the target's next token after ``ids`` (mlx-lm's forward)."""
+    logits = model(mx.array(ids)[None])[0, -1].astype(mx.float32)
+    top2 = mx.sort(logits)[-2:]
+    return float(top2[1] - top2[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model")
+    p.add_argument("--drafter")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float16")
+    p.add_argument("--plan", choices=["generic", "cpu"], default="generic")
+    p.add_argument("--prompts", default=str(MT_BENCH))
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--beam-width", type=int, default=2)
+    p.add_argument("--beam-length", type=int, default=4)
+    p.add_argument("--out", default="benchmarks/results/fp16_divergence.json")
+    args = p.parse_args()
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    dtype = DTYPES[args.dtype]
+    runtime.model.set_dtype(dtype)
+    runtime.drafter.drafter.set_dtype(dtype)
+    runtime.drafter.drafter.bind_target(runtime.model)
+    mx.eval(runtime.model.parameters(), runtime.drafter.drafter.parameters())
+    plan = CPU_PLAN if args.plan == "cpu" else GENERIC_PLAN
+    shape = BeamShape(args.beam_width, args.beam_length)
+    plain = Decoder(runtime.model, greedy, plan=plan)
+    fast = Decoder(runtime.model, greedy, runtime.drafter, shape, plan=plan)
+    rows = []
+    prompts = [turns[0] for turns in load_prompts(args.prompts, args.num_prompts, 1)]
+    for i, text in enumerate(prompts):
+        ids = rt.encode_chat(runtime, [{"role": "user", "content": text}])
+        want = tokens(plain, ids, args.max_tokens, autoregressive=True)
+        got = tokens(fast, ids, args.max_tokens, autoregressive=False)
+        first = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+        row = {"prompt": i, "tokens": len(want), "first_divergence": first}
+        if first is not None:
+            row["logit_gap"] = logit_gap(runtime.model, ids + want[:first])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    diverged = [r for r in rows if r["first_divergence"] is not None]
+    gaps = [r["logit_gap"] for r in diverged]
+    summary = {
+        "dtype": args.dtype,
+        "plan": args.plan,
+        "shape": f"W{shape.width} L{shape.length}",
+        "prompts": len(rows),
+        "diverged": len(diverged),
+        "divergence_rate": len(diverged) / max(len(rows), 1),
+        "median_first_divergence": statistics.median(r["first_divergence"] for r in diverged)
+        if diverged
+        else None,
+        "max_logit_gap_at_divergence": max(gaps) if gaps else None,
+        "median_logit_gap_at_divergence": statistics.median(gaps) if gaps else None,
+    }
+    print(json.dumps(summary))
+    report = {"environment": environment(runtime), "summary": summary, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
