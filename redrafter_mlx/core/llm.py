@@ -244,7 +244,7 @@ def forward(
     model: nn.Module,
     tokens: mx.array,
     positions: mx.array,
-    mask: mx.array | None,
+    mask: mx.array | str | None,
     cache: KVCache,
     *,
     compiled: bool = True,
