@@ -22,7 +22,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
-.PHONY: setup preflight chat generate test test-fast bench autotune lint format clean
+.PHONY: setup preflight chat serve generate test test-fast bench autotune lint format clean
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,10 @@ $(VENV)/.installed: pyproject.toml | preflight
 
 chat: setup
 	$(VENV)/bin/redrafter-mlx chat $(ARGS)
+
+# The OpenAI API on http://127.0.0.1:8080/v1 (e.g. make serve ARGS="--port 9000").
+serve: setup
+	$(VENV)/bin/redrafter-mlx serve $(ARGS)
 
 generate: setup
 	$(VENV)/bin/redrafter-mlx generate $(ARGS)

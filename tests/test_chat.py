@@ -17,7 +17,6 @@ from redrafter_mlx.backend import blas
 from redrafter_mlx.cli.chat import (
     ChatSession,
     Command,
-    common_prefix,
     drop_oldest_turn,
     fit_history,
     parse_beam,
@@ -27,6 +26,7 @@ from redrafter_mlx.cli.chat import (
     unknown_hint,
 )
 from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter

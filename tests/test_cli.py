@@ -48,6 +48,8 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
         ("generate", ["--top-p", "2"]),
         ("generate", ["--beam-width", "0"]),  # was taken as "unset": W=1
         ("chat", ["--max-tokens", "0"]),
+        ("serve", ["--port", "-1"]),
+        ("serve", ["--queue-size", "0"]),
         ("bench", ["--num-prompts", "0"]),  # was taken as "all 80"
         ("bench", ["--max-tokens", "1"]),  # no decode step to time
         ("bench", ["--beam-width", ""]),

@@ -22,6 +22,7 @@ from redrafter_mlx.backend.blas import reexec_with_blas
 COMMANDS = {
     "generate": ("redrafter_mlx.cli.generate", "generate text (ReDrafter by default)"),
     "chat": ("redrafter_mlx.cli.chat", "terminal chat with ReDrafter"),
+    "serve": ("redrafter_mlx.cli.serve", "OpenAI-compatible HTTP server with ReDrafter"),
     "convert": ("redrafter_mlx.cli.convert", "convert a HF folder/hub id, .bin, GGUF or drafter"),
     "train": ("redrafter_mlx.cli.train", "distil a drafter for a target model"),
     "eval-drafter": ("redrafter_mlx.cli.eval_drafter", "mean tokens/step of a drafter per (W, L)"),
@@ -36,6 +37,7 @@ commands:
 
 examples:
   redrafter-mlx chat
+  redrafter-mlx serve --port 8080
   redrafter-mlx generate --prompt "What is the capital of France?"
   redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
   redrafter-mlx convert --src lmsys/vicuna-7b-v1.3 --out models/vicuna-7b --dtype float16

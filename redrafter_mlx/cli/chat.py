@@ -120,16 +120,6 @@ def unknown_hint(name: str) -> str:
 # ---------------------------------------------------------------- history + cache (pure)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
     """``messages`` without its oldest turn (a user message and the replies up to the next user
     message); ``None`` when only the last turn is left. A leading system message stays."""
@@ -267,8 +257,7 @@ class ChatSession:
         asked = self.conversation() + [{"role": "user", "content": user_text}]
         kept, ids, dropped = fit_history(asked, self.encode, self.room())
         self.messages = [m for m in kept if m["role"] != "system"]
-        reused = min(common_prefix(self.cache.ids, ids), len(ids) - 1)
-        self.cache.rewind(reused)
+        reused = self.cache.reuse_prefix(ids)
         prompt = ids[reused:]
         return prompt, Turn(len(prompt), reused, dropped)
 

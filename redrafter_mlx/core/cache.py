@@ -84,6 +84,24 @@ class KVCache:
         self.offset = min(length, self.offset)
         del self.ids[self.offset :]
 
+    def reuse_prefix(self, ids: list[int]) -> int:
+        """Rewind to the longest prefix the cache shares with ``ids`` (the token ids of a whole
+        prompt), keeping at least one of them to feed: the last one's hidden state predicts the
+        next token. Returns how many of ``ids`` are cached (``ids[n:]`` is what to feed)."""
+        reused = max(min(common_prefix(self.ids, ids), len(ids) - 1), 0)
+        self.rewind(reused)
+        return reused
+
     def state(self) -> list[mx.array]:
         """Arrays to evaluate to materialise the cache."""
         return [a for a in self.keys + self.values if a is not None]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,488 @@
+"""`redrafter-mlx serve`: an OpenAI-compatible HTTP server that decodes with ReDrafter.
+
+Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/completions``,
+``POST /v1/completions`` (whole answers, or server-sent events with ``"stream": true``),
+``GET /v1/models`` and ``GET /health``. The model, drafter, autotune profile and sampling
+flags are chat's; a request's own fields (temperature, top_p, top_k, seed, max_tokens) win.
+
+The HTTP stack is Python's own ``http.server`` (``ThreadingHTTPServer``: one thread per
+connection), the one mlx-lm's server is built on; its request handler is tied to mlx-lm's
+generator, so this module has its own. Generation runs on one worker thread
+(:class:`~redrafter_mlx.core.service.GenerationService`): requests are answered one at a
+time in arrival order, at most ``--queue-size`` wait (more get 503 with ``Retry-After``), a
+client that leaves stops its generation before the next step, and the KV cache is reused by a
+request that extends the previous conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import select
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+from redrafter_mlx.cli import flags
+from redrafter_mlx.cli import openai_api as api
+from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
+from redrafter_mlx.core.generate import StepResponse
+from redrafter_mlx.core.service import Engine, GenerationService, Job, QueueFull, Sampling, Started
+from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.io.embedded import DEFAULT_NAME
+from redrafter_mlx.tuning.profiles import resolve_shape
+
+EXAMPLES = """examples:
+  redrafter-mlx serve
+  redrafter-mlx serve --port 8080 --queue-size 4 --max-tokens 256
+  redrafter-mlx serve --model models/qwen3-1.7b-4bit --drafter drafters/qwen3-1.7b
+  redrafter-mlx serve --host 0.0.0.0   # every network interface: anyone who can reach it
+
+  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+"""
+
+MAX_BODY_BYTES = 4 << 20  # a 128k-token conversation is about 0.5 MB of text
+DRAIN_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 arrives
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class App:
+    """What every request handler shares."""
+
+    service: GenerationService
+    limits: api.Limits
+    shape_sources: dict[bool, str]  # where the greedy (False) and sampling (True) shapes came from
+    max_body_bytes: int = MAX_BODY_BYTES
+    created: int = 0  # when the server started (the model's ``created``)
+
+    def shape_source(self, started: Started, sampling: Sampling) -> str | None:
+        return None if started.shape is None else self.shape_sources[sampling.temp > 0]
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True  # a connection thread never keeps the process alive
+    request_queue_size = 64  # the listen backlog: many clients may connect at once
+
+    def __init__(self, host: str, port: int):
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self.address_family = family  # IPv6 hosts too
+        super().__init__(address, Handler)
+        self.app: App | None = None  # set once the model is ready
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests. Every error is OpenAI's JSON error object."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive for whole answers; a stream closes its connection
+    server_version = "redrafter-mlx"
+    timeout = 300  # seconds a connection may idle, or a write block on a client not reading
+    server: Server
+
+    # -- routes
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/")
+        app = self.server.app
+        if path == "/health":
+            service = app.service
+            status = "ok" if service.alive else "unavailable"
+            body = {"status": status, "busy": service.busy, "waiting": service.waiting}
+            self.send_json(200 if service.alive else 503, body)
+        elif path == "/v1/models":
+            self.send_json(200, api.models(app.limits, app.created))
+        elif path.startswith("/v1/models/"):
+            self.send_model(unquote(path.removeprefix("/v1/models/")))
+        elif path in POST_ROUTES:
+            self.send_api_error(api.ApiError(405, f"{path} takes POST", code="method_not_allowed"))
+        else:
+            self.send_api_error(api.ApiError(404, f"no endpoint {path}", code="not_found"))
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/")
+        parse = POST_ROUTES.get(path)
+        try:
+            raw = self.read_body()  # first: unread, it would be taken for the next request
+            if parse is None:
+                raise api.ApiError(404, f"no endpoint {path}", code="not_found")
+            call = parse(api.parse_json(raw), self.server.app.limits)
+            job = self.server.app.service.submit(call.request, client_gone=self.client_gone)
+        except api.ApiError as e:
+            self.send_api_error(e)
+            return
+        except QueueFull as e:
+            error = api.ApiError(
+                503, f"the server is busy: {e}; retry later", None, "queue_full", "server_error"
+            )
+            self.send_api_error(error, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            return
+        self.answer(call, job)
+
+    def send_model(self, name: str) -> None:
+        """``GET /v1/models/{model}``."""
+        app = self.server.app
+        if name not in app.limits.model_ids:
+            self.send_api_error(api.model_not_found(name, app.limits))
+            return
+        self.send_json(200, api.models(app.limits, app.created)["data"][0])
+
+    # -- a request's answer
+
+    def answer(self, call: api.Call, job: Job) -> None:
+        """Wait for the worker to take ``job`` up, then answer whole or streamed."""
+        try:
+            started = job.start()
+        except ReDrafterError as e:  # the prompt's fault: too long, or refused by the template
+            code = "context_length_exceeded" if isinstance(e, ContextFull) else "invalid_value"
+            param = "messages" if call.kind == "chat" else "prompt"
+            self.send_api_error(api.ApiError(400, str(e), param, code))
+            return
+        except Exception as e:
+            self.send_api_error(self.internal_error(e))
+            return
+        if started is None:  # the client left while the request waited
+            self.close_connection = True
+            return
+        try:
+            (self.stream if call.stream else self.whole)(call, job, started)
+        except (ConnectionError, TimeoutError):  # a write failed: the client left
+            job.cancel()
+            self.left(call, None)
+
+    def whole(self, call: api.Call, job: Job, started: Started) -> None:
+        """The answer in one JSON response (sent once generation ends)."""
+        parts: list[str] = []
+        last: StepResponse | None = None
+        try:
+            for last in job.steps():
+                parts.append(last.text)
+        except Exception as e:
+            self.send_api_error(self.internal_error(e))
+            return
+        if last is None or last.finish_reason is None:  # cancelled: nobody to answer
+            self.left(call, last)
+            return
+        usage = self.usage(call, started, last)
+        model = self.server.app.limits.model_id
+        self.send_json(200, api.response(call, model, "".join(parts), last.finish_reason, usage))
+        self.log_generation(call, usage, last.finish_reason)
+
+    def stream(self, call: api.Call, job: Job, started: Started) -> None:
+        """Server-sent events: a chunk per decode step with new text, the finish reason, the
+        usage (when asked), ``[DONE]``. The connection closes after it (no length known)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        model = self.server.app.limits.model_id
+        if call.kind == "chat":
+            self.send_event(api.chunk(call, model, None, None, first=True))
+        last: StepResponse | None = None
+        try:
+            for last in job.steps():
+                if last.text:
+                    self.send_event(api.chunk(call, model, last.text, None))
+        except (ConnectionError, TimeoutError):  # a write failed: the client left
+            job.cancel()
+            self.left(call, last)
+            return
+        except Exception as e:  # the stream has begun: the error goes in it
+            self.send_event(self.internal_error(e).body())
+            return
+        if last is None or last.finish_reason is None:  # cancelled
+            self.left(call, last)
+            return
+        usage = self.usage(call, started, last)
+        self.send_event(api.chunk(call, model, None, last.finish_reason))
+        if call.include_usage:
+            self.send_event(api.usage_chunk(call, model, usage))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.log_generation(call, usage, last.finish_reason)
+
+    def left(self, call: api.Call, last: StepResponse | None) -> None:
+        """The client went away mid-answer: its generation stopped (or stops at the next step)."""
+        self.close_connection = True
+        tokens = "" if last is None else f" after {last.stats.generation_tokens} tokens"
+        self.log_message("%s: the client left%s; generation stopped", call.kind, tokens)
+
+    def usage(self, call: api.Call, started: Started, last: StepResponse) -> dict:
+        source = self.server.app.shape_source(started, call.request.sampling)
+        return api.usage(started, last.stats, source)
+
+    # -- the wire
+
+    def read_body(self) -> bytes:
+        """The request body; ApiError when it has no length or is longer than the limit."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise api.ApiError(411, "send the body with a Content-Length", code="length_required")
+        length = self.body_length()
+        limit = self.server.app.max_body_bytes
+        if length > limit:
+            self.drop_body(length)
+            raise api.ApiError(
+                413,
+                f"the request body is {length} bytes; this server reads at most {limit}",
+                code="request_too_large",
+            )
+        return self.rfile.read(length)
+
+    def body_length(self) -> int:
+        text = self.headers.get("Content-Length")
+        if text is None:
+            self.close_connection = True
+            raise api.ApiError(411, "a Content-Length header is required", code="length_required")
+        try:
+            length = int(text)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            raise api.ApiError(400, f"invalid Content-Length {text!r}", code="invalid_header")
+        return length
+
+    def drop_body(self, length: int) -> None:
+        """Read an oversized body into nothing: a server that closes a connection with unread
+        bytes resets it, and the client may then never see the 413. Past DRAIN_BYTES: close."""
+        self.close_connection = True
+        if length > DRAIN_BYTES:
+            return
+        while length > 0:
+            read = len(self.rfile.read(min(length, 1 << 16)))
+            if not read:
+                return
+            length -= read
+
+    def handle_expect_100(self) -> bool:
+        """Refuse an oversized body before the client sends it (curl asks first)."""
+        app = self.server.app
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = 0
+        if app is not None and length > app.max_body_bytes:
+            self.close_connection = True
+            self.send_api_error(
+                api.ApiError(413, f"the request body may be at most {app.max_body_bytes} bytes")
+            )
+            return False
+        return super().handle_expect_100()
+
+    def client_gone(self) -> bool:
+        """True once the client has closed its end of the connection (the worker asks before
+        each step). A client only waits after its request, so anything readable is the end
+        of the stream, or a next request sent ahead on the same connection."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):  # reset, or already closed here
+            return True
+
+    def send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_event(self, body: dict) -> None:
+        self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+        self.wfile.flush()
+
+    def send_api_error(self, error: api.ApiError, headers: dict | None = None) -> None:
+        self.log_error("%d %s", error.status, error.message)
+        try:
+            self.send_json(error.status, error.body(), headers)
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+        """http.server's own refusals (a malformed request line, an unknown method) as JSON."""
+        short, _ = self.responses.get(code, ("error", ""))
+        self.close_connection = True
+        self.send_api_error(api.ApiError(code, message or short, code="bad_request"))
+
+    def internal_error(self, error: Exception) -> api.ApiError:
+        """A bug: its traceback to the server's stderr, one line to the client."""
+        traceback.print_exception(error, file=sys.stderr)
+        message = f"internal error: {type(error).__name__}: {error}"
+        return api.ApiError(500, message, code="internal_error", type="server_error")
+
+    def log_generation(self, call: api.Call, usage: dict, reason: str | None) -> None:
+        stats = usage["redrafter"]
+        self.log_message(
+            "%s: %d prompt tokens (%d cached), %d tokens, %.1f tok/s, %.2f tokens/step, %s",
+            call.kind,
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            usage["completion_tokens"],
+            stats["generation_tps"],
+            stats["tokens_per_step"],
+            reason,
+        )
+
+
+POST_ROUTES = {"/v1/chat/completions": api.parse_chat, "/v1/completions": api.parse_completion}
+
+
+# ---------------------------------------------------------------- command entry
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Serve the OpenAI API (chat and text completions) with ReDrafter decoding. "
+        "--max-tokens, --temp, --top-p, --top-k and --seed are the defaults of requests that do "
+        "not set their own.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    flags.add_model_args(parser)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
+    )
+    parser.add_argument(
+        "--port", type=flags.at_least(0), default=8080, help="port (0: any free one)"
+    )
+    parser.add_argument(
+        "--queue-size",
+        type=flags.at_least(1),
+        default=8,
+        help="requests that may wait behind the running one; more get 503 (default: 8)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=flags.at_least(1),
+        default=MAX_BODY_BYTES,
+        help=f"largest request body read (default: {MAX_BODY_BYTES})",
+    )
+    flags.add_decode_args(parser, max_tokens=512)
+    flags.add_shape_args(parser)
+    parser.add_argument(
+        "--autoregressive",
+        action="store_true",
+        help="plain one-token-per-step decoding, no drafter (baseline)",
+    )
+    return parser
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to stay on this machine
+        return False
+
+
+@dataclass
+class Loaded:
+    """What the worker's setup found, for the handlers: the runtime and where shapes came from."""
+
+    runtime: rt.Runtime | None = None
+    shape_sources: dict[bool, str] | None = None
+
+
+def engine_setup(args: argparse.Namespace, loaded: Loaded):
+    """The service's setup (runs on its worker thread): load as chat does, pick the greedy and
+    the sampling shape (flags, else this chip's profiles), build the decoder."""
+
+    def setup() -> Engine:
+        runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
+        overrides = flags.shape_overrides(args)
+        greedy, greedy_source = resolve_shape(runtime, overrides=overrides, sampling=False)
+        sampled, sampled_source = resolve_shape(runtime, overrides=overrides, sampling=True)
+        decoder = rt.make_decoder(runtime, greedy, top_k=args.top_k)  # checks top-k and shape
+        rt.make_decoder(runtime, sampled)
+        loaded.runtime = runtime
+        loaded.shape_sources = {False: greedy_source, True: sampled_source}
+        return Engine(
+            decoder, runtime.tokenizer, encoder(runtime), greedy, sampled, args.autoregressive
+        )
+
+    return setup
+
+
+def encoder(runtime: rt.Runtime):
+    """A service prompt -> token ids: messages through the chat template, text as it is."""
+
+    def encode(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(runtime.tokenizer.encode(prompt))
+        if prompt and isinstance(prompt[0], dict):
+            return list(rt.encode_chat(runtime, prompt))
+        return list(prompt)
+
+    return encode
+
+
+def limits(args: argparse.Namespace, runtime: rt.Runtime) -> api.Limits:
+    served = args.model or DEFAULT_NAME
+    return api.Limits(
+        model_ids=tuple(dict.fromkeys((served, runtime.model_id))),
+        max_context=runtime.max_context,
+        vocab_size=runtime.config.get("vocab_size"),
+        max_tokens=args.max_tokens,
+        sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed),
+    )
+
+
+def listen(host: str, port: int) -> Server:
+    try:
+        return Server(host, port)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+
+
+@flags.reports_errors
+def main(args: argparse.Namespace) -> None:
+    if not is_loopback(args.host):
+        print(
+            f"warning: --host {args.host} listens beyond this machine: anyone on the network "
+            "who can reach it can use the model (there is no authentication)",
+            file=sys.stderr,
+        )
+    server = listen(args.host, args.port)  # first: a taken port fails before the model loads
+    loaded = Loaded()
+    service = GenerationService(engine_setup(args, loaded), queue_size=args.queue_size)
+    engine = service.start()
+    server.app = App(
+        service,
+        limits(args, loaded.runtime),
+        loaded.shape_sources,
+        args.max_body_bytes,
+        int(time.time()),
+    )
+    host, port = server.server_address[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    print(f"model {server.app.limits.model_id}, {mode(engine, loaded)}", file=sys.stderr)
+    print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("\nstopped", file=sys.stderr)
+    finally:
+        server.server_close()
+
+
+def mode(engine: Engine, loaded: Loaded) -> str:
+    """``ReDrafter W=1 L=2 (default), sampling W=1 L=2 (default)``, or autoregressive."""
+    if engine.autoregressive:
+        return "autoregressive (no drafter)"
+    sources = loaded.shape_sources
+    return (
+        f"drafter {loaded.runtime.drafter_id}, greedy {engine.greedy_shape.describe()} "
+        f"({sources[False]}), sampling {engine.sampling_shape.describe()} ({sources[True]})"
+    )

@@ -1,0 +1,301 @@
+"""One generation at a time for many callers: a worker thread that owns the model, a bounded
+queue of requests in arrival order, and one KV cache reused by each request that extends the
+previous one (a chat client resending its conversation plus a new message).
+
+A caller ``submit``s a :class:`Request` and reads its :class:`Job`: :meth:`Job.start` gives the
+prompt's token counts (or raises what was wrong with it), :meth:`Job.steps` one
+:class:`StepResponse` per decode step, the last with a finish reason. A job whose caller has
+gone (its ``client_gone`` says so, or :meth:`Job.cancel` was called) stops before its next step.
+
+Everything MLX does runs on the worker thread, loading and warm-up included (``setup``): MLX
+streams belong to the thread that made them (mlx >= 0.31.2), so a graph built on one thread
+must not be evaluated on another. Library code: nothing printed; errors reach the caller
+through its job. Nothing here knows of HTTP.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from redrafter_mlx.core.accept import make_sampler
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
+from redrafter_mlx.core.generate import StepResponse, stream_steps
+from redrafter_mlx.core.shape import BeamShape
+
+Prompt = list[dict] | str | list[int]  # chat messages, raw text or token ids
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampler: temperature 0 is greedy; top-p 0 or 1 and top-k 0 are off."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None  # re-seeds MLX's generator before this request
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: Prompt
+    max_tokens: int = 256
+    sampling: Sampling = Sampling()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class Engine:
+    """What the worker generates with (built on its thread by the service's ``setup``): the
+    decoder, its tokenizer, ``encode`` (a :data:`Prompt` -> token ids) and the beam shape for
+    greedy and for sampled requests (``autoregressive``: no drafter, one token per step)."""
+
+    decoder: Decoder
+    tokenizer: object
+    encode: Callable[[Prompt], list[int]]
+    greedy_shape: BeamShape
+    sampling_shape: BeamShape
+    autoregressive: bool = False
+
+    def shape_for(self, sampling: Sampling) -> BeamShape | None:
+        """The shape a request runs at (None when autoregressive)."""
+        if self.autoregressive:
+            return None
+        return self.sampling_shape if sampling.temp > 0 else self.greedy_shape
+
+    def warm_up(self) -> None:
+        """Compile what requests will run, so that answers do not stop to compile: the greedy
+        shape with the greedy sampler, the sampling shape with a sampler at temperature 1 (a
+        request at another temperature may still compile its sampler once)."""
+        self.decoder.seed = None  # each request seeds (or not) for itself
+        for shape, temp in ((self.greedy_shape, 0.0), (self.sampling_shape, 1.0)):
+            self.decoder.shape = shape
+            self.decoder.sampler = make_sampler(temp)
+            self.decoder.warm_up(autoregressive=self.autoregressive)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request the worker took up: its prompt's size and how much of it the cache held."""
+
+    prompt_tokens: int  # tokens of the whole prompt
+    cached_tokens: int  # of them, already in the KV cache (not fed again)
+    shape: BeamShape | None  # the beam shape it runs at; None: autoregressive
+
+
+class QueueFull(RuntimeError):
+    """Every place in the queue is taken: the caller should come back later."""
+
+
+_END = object()  # a job's last event when it stops without a last step (cancelled)
+
+
+class Job:
+    """One submitted request, as its caller sees it. The worker puts events on it; the caller
+    reads them with :meth:`start` then :meth:`steps`."""
+
+    def __init__(self, request: Request, client_gone: Callable[[], bool] | None = None):
+        self.request = request
+        self.outcome: str | None = None  # "finished", "cancelled" or "failed", when done
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._client_gone = client_gone or (lambda: False)
+
+    def cancel(self) -> None:
+        """Stop before the next step (or never start, if still queued)."""
+        self._cancelled.set()
+
+    def cancelled(self) -> bool:
+        if not self._cancelled.is_set() and self._client_gone():
+            self._cancelled.set()
+        return self._cancelled.is_set()
+
+    def start(self, timeout: float | None = None) -> Started | None:
+        """Wait until the worker takes the job up: its :class:`Started`, or None when it was
+        cancelled first. Raises what the worker found wrong (ConfigError, ContextFull: the
+        request's fault; anything else: a bug), or ``queue.Empty`` after ``timeout`` seconds."""
+        event = self._next(timeout)
+        return None if event is _END else event
+
+    def steps(self, timeout: float | None = None) -> Iterator[StepResponse]:
+        """The decode steps after :meth:`start`, until one with a finish reason (or until a
+        cancelled job stops); ``timeout``: the longest wait for each."""
+        while (event := self._next(timeout)) is not _END:
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def _next(self, timeout: float | None):
+        event = self._events.get(timeout=timeout)
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def _put(self, event) -> None:
+        self._events.put(event)
+
+
+class GenerationService:
+    """Serves :class:`Request`\\ s one at a time, in arrival order, on one worker thread.
+
+    ``setup`` builds the :class:`Engine` on the worker (load the model there); at most
+    ``queue_size`` requests wait behind the running one, more raise :class:`QueueFull`.
+    """
+
+    def __init__(self, setup: Callable[[], Engine], *, queue_size: int = 8):
+        if queue_size < 1:
+            raise ValueError(f"queue size {queue_size}: need at least 1")
+        self._setup = setup
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="redrafter-worker", daemon=True)
+        self._running: Job | None = None
+        self.engine: Engine | None = None
+        self.cache = None  # the KV cache every request reuses (the worker's)
+
+    # -- the caller's side
+
+    def start(self) -> Engine:
+        """Start the worker, build and warm up the engine there; return it once ready, or
+        raise what ``setup`` raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
+        return self.engine
+
+    def submit(self, request: Request, client_gone: Callable[[], bool] | None = None) -> Job:
+        """Queue ``request``; QueueFull when ``queue_size`` requests already wait."""
+        job = Job(request, client_gone)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        return job
+
+    def close(self) -> None:
+        """Stop the worker once the running request ends; requests still queued are cancelled."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.cancel()
+            job._put(_END)
+        self._queue.put(None)  # may wait for the worker to free a place: it is the last
+        self._thread.join()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued behind the running one."""
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._ready.is_set() and self._setup_error is None
+
+    # -- the worker's side
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._setup()
+            self.engine.warm_up()
+            self.cache = self.engine.decoder.new_cache()
+        except BaseException as e:  # reported by start(), on the caller's thread
+            self._setup_error = e
+            return
+        finally:
+            self._ready.set()
+        while (job := self._queue.get()) is not None:
+            self._running = job
+            try:
+                self._serve(job)
+            finally:
+                self._running = None
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled():  # its caller left while it waited
+            job.outcome = "cancelled"
+            job._put(_END)
+            return
+        try:
+            job.outcome = self._generate(job)
+        except ReDrafterError as e:  # the request's own fault (a prompt too long...)
+            job.outcome = "failed"
+            job._put(e)
+            return
+        except Exception as e:  # a bug: say so to the caller, keep serving from a clean cache
+            job.outcome = "failed"
+            self.cache.rewind(0)
+            job._put(e)
+            return
+        if job.outcome == "cancelled":
+            job._put(_END)
+
+    def _generate(self, job: Job) -> str:
+        """Run ``job`` to its end; "finished" or "cancelled"."""
+        engine, request = self.engine, job.request
+        ids = self._encode(request.prompt)
+        reused = self.cache.reuse_prefix(ids)
+        shape = engine.shape_for(request.sampling)
+        self._configure(shape, request.sampling)
+        job._put(Started(len(ids), reused, shape))
+        steps = stream_steps(
+            engine.decoder,
+            engine.tokenizer,
+            ids[reused:],
+            max_tokens=request.max_tokens,
+            autoregressive=engine.autoregressive,
+            stop_strings=request.stop_strings,
+            cache=self.cache,
+        )
+        try:
+            for step in steps:
+                job._put(step)
+                if step.finish_reason is not None:
+                    return "finished"
+                if job.cancelled():  # checked before each step: the next one is not run
+                    return "cancelled"
+            return "finished"
+        finally:
+            steps.close()
+            # an answer stopped mid-step may leave ids and offset apart: keep them equal
+            self.cache.rewind(len(self.cache.ids))
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of ``prompt``; ConfigError when it is empty, cannot be templated, or
+        leaves no room in the context for a new token."""
+        try:
+            ids = list(self.engine.encode(prompt))
+        except ReDrafterError:
+            raise
+        except Exception as e:  # e.g. a chat template that refuses a role
+            raise ConfigError(f"the prompt cannot be encoded: {e}") from None
+        if not ids:
+            raise ConfigError("the prompt encodes to no tokens")
+        context = self.engine.decoder.max_context
+        if context is not None and len(ids) + 1 > context:
+            raise ContextFull(
+                f"the prompt is {len(ids)} tokens; the model's context is {context} "
+                "(with room for at least one new token)"
+            )
+        return ids
+
+    def _configure(self, shape: BeamShape | None, sampling: Sampling) -> None:
+        """Set the decoder's shape and sampler for one request, and seed it if asked."""
+        decoder = self.engine.decoder
+        if shape is not None:
+            decoder.shape = shape
+        decoder.sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)

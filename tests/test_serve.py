@@ -1,0 +1,681 @@
+"""`redrafter-mlx serve`: the generation service on tiny random models (fast), and the real
+server on the embedded SmolLM2-135M through the official `openai` client (slow: one server per
+module, started once)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import toy_tokenizer
+
+from redrafter_mlx.backend import blas
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.errors import ConfigError, ContextFull
+from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.service import Engine, GenerationService, QueueFull, Request
+from redrafter_mlx.core.shape import BeamShape
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- the service, tiny models
+
+
+def tiny_service(target, drafter=None, *, queue_size=4, max_context=None) -> GenerationService:
+    """A started service over the tiny target; prompts are token ids."""
+    shape = BeamShape(2, 3)
+    beams = None if drafter is None else BeamDrafter(drafter, target.model.embed_tokens)
+
+    def setup() -> Engine:
+        decoder = Decoder(target, greedy, beams, shape, max_context)
+        return Engine(decoder, toy_tokenizer(), list, shape, shape, autoregressive=beams is None)
+
+    service = GenerationService(setup, queue_size=queue_size)
+    service.start()
+    return service
+
+
+def reference_tokens(target, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy autoregressive tokens from an empty cache."""
+    steps = stream_steps(
+        Decoder(target, greedy), toy_tokenizer(), prompt, max_tokens=max_tokens, autoregressive=True
+    )
+    return [t for step in steps for t in step.tokens]
+
+
+def run(job) -> tuple[list[int], str | None]:
+    job.start()
+    steps = list(job.steps())
+    return [t for s in steps for t in s.tokens], steps[-1].finish_reason
+
+
+def test_answers_equal_plain_decoding_and_an_extending_prompt_reuses_the_cache(target, drafter):
+    service = tiny_service(target, drafter)
+    first = [5, 6, 7, 8, 9]
+    tokens, _ = run(service.submit(Request(first, max_tokens=12)))
+    assert tokens == reference_tokens(target, first, 12)
+    extended = first + tokens + [10, 11]
+    job = service.submit(Request(extended, max_tokens=12))
+    started = job.start()
+    # the last answer token was never fed (it was the pending one): the rest is cached
+    assert started.prompt_tokens == len(extended)
+    assert started.cached_tokens >= len(first) + len(tokens) - 1
+    steps = list(job.steps())
+    assert steps[0].stats.prompt_tokens == len(extended) - started.cached_tokens
+    assert [t for s in steps for t in s.tokens] == reference_tokens(target, extended, 12)
+    other, _ = run(service.submit(Request([9, 8, 7], max_tokens=12)))  # shares nothing
+    assert other == reference_tokens(target, [9, 8, 7], 12)
+    service.close()
+
+
+def test_requests_run_in_arrival_order_and_a_full_queue_refuses(target):
+    release, order = threading.Event(), []
+
+    def probe(index: int, wait: bool):
+        def client_gone() -> bool:
+            if index not in order:
+                order.append(index)
+            if wait:
+                release.wait(30)  # holds the worker: the others queue up
+            return False
+
+        return client_gone
+
+    service = tiny_service(target, queue_size=2)
+    jobs = [service.submit(Request([5, 6], max_tokens=3), probe(0, True))]
+    while not service.busy:
+        time.sleep(0.01)
+    jobs += [service.submit(Request([5, 6 + i], max_tokens=3), probe(i, False)) for i in (1, 2)]
+    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+        service.submit(Request([5, 9], max_tokens=3))
+    assert service.waiting == 2
+    release.set()
+    for job in jobs:
+        assert len(run(job)[0]) == 3
+    assert order == [0, 1, 2]
+    service.close()
+
+
+def test_a_client_that_leaves_stops_its_generation_before_the_next_step(target, drafter):
+    calls = []
+
+    def client_gone() -> bool:  # asked before the job starts, then after each step
+        calls.append(1)
+        return len(calls) > 3
+
+    service = tiny_service(target, drafter)
+    job = service.submit(Request([5, 6, 7], max_tokens=200), client_gone)
+    job.start()
+    steps = list(job.steps())
+    assert job.outcome == "cancelled"
+    assert len(steps) == 3 and steps[-1].finish_reason is None  # the prefill's token + 2 steps
+    assert steps[-1].stats.steps == 2
+    # the service goes on, from the cache the cancelled answer left consistent
+    tokens, _ = run(service.submit(Request([5, 6, 7, 8], max_tokens=8)))
+    assert tokens == reference_tokens(target, [5, 6, 7, 8], 8)
+    queued = service.submit(Request([5], max_tokens=8))
+    queued.cancel()
+    assert queued.start() is None and queued.outcome == "cancelled"
+    service.close()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_the_service_goes_on(target):
+    service = tiny_service(target, max_context=16)
+    with pytest.raises(ContextFull, match="the prompt is 16 tokens; the model's context is 16"):
+        service.submit(Request(list(range(5, 21)), max_tokens=4)).start()
+    tokens, _ = run(service.submit(Request([5, 6], max_tokens=4)))
+    assert tokens == reference_tokens(target, [5, 6], 4)
+    service.close()
+
+
+def test_a_failing_setup_is_raised_by_start():
+    def setup():
+        raise ConfigError("no drafter for this model")
+
+    with pytest.raises(ConfigError, match="no drafter"):
+        GenerationService(setup).start()
+
+
+# ---------------------------------------------------------------- request parsing (pure)
+
+
+def test_requests_are_checked_field_by_field():
+    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_completion
+
+    limits = Limits(("m",), max_context=100, vocab_size=50)
+    user = [{"role": "user", "content": "hi"}]
+    call = parse_chat({"messages": user, "stop": "x", "top_k": 49, "seed": 3}, limits)
+    assert call.request.stop_strings == ("x",) and call.request.sampling.top_k == 49
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert parse_chat({"messages": parts}, limits).request.prompt[0]["content"] == "ab"
+    assert parse_completion({"prompt": [1, 2, 49]}, limits).request.prompt == [1, 2, 49]
+    assert parse_chat({"messages": user}, limits).request.max_tokens == 100  # default, capped
+    bad = [
+        ({"messages": user, "top_k": 50}, "top_k"),
+        ({"messages": user, "seed": -1}, "seed"),
+        ({"messages": user, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": user, "max_tokens": True}, "max_tokens"),
+        ({"messages": user, "max_completion_tokens": 101}, "max_completion_tokens"),
+        ({"messages": user, "temperature": "hot"}, "temperature"),
+        ({"messages": user, "stream": "yes"}, "stream"),
+        ({"messages": user, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "\udcff"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+        ({"prompt": [1, 50]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+    ]
+    for body, param in bad:
+        parse = parse_completion if "prompt" in body else parse_chat
+        with pytest.raises(ApiError) as e:
+            parse(body, limits)
+        assert e.value.status == 400 and e.value.param == param, body
+
+
+# ---------------------------------------------------------------- the real server (slow)
+
+SHAPE = ["--beam-width", "1", "--beam-length", "3", "--min-prob", "0", "--search-width", "1"]
+QUEUE_SIZE = 4
+MODEL = "smollm2-135m-instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    if os.path.exists(blas.OPENBLAS):
+        e["LD_PRELOAD"] = blas.OPENBLAS
+    return e
+
+
+@dataclass
+class Served:
+    url: str  # http://127.0.0.1:PORT
+    log: Path
+
+    def client(self, **options):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=120, **options)
+
+    def request(self, path: str, body=None, *, method="POST", headers=None):
+        """(status, headers, JSON body) of one raw HTTP request."""
+        parts = urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        return response.status, dict(response.getheaders()), json.loads(payload)
+
+    def health(self) -> dict:
+        return self.request("/health", method="GET")[2]
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("openai")
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0"]
+    command += ["--queue-size", str(QUEUE_SIZE), *SHAPE]
+    with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while tests run
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    found = []
+
+    def ready() -> bool:
+        assert process.poll() is None, f"the server exited:\n{log.read_text()}"
+        found[:] = re.findall(r"serving the OpenAI API at (http://\S+)/v1", log.read_text())
+        return bool(found)
+
+    try:
+        wait_until(ready, 180, "the server to start")
+        yield Served(found[0], log)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The library's greedy plain decoding in this process: what `generate` prints."""
+    from redrafter_mlx.io import runtime as rt
+
+    runtime = rt.load_runtime(None, None, need_drafter=False)
+    decoder = rt.make_decoder(runtime, BeamShape(1, 2))
+
+    def answer(prompt, max_tokens: int) -> tuple[str, str]:
+        if isinstance(prompt, str):
+            ids = runtime.tokenizer.encode(prompt)
+        else:
+            ids = rt.encode_chat(runtime, prompt)
+        steps = list(
+            stream_steps(
+                decoder,
+                runtime.tokenizer,
+                ids,
+                max_tokens=max_tokens,
+                autoregressive=True,
+            )
+        )
+        return "".join(s.text for s in steps), steps[-1].finish_reason
+
+    return answer
+
+
+@pytest.mark.slow
+def test_chat_completion_whole_and_streamed_equal_generate(server, reference):
+    client = server.client()
+    whole = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=24)
+    text = whole.choices[0].message.content
+    assert "Paris" in text and whole.choices[0].finish_reason == "stop"
+    assert (text, "stop") == reference(FRANCE, 24)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert (
+        not chunks[-1].choices
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
+    # the same conversation again: all of its prompt but the last token came from the cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
+
+
+@pytest.mark.slow
+def test_usage_carries_the_redrafter_block(server):
+    done = server.client().chat.completions.create(model=MODEL, messages=STORY, max_tokens=20)
+    usage = done.usage.model_dump()
+    assert usage["completion_tokens"] == 20 and done.choices[0].finish_reason == "length"
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 20
+    block = usage["redrafter"]
+    assert block["mode"] == "redrafter" and block["shape_source"] == "flags"
+    assert (block["beam_width"], block["beam_length"]) == (1, 3)
+    histogram = {int(k): n for k, n in block["accept_histogram"].items()}
+    steps = block["steps"]
+    assert sum(histogram.values()) == steps > 0
+    assert block["drafted_tokens"] == 2 * steps  # one beam of 3: two drafted tokens per step
+    assert block["accepted_tokens"] == sum((k - 1) * n for k, n in histogram.items())
+    assert block["accepted_tokens"] <= block["drafted_tokens"]
+    # the prefill's token, then each step's (the last may be cut at max_tokens)
+    assert 20 <= 1 + sum(k * n for k, n in histogram.items()) < 20 + 3
+    assert block["tokens_per_step"] == pytest.approx(
+        sum(k * n for k, n in histogram.items()) / steps, abs=1e-3
+    )
+
+
+@pytest.mark.slow
+def test_text_completion_models_health_and_a_continued_conversation(server, reference):
+    client = server.client()
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8)
+    assert (done.choices[0].text, done.choices[0].finish_reason) == reference(
+        "The capital of France is", 8
+    )
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert server.health() == {"status": "ok", "busy": False, "waiting": 0}
+    first = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=24)
+    conversation = FRANCE + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=16)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    assert second.choices[0].message.content == reference(conversation, 16)[0]
+
+
+@pytest.mark.slow
+def test_a_stop_string_ends_the_answer_before_it(server, reference):
+    client = server.client()
+    full, _ = reference(FRANCE, 24)
+    done = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=24, stop=["Paris"]
+    )
+    assert done.choices[0].message.content == full[: full.index("Paris")]
+    assert done.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=24, stop="Paris", stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == full[: full.index("Paris")]
+
+
+class Holder:
+    """A streamed answer that keeps the worker busy until :meth:`close` (which leaves)."""
+
+    def __init__(self, served: Served):
+        parts = urlsplit(served.url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        body = {"messages": STORY, "max_tokens": 2000, "stream": True}
+        self.conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+        self.response = self.conn.getresponse()
+        assert self.response.status == 200
+        assert self.response.fp.readline().startswith(b"data: ")
+
+    def close(self) -> None:
+        self.response.close()
+        self.conn.close()
+
+
+PROMPTS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hi."]
+
+
+@pytest.mark.slow
+def test_eight_clients_at_once_get_their_serial_answers_and_a_full_queue_gets_503(server):
+    import openai
+
+    def ask(client, prompt: str):
+        messages = [{"role": "user", "content": prompt}]
+        done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+        return done.choices[0].message.content, done.choices[0].finish_reason
+
+    serial = {p: ask(server.client(), p) for p in PROMPTS}
+    results, refusals, failures = {}, [], []
+    barrier = threading.Barrier(8)
+
+    def client(i: int) -> None:
+        try:
+            api = server.client(max_retries=0)
+            barrier.wait()
+            for r in range(3):
+                prompt = PROMPTS[(i + r) % len(PROMPTS)]
+                while (i, r) not in results:
+                    try:
+                        results[i, r] = prompt, ask(api, prompt)
+                    except openai.APIStatusError as e:
+                        refusals.append(
+                            (e.status_code, e.code, e.response.headers.get("retry-after"))
+                        )
+                        time.sleep(float(e.response.headers["retry-after"]))
+        except Exception as e:  # reported below: an exception would end this thread quietly
+            failures.append(e)
+
+    holder = Holder(server)  # the worker is busy: the first 8 requests queue or are refused
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    wait_until(
+        lambda: server.health()["waiting"] == QUEUE_SIZE and len(refusals) >= 8 - QUEUE_SIZE,
+        60,
+        "a full queue",
+    )
+    holder.close()
+    for t in threads:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not failures, failures
+    assert len(results) == 24
+    for prompt, answer in results.values():
+        assert answer == serial[prompt]
+    assert len(refusals) >= 8 - QUEUE_SIZE
+    assert set(refusals) == {(503, "queue_full", "1")}
+    wait_until(lambda: server.health() == {"status": "ok", "busy": False, "waiting": 0}, 10, "idle")
+
+
+KILLED_CLIENT = """
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="none", max_retries=0)
+messages = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+stream = client.chat.completions.create(
+    model=sys.argv[2], messages=messages, max_tokens=2000, stream=True
+)
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        print(chunk.choices[0].delta.content.replace("\\n", " "), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_client_killed_mid_stream_frees_the_server_at_once(server):
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CLIENT, f"{server.url}/v1", MODEL],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
+    try:
+        assert select.select([child.stdout], [], [], 120)[0], "no streamed text"
+        assert child.stdout.readline().strip()
+        assert server.health()["busy"]  # 2000 tokens: about a minute of generation here
+    finally:
+        child.kill()
+        child.wait()
+    killed = time.monotonic()
+    wait_until(lambda: not server.health()["busy"], 10, "the generation to stop")
+    freed = time.monotonic() - killed
+    done = server.client().chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=24)
+    assert "Paris" in done.choices[0].message.content
+    # a step takes tens of milliseconds here; the 2000 tokens would have taken a minute
+    assert freed < 2.0, freed
+    left = re.findall(r"the client left after (\d+) tokens", server.log.read_text())
+    assert left and int(left[-1]) < 2000
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_before_its_whole_answer_frees_the_server_at_once(server):
+    """No stream: nothing is written until the end, so only the check before each step can
+    see the client go."""
+    parts = urlsplit(server.url)
+    body = json.dumps({"messages": STORY, "max_tokens": 2000}).encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: server.health()["busy"], 30, "the generation to start")
+        time.sleep(0.5)  # a few steps into the answer
+    left = time.monotonic()
+    wait_until(lambda: not server.health()["busy"], 10, "the generation to stop")
+    assert time.monotonic() - left < 2.0
+    assert re.findall(r"chat: the client left after (\d+) tokens", server.log.read_text())
+
+
+BIG = 4 << 20  # the server's default --max-body-bytes
+
+
+def oversized_body() -> bytes:
+    head, tail = b'{"messages": [{"role": "user", "content": "', b'"}]}'
+    return head + b"a" * (BIG + 1 - len(head) - len(tail)) + tail
+
+
+BAD_INPUTS = [
+    # (name, path, body, status, param, code)
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, None, "invalid_json"),
+    ("not an object", "/v1/chat/completions", b"[1, 2]", 400, None, "invalid_json"),
+    (
+        "no messages",
+        "/v1/chat/completions",
+        {"model": MODEL},
+        400,
+        "messages",
+        "missing_required_parameter",
+    ),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "empty_array"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        400,
+        "messages[0].role",
+        "invalid_value",
+    ),
+    (
+        "content not text",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": 7}]},
+        400,
+        "messages[0].content",
+        "invalid_value",
+    ),
+    (
+        "prompt longer than the context",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello " * 9000}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "negative max_tokens",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "max_tokens": -1},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "absurd max_tokens",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "max_tokens": 10**9},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "negative temperature",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "temperature": -0.5},
+        400,
+        "temperature",
+        "invalid_value",
+    ),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "model": "gpt-4o"},
+        404,
+        "model",
+        "model_not_found",
+    ),
+    ("n = 2", "/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n", "unsupported_value"),
+    (
+        "logprobs",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "logprobs": True},
+        400,
+        "logprobs",
+        "unsupported_value",
+    ),
+    (
+        "empty stop string",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "stop": [""]},
+        400,
+        "stop",
+        "invalid_value",
+    ),
+    (
+        "no prompt",
+        "/v1/completions",
+        {"max_tokens": 4},
+        400,
+        "prompt",
+        "missing_required_parameter",
+    ),
+    (
+        "body over the limit",
+        "/v1/chat/completions",
+        oversized_body(),
+        413,
+        None,
+        "request_too_large",
+    ),
+    ("unknown endpoint", "/v1/embeddings", {"input": "hi"}, 404, None, "not_found"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,path,body,status,param,code", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_a_bad_request_gets_its_json_error_and_the_next_one_is_served(
+    server, name, path, body, status, param, code
+):
+    got, headers, error = server.request(path, body)
+    assert got == status and headers["Content-Type"] == "application/json"
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert (error["error"]["param"], error["error"]["code"]) == (param, code)
+    assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
+    done, _, answer = server.request("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 2})
+    assert done == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_wire_level_refusals(server):
+    parts = urlsplit(server.url)
+    # an oversized body announced with Expect: 100-continue is refused before it is sent
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {BIG + 1}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        reply = sock.makefile("rb").read()
+    assert reply.startswith(b"HTTP/1.1 413") and b'"error"' in reply
+    status, _, error = server.request("/v1/chat/completions", method="GET")
+    assert status == 405 and error["error"]["code"] == "method_not_allowed"
+    status, _, error = server.request("/v1/models/gpt-4o", method="GET")
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+    # a refused request's body is read: the next request on the same connection is served
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn.request("POST", "/v1/embeddings", json.dumps({"input": "hi"}).encode())
+    assert conn.getresponse().read() and conn.sock is not None  # kept alive
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": FRANCE, "max_tokens": 2}))
+    assert conn.getresponse().status == 200
+    conn.close()
+    status, _, error = server.request("/v1/models", method="DELETE")
+    assert status == 501 and error["error"]["message"]
+
+
+@pytest.mark.slow
+def test_every_interface_warns_and_a_taken_port_fails_before_the_model_loads(server):
+    port = urlsplit(server.url).port
+    done = subprocess.run(
+        [sys.executable, "-m", "redrafter_mlx", "serve", "--host", "0.0.0.0", "--port", str(port)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env(),
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "anyone on the network who can reach it can use the model" in done.stderr
+    assert done.stderr.strip().endswith(
+        f"cannot listen on 0.0.0.0 port {port}: Address already in use"
+    )
