@@ -198,9 +198,7 @@ def _rate(trainer: Trainer, steps: int, seconds: float, opts: TrainOptions, rank
     rate = f"{steps * opts.batch_size / seconds:.0f} pos/s"
     if ranks.size == 1:
         return rate
-    return (
-        f"{rate} on {ranks.size} ranks, {trainer.comm_seconds / steps * 1e3:.1f} ms/step exchange"
-    )
+    return f"{rate}, {ranks.size} ranks, {trainer.comm_seconds / steps * 1e3:.0f} ms/step exchange"
 
 
 def _progress(trainer, examples, state, losses, opts: TrainOptions, ranks, marks) -> dict:
