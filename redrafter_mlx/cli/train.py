@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import sys
+import traceback
 from dataclasses import fields
 from pathlib import Path
 from typing import NoReturn
@@ -43,6 +44,7 @@ from redrafter_mlx.training.data import default_data_path
 from redrafter_mlx.training.extract import prepare_cache
 from redrafter_mlx.training.loop import train
 from redrafter_mlx.training.options import ExtractOptions, TrainOptions
+from redrafter_mlx.training.ranks import ONE, PeerFailed, Ranks, check_split
 
 EPILOG = """examples:
   # the first SmolLM2-135M-Instruct drafter, v1 (embedded target, ShareGPT from the wheel)
@@ -217,27 +219,60 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> None:
     """Run ``train`` as parsed: extract (resuming a cache), then train (unless
     ``--extract-only``); prints the best evaluation as JSON. Bad input ends in ``error: ...``
-    on stderr and exit status 1, Ctrl-C in 130 with how to go on."""
-    stage = "load"
+    on stderr and exit status 1, Ctrl-C in 130 with how to go on. Under ``mlx.launch`` every
+    rank runs this; rank 0 alone prints the result, a failed rank names itself."""
+    stage, ranks = "load", ONE
     try:
+        ranks = Ranks.launched()
         check_args(args)
+        if not args.extract_only:
+            check_split(args.batch_size, ranks)
         model, tokenizer, model_path = _load(args.model)
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
         stage = "extract"
-        cache = prepare_cache(model, tokenizer, model_path, data, cache_dir, extract_options(args))
+        cache = prepare_cache(
+            model, tokenizer, model_path, data, cache_dir, extract_options(args), ranks=ranks
+        )
         if args.extract_only:
             return
         stage = "train"
         opts, recorded = train_options(args), run_options(args)
-        best = train(model, cache, Path(args.out), opts, run_options=recorded)
+        best = train(model, cache, Path(args.out), opts, run_options=recorded, ranks=ranks)
     except KeyboardInterrupt:
-        _interrupted(stage, args.out)
+        _interrupted(stage, args.out, ranks)
+    except PeerFailed:
+        raise SystemExit(1) from None  # the failed rank said why
     except ReDrafterError as e:
-        fail(str(e))
+        fail(_ranked(str(e), ranks))
     except OSError as e:  # unwritable --out / --cache-dir, disk full, ...
-        fail(os_error_text(e))
-    print(json.dumps({"out": args.out, "best": best}))
+        fail(_ranked(os_error_text(e), ranks))
+    except Exception as e:
+        if ranks.size == 1:
+            raise
+        fail(_ranked(_failure(e, stage, args.out), ranks))
+    if ranks.lead:
+        print(json.dumps({"out": args.out, "best": best}))
+
+
+def _ranked(message: str, ranks: Ranks) -> str:
+    """``message`` naming the rank that failed, on several."""
+    return message if ranks.size == 1 else f"rank {ranks.rank} of {ranks.size}: {message}"
+
+
+def _failure(error: Exception, stage: str, out: str | None) -> str:
+    """One rank's unexpected failure in one line, with what is kept. A lost exchange (another
+    rank stopped: ``[ring] connection to a peer was lost``) is the backend's message; for
+    anything else the traceback is printed first (a bug)."""
+    text = " ".join(str(error).split())
+    if not (isinstance(error, RuntimeError) and text.startswith("[")):
+        traceback.print_exc()
+        text = f"{type(error).__name__}: {text}"
+    kept = {
+        "extract": "finished shards stay in the cache",
+        "train": f"{out}/checkpoint holds the last checkpoint: rerun with --resume",
+    }.get(stage, "")
+    return f"{text}{'; ' + kept if kept else ''}"
 
 
 def _load(model: str | None):
@@ -250,13 +285,14 @@ def _load(model: str | None):
     return loaded, tokenizer, path
 
 
-def _interrupted(stage: str, out: str | None) -> NoReturn:
-    """Ctrl-C: say how to go on from what is saved, exit 130."""
+def _interrupted(stage: str, out: str | None, ranks: Ranks) -> NoReturn:
+    """Ctrl-C: say how to go on from what is saved (rank 0, on several), exit 130."""
     hint = {
         "extract": "finished shards stay in the cache: rerun the same command to go on",
         "train": f"rerun the same command with --resume to go on from {out}/checkpoint",
     }.get(stage, "")
-    print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
+    if ranks.lead:
+        print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
     raise SystemExit(130) from None
 
 
