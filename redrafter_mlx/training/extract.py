@@ -76,7 +76,6 @@ def prepare_cache(
     if opts.source == "self" and opts.self_prompts == "all":
         training = every_user_turn(training, heldout)
     cache = Cache.open(cache_dir, identity)
-    ranks.check_shared(cache_dir, "--cache-dir")
     prompts = cache_dir / "heldout_prompts.jsonl"
     # for `eval-drafter --prompts`: held-out text, never trained on
     if ranks.lead and not prompts.exists():
@@ -145,8 +144,9 @@ def extract(
     teacher-forced (``--source data``) or answered by the target itself (``--source self``);
     on several ``ranks`` unit by unit (``sharded.py``)."""
     limit = opts.cache_max_gb * 2**30
-    if cache.tokens(split) >= budget or cache.nbytes() >= limit:
-        return
+    if ranks.lead_says(cache.tokens(split) >= budget or cache.nbytes() >= limit):
+        return  # (a complete cache copied to each machine is fine: nothing is written)
+    ranks.check_shared(cache.root, "--cache-dir")  # several ranks write into it
     with cache.writing(ranks):
         if ranks.size == 1:
             _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts)

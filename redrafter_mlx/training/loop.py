@@ -45,6 +45,8 @@ def train(
     if not ranks.lead:
         opts = replace(opts, quiet=True)  # rank 0 shows progress and notes
     train_data, heldout_data = _splits(cache, opts)
+    tokens = train_data["tokens"].tobytes() + heldout_data["tokens"].tobytes()
+    ranks.check_same(tokens, f"the training data in --cache-dir {cache.root}")
     examples = Examples.build(train_data, opts.positions)
     heldout = Examples.build(heldout_data, opts.positions)
     total = planned_steps(len(examples.starts), opts)
@@ -54,9 +56,7 @@ def train(
         clear_staged(out)
     state = {"step": 0, "best": -1.0, "bad": 0, "tokens": int(train_data["tokens"].shape[0])}
     state["options"] = run_options
-    found = opts.resume and (out / "checkpoint").exists()
-    resume = bool(ranks.share(np.array([found], np.int64))[0])  # rank 0's checkpoint
-    if resume:
+    if ranks.lead_says(opts.resume and (out / "checkpoint").exists()):
         state = _resume(trainer, out, ranks, run_options)
         fitted = state.get("total_steps", total)  # max_minutes shortened it
         total = trainer.schedule.total = min(total, fitted)

@@ -11,6 +11,7 @@ the checkpoints and the log and shows progress.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ class Ranks:
         """Rank 0's ``values`` on every rank (the same shape and dtype on each)."""
         return self.sum(values if self.lead else np.zeros_like(values))
 
+    def lead_says(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a decision all must take alike)."""
+        return bool(self.share(np.array([flag], np.int64))[0])
+
     def share_json(self, value):
         """Rank 0's JSON value (a loop state) on every rank."""
         if self.group is None:
@@ -106,6 +111,13 @@ class Ranks:
             raise error
         if failed:
             raise PeerFailed("another rank failed")
+
+    def check_same(self, data: bytes, what: str) -> None:
+        """Every rank must hold the same ``data`` (the training tokens) as rank 0; the others
+        fail naming ``what``."""
+        digest = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
+        same = np.array_equal(self.share(digest), digest)
+        self.check(None if same else TrainError(f"{what}: not the same as rank 0's"))
 
     def check_shared(self, folder: Path, flag: str) -> None:
         """Every rank must see the folder rank 0 writes (one machine, or a folder shared

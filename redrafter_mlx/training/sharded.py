@@ -2,7 +2,7 @@
 ``--source self``, a few conversations of ``--source data``), handed out in turn, unit
 ``k`` to rank ``k mod N``, one unit per rank per round.
 
-Legend: N ranks, U conversations per unit (at most U records), R records of one unit.
+Legend: N ranks, U conversations per unit (at most U records).
 
 After each round the ranks gather what each unit holds (tokens, resumable boundaries, bytes)
 and every rank walks the round's units in order as one process would walk its records: the
@@ -73,8 +73,9 @@ def extract_sharded(
         have, made = have + added, made + added
         show(have, f"{made / (time.perf_counter() - begun):.0f} tok/s on {ranks.size} ranks")
         if stop:
-            return
+            break
         start = ends[-1]
+    ranks.sum(np.zeros(1, np.int64))  # rank 0's manifest is on disk before any rank goes on
 
 
 def _table(records: list, unit: int) -> np.ndarray:
