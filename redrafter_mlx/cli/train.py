@@ -9,13 +9,17 @@ Two phases, one command (the library is ``redrafter_mlx.training``):
    decoding). Shards in ``--cache-dir`` (``training/cache.py``) keep, per token: the token, the
    target's final-norm hidden state (float16), its argmax (the target's own next token), its
    top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the
-   target. One process extracts into a cache at a time (a lock file).
+   target. One run extracts into a cache at a time (a lock file).
 2. **Train** (``training/loop.py``). At position t the drafter gets ``h_t`` and, for future
    step i = 1..P (``--positions``), the tokens ``x_{t+1..t+i}`` and is trained against the
    target's prediction for token ``t+i+1`` (``training/examples.py``). Only predictions of
    assistant tokens count. Held-out conversations give per-position top-1 agreement, used for
    early stopping; the best drafter is written to ``--out`` (atomic), a resumable checkpoint to
    ``--out/checkpoint``.
+
+Under ``mlx.launch`` every rank runs this command: extraction is handed out in units of
+conversations (``training/sharded.py``) and training is data-parallel, each rank its slice
+of every batch (``training/ranks.py``); rank 0 writes the manifest and ``--out``.
 
 This module only reads the flags: it refuses bad ones before the target loads (extraction may
 take hours), turns the rest into ``ExtractOptions`` / ``TrainOptions``, and prints a library
@@ -78,6 +82,11 @@ EPILOG = """examples:
   # the reference drafter shape (own head, full vocab, exit width 2H) on your own data
   redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
       --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3
+
+  # the same on two ranks of this machine (or a --hostfile of several; README: "Training on
+  # several machines"): the cache and the drafter one process would make
+  mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --source self \
+      --cache-dir runs/self --out runs/drafter
 
   # resume an interrupted run: the same command plus --resume (other options are refused)
   redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
