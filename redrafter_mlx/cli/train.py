@@ -85,7 +85,7 @@ EPILOG = """examples:
 
   # the same on two ranks of this machine (or a --hostfile of several; README: "Training on
   # several machines"): the cache and the drafter one process would make
-  mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --source self \
+  mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --source self \\
       --cache-dir runs/self --out runs/drafter
 
   # resume an interrupted run: the same command plus --resume (other options are refused)
