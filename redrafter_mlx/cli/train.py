@@ -9,13 +9,17 @@ Two phases, one command (the library is ``redrafter_mlx.training``):
    decoding). Shards in ``--cache-dir`` (``training/cache.py``) keep, per token: the token, the
    target's final-norm hidden state (float16), its argmax (the target's own next token), its
    top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the
-   target. One process extracts into a cache at a time (a lock file).
+   target. One run extracts into a cache at a time (a lock file).
 2. **Train** (``training/loop.py``). At position t the drafter gets ``h_t`` and, for future
    step i = 1..P (``--positions``), the tokens ``x_{t+1..t+i}`` and is trained against the
    target's prediction for token ``t+i+1`` (``training/examples.py``). Only predictions of
    assistant tokens count. Held-out conversations give per-position top-1 agreement, used for
    early stopping; the best drafter is written to ``--out`` (atomic), a resumable checkpoint to
    ``--out/checkpoint``.
+
+Under ``mlx.launch`` every rank runs this command: extraction is handed out in units of
+conversations (``training/sharded.py``) and training is data-parallel, each rank its slice
+of every batch (``training/ranks.py``); rank 0 writes the manifest and ``--out``.
 
 This module only reads the flags: it refuses bad ones before the target loads (extraction may
 take hours), turns the rest into ``ExtractOptions`` / ``TrainOptions``, and prints a library
@@ -28,6 +32,7 @@ import argparse
 import json
 import math
 import sys
+import traceback
 from dataclasses import fields
 from pathlib import Path
 from typing import NoReturn
@@ -43,6 +48,7 @@ from redrafter_mlx.training.data import default_data_path
 from redrafter_mlx.training.extract import prepare_cache
 from redrafter_mlx.training.loop import train
 from redrafter_mlx.training.options import ExtractOptions, TrainOptions
+from redrafter_mlx.training.ranks import ONE, PeerFailed, Ranks, check_split
 
 EPILOG = """examples:
   # the first SmolLM2-135M-Instruct drafter, v1 (embedded target, ShareGPT from the wheel)
@@ -76,6 +82,11 @@ EPILOG = """examples:
   # the reference drafter shape (own head, full vocab, exit width 2H) on your own data
   redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
       --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3
+
+  # the same on two ranks of this machine (or a --hostfile of several; README: "Training on
+  # several machines"): the cache and the drafter one process would make
+  mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --source self \\
+      --cache-dir runs/self --out runs/drafter
 
   # resume an interrupted run: the same command plus --resume (other options are refused)
   redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
@@ -217,27 +228,60 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> None:
     """Run ``train`` as parsed: extract (resuming a cache), then train (unless
     ``--extract-only``); prints the best evaluation as JSON. Bad input ends in ``error: ...``
-    on stderr and exit status 1, Ctrl-C in 130 with how to go on."""
-    stage = "load"
+    on stderr and exit status 1, Ctrl-C in 130 with how to go on. Under ``mlx.launch`` every
+    rank runs this; rank 0 alone prints the result, a failed rank names itself."""
+    stage, ranks = "load", ONE
     try:
+        ranks = Ranks.launched()
         check_args(args)
+        if not args.extract_only:
+            check_split(args.batch_size, ranks)
         model, tokenizer, model_path = _load(args.model)
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
         stage = "extract"
-        cache = prepare_cache(model, tokenizer, model_path, data, cache_dir, extract_options(args))
+        cache = prepare_cache(
+            model, tokenizer, model_path, data, cache_dir, extract_options(args), ranks=ranks
+        )
         if args.extract_only:
             return
         stage = "train"
         opts, recorded = train_options(args), run_options(args)
-        best = train(model, cache, Path(args.out), opts, run_options=recorded)
+        best = train(model, cache, Path(args.out), opts, run_options=recorded, ranks=ranks)
     except KeyboardInterrupt:
-        _interrupted(stage, args.out)
+        _interrupted(stage, args.out, ranks)
+    except PeerFailed:
+        raise SystemExit(1) from None  # the failed rank said why
     except ReDrafterError as e:
-        fail(str(e))
+        fail(_ranked(str(e), ranks))
     except OSError as e:  # unwritable --out / --cache-dir, disk full, ...
-        fail(os_error_text(e))
-    print(json.dumps({"out": args.out, "best": best}))
+        fail(_ranked(os_error_text(e), ranks))
+    except Exception as e:
+        if ranks.size == 1:
+            raise
+        fail(_ranked(_failure(e, stage, args.out), ranks))
+    if ranks.lead:
+        print(json.dumps({"out": args.out, "best": best}))
+
+
+def _ranked(message: str, ranks: Ranks) -> str:
+    """``message`` naming the rank that failed, on several."""
+    return message if ranks.size == 1 else f"rank {ranks.rank} of {ranks.size}: {message}"
+
+
+def _failure(error: Exception, stage: str, out: str | None) -> str:
+    """One rank's unexpected failure in one line, with what is kept. A lost exchange (another
+    rank stopped: ``[ring] connection to a peer was lost``) is the backend's message; for
+    anything else the traceback is printed first (a bug)."""
+    text = " ".join(str(error).split())
+    if not (isinstance(error, RuntimeError) and text.startswith("[")):
+        traceback.print_exc()
+        text = f"{type(error).__name__}: {text}"
+    kept = {
+        "extract": "finished shards stay in the cache",
+        "train": f"{out}/checkpoint holds the last checkpoint: rerun with --resume",
+    }.get(stage, "")
+    return f"{text}{'; ' + kept if kept else ''}"
 
 
 def _load(model: str | None):
@@ -250,13 +294,14 @@ def _load(model: str | None):
     return loaded, tokenizer, path
 
 
-def _interrupted(stage: str, out: str | None) -> NoReturn:
-    """Ctrl-C: say how to go on from what is saved, exit 130."""
+def _interrupted(stage: str, out: str | None, ranks: Ranks) -> NoReturn:
+    """Ctrl-C: say how to go on from what is saved (rank 0, on several), exit 130."""
     hint = {
         "extract": "finished shards stay in the cache: rerun the same command to go on",
         "train": f"rerun the same command with --resume to go on from {out}/checkpoint",
     }.get(stage, "")
-    print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
+    if ranks.lead:
+        print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
     raise SystemExit(130) from None
 
 

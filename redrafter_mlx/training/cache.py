@@ -14,7 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from redrafter_mlx.core.atomic import write_text, write_with
 from redrafter_mlx.core.errors import TrainError
+from redrafter_mlx.training.ranks import ONE, Ranks
 
 
 def read_json(path: Path) -> dict:
@@ -71,17 +72,18 @@ class Cache:
         return cls(root, read_json(path))
 
     @contextmanager
-    def writing(self) -> Iterator[None]:
+    def writing(self, ranks: Ranks = ONE) -> Iterator[None]:
         """Hold the folder's extraction lock (one writer at a time; released if the process
-        dies) and re-read the manifest, which another process may have extended."""
-        with open(self.root / "extract.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise TrainError(
-                    f"{self.root} is being extracted by another process; wait for it, "
-                    "or pass a --max-tokens the cache already holds to train on what is there"
-                ) from None
+        dies) and re-read the manifest, which another process may have extended. On several
+        ranks rank 0 holds it for all of them."""
+        with ExitStack() as held:
+            error = None
+            if ranks.lead:
+                try:
+                    held.enter_context(_locked(self.root / "extract.lock"))
+                except TrainError as e:
+                    error = e
+            ranks.check(error)
             path = self.root / "manifest.json"
             if path.exists():
                 self.manifest = read_json(path)
@@ -97,17 +99,22 @@ class Cache:
         """Write ``arrays`` as the next shard of ``split``; a resumed extraction of it starts
         at conversation ``next_conv``."""
         name = f"{split}-{len(self.manifest['shards']):05d}.npz"
+        entry = self.write_shard(name, split, arrays)
+        self.append([entry], split, next_conv)
+
+    def write_shard(self, name: str, split: str, arrays: dict[str, np.ndarray]) -> dict:
+        """Write ``arrays`` as shard file ``name`` (not listed yet); its manifest entry."""
         write_with(self.root / name, lambda tmp: np.savez(tmp, **arrays))
-        self.manifest["shards"].append(
-            {
-                "file": name,
-                "split": split,
-                "tokens": int(arrays["tokens"].shape[0]),
-                "bytes": (self.root / name).stat().st_size,
-            }
-        )
+        tokens, size = int(arrays["tokens"].shape[0]), (self.root / name).stat().st_size
+        return {"file": name, "split": split, "tokens": tokens, "bytes": size}
+
+    def append(self, entries: list[dict], split: str, next_conv: int, *, save=True) -> None:
+        """List shard ``entries`` (written) in the manifest; a resumed extraction of ``split``
+        starts at conversation ``next_conv``. ``save``: write the manifest (rank 0 does)."""
+        self.manifest["shards"] += entries
         self.manifest["next"][split] = next_conv
-        write_text(self.root / "manifest.json", json.dumps(self.manifest, indent=1))
+        if save:
+            write_text(self.root / "manifest.json", json.dumps(self.manifest, indent=1))
 
     def load(self, split: str, budget: int | None = None) -> dict[str, np.ndarray] | None:
         """Shards of ``split`` (up to ``budget`` tokens) concatenated, ``doc`` numbering
@@ -118,6 +125,20 @@ class Cache:
                 parts.append(dict(np.load(self.root / s["file"])))
                 have += s["tokens"]
         return join_docs(parts) if parts else None
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` while the block runs; TrainError if it is held."""
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainError(
+                f"{path.parent} is being extracted by another process; wait for it, "
+                "or pass a --max-tokens the cache already holds to train on what is there"
+            ) from None
+        yield
 
 
 def _differences(old: dict, new: dict) -> str:

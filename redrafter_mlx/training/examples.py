@@ -44,8 +44,7 @@ class Examples:
         """Rows ``t (B,)`` -> context (B, H), inputs / targets / valid (B, P), and ``idx``
         (B, P): the rows ``t + i`` whose target hidden made each target prediction (the caller
         gathers those hidden states where it needs them)."""
-        n, p = self.data["tokens"].shape[0], self.valid.shape[1]
-        idx = np.minimum(t[:, None] + np.arange(1, p + 1)[None], n - 1)  # t + i, i = 1..P
+        idx = self.future(t)
         return {
             "context": self.data["hidden"][t],
             "inputs": self.data["tokens"][idx],
@@ -53,6 +52,12 @@ class Examples:
             "valid": self.valid[t],
             "idx": idx,
         }
+
+    def future(self, t: np.ndarray) -> np.ndarray:
+        """``(B, P)``: the rows ``t + i``, i = 1..P, of rows ``t (B,)`` (the stream's last row
+        past its end; ``valid`` is False there)."""
+        n, p = self.data["tokens"].shape[0], self.valid.shape[1]
+        return np.minimum(t[:, None] + np.arange(1, p + 1)[None], n - 1)
 
 
 def frequent_tokens(data: dict[str, np.ndarray], k: int) -> np.ndarray:

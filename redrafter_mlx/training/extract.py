@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,19 +38,32 @@ from redrafter_mlx.training.data import (
     split_conversations,
 )
 from redrafter_mlx.training.options import ExtractOptions
+from redrafter_mlx.training.ranks import ONE, Ranks
 from redrafter_mlx.training.selfdistill import greedy_batch
+from redrafter_mlx.training.sharded import Span, extract_sharded
 
 SHARD_TOKENS = 16384
 GEN_WINDOW = 4  # --source self: batches sorted by prompt length together
+TEACHER_UNIT = 32  # --source data on several ranks: conversations a rank takes at a time
 
 Record = dict[str, np.ndarray]
 Records = Iterator[tuple[int, Record, bool]]  # (next conversation, record, resumable boundary)
 
 
 def prepare_cache(
-    model, tokenizer, model_path, data: Path, cache_dir: Path, opts: ExtractOptions
+    model,
+    tokenizer,
+    model_path,
+    data: Path,
+    cache_dir: Path,
+    opts: ExtractOptions,
+    *,
+    ranks: Ranks = ONE,
 ) -> Cache:
-    """Read + split the conversations, extract held-out then training shards up to budgets."""
+    """Read + split the conversations, extract held-out then training shards up to budgets
+    (on several ``ranks``: each its share, into one cache folder they all see)."""
+    if not ranks.lead:
+        opts = replace(opts, quiet=True)  # rank 0 shows progress and notes
     try:
         convs = read_conversations(data)
     except ValueError as e:
@@ -63,17 +77,18 @@ def prepare_cache(
         training = every_user_turn(training, heldout)
     cache = Cache.open(cache_dir, identity)
     prompts = cache_dir / "heldout_prompts.jsonl"
-    if not prompts.exists():  # for `eval-drafter --prompts`: held-out text, never trained on
+    # for `eval-drafter --prompts`: held-out text, never trained on
+    if ranks.lead and not prompts.exists():
         lines = [json.dumps({"turns": [t]}) for t in first_user_turns(heldout)]
         write_text(prompts, "\n".join(lines) + "\n")
-    extract(model, tokenizer, heldout, cache, "heldout", opts.heldout_tokens, opts)
+    extract(model, tokenizer, heldout, cache, "heldout", opts.heldout_tokens, opts, ranks)
     if not cache.tokens("heldout"):  # say so now, not after the (long) training extraction
         raise TrainError(
             f"{cache.root}: the {heldout_n} held-out conversations gave no tokens within "
             "--max-seq-len (prompts too long for it, or no answers): raise --max-seq-len or "
             "--heldout"
         )
-    extract(model, tokenizer, training, cache, "train", opts.max_tokens, opts)
+    extract(model, tokenizer, training, cache, "train", opts.max_tokens, opts, ranks)
     _note_short(cache, opts)
     return cache
 
@@ -116,15 +131,27 @@ def fingerprint(model) -> str:
 
 
 def extract(
-    model, tokenizer, convs: list, cache: Cache, split: str, budget: int, opts: ExtractOptions
+    model,
+    tokenizer,
+    convs: list,
+    cache: Cache,
+    split: str,
+    budget: int,
+    opts: ExtractOptions,
+    ranks: Ranks = ONE,
 ) -> None:
     """Record conversations ``convs[next:]`` into shards until ``split`` has ``budget`` tokens:
-    teacher-forced (``--source data``) or answered by the target itself (``--source self``)."""
+    teacher-forced (``--source data``) or answered by the target itself (``--source self``);
+    on several ``ranks`` unit by unit (``sharded.py``)."""
     limit = opts.cache_max_gb * 2**30
-    if cache.tokens(split) >= budget or cache.nbytes() >= limit:
-        return
-    with cache.writing():
-        _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts)
+    if ranks.lead_says(cache.tokens(split) >= budget or cache.nbytes() >= limit):
+        return  # (a complete cache copied to each machine is fine: nothing is written)
+    ranks.check_shared(cache.root, "--cache-dir")  # several ranks write into it
+    with cache.writing(ranks):
+        if ranks.size == 1:
+            _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts)
+        else:
+            _extract_ranks(model, tokenizer, convs, cache, split, budget, limit, opts, ranks)
 
 
 def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) -> None:
@@ -158,6 +185,33 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) 
                 break
         if buf:
             cache.add_shard(split, _concat(buf), i)
+
+
+def _extract_ranks(model, tokenizer, convs, cache, split, budget, limit, opts, ranks) -> None:
+    """``extract`` on several ranks, a unit of conversations each at a time: a generation
+    window (``--source self``) or ``TEACHER_UNIT`` conversations."""
+    if cache.tokens(split) >= budget:  # the manifest re-read under the lock
+        return
+    records = self_records if opts.source == "self" else teacher_records
+    unit = GEN_WINDOW * opts.gen_batch if opts.source == "self" else TEACHER_UNIT
+    first = cache.manifest["next"][split]
+    if split == "train":
+        first = max(first, opts.skip_prompts)
+
+    def produce(a: int, b: int) -> list:
+        return list(records(model, tokenizer, convs[:b], a, opts))
+
+    verb = "generate" if opts.source == "self" else "extract"
+    with Progress(*_extract_columns(f"{verb} {split}"), disable=opts.quiet) as bar:
+        task = bar.add_task("", total=budget, completed=cache.tokens(split), rate="")
+
+        def show(have: int, rate: str) -> None:
+            bar.update(task, completed=min(have, budget), rate=rate)
+
+        span = Span(first, len(convs), unit)
+        extract_sharded(
+            produce, cache, split, span, budget=budget, limit=limit, ranks=ranks, show=show
+        )
 
 
 def _extract_columns(title: str) -> tuple:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.drafter import save_drafter
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.training.cache import Cache, join_docs
@@ -25,33 +27,59 @@ from redrafter_mlx.training.checkpoint import (
 )
 from redrafter_mlx.training.examples import Examples, frequent_tokens
 from redrafter_mlx.training.options import TrainOptions
+from redrafter_mlx.training.ranks import ONE, Ranks, check_split
 from redrafter_mlx.training.trainer import Trainer, build_trainer
 
 FIT_AFTER = 50  # max_minutes: steps timed before the first fit of the schedule to the time
 TIME_MARGIN = 0.95  # ... and the share of the time left that the fit plans to use
 
 
-def train(model, cache: Cache, out: Path, opts: TrainOptions, *, run_options: dict) -> dict:
+def train(
+    model, cache: Cache, out: Path, opts: TrainOptions, *, run_options: dict, ranks: Ranks = ONE
+) -> dict:
     """Train on the cached training split; early-stop on held-out agreement. Returns the best
     evaluation (also in ``out/train_log.jsonl``). ``run_options`` go into the checkpoint (a
-    resumed run is compared against them)."""
+    resumed run is compared against them). On several ``ranks`` training is data-parallel
+    (``Trainer.step``) and rank 0 alone writes ``out``; they start from its drafter."""
+    check_split(opts.batch_size, ranks)
+    if not ranks.lead:
+        opts = replace(opts, quiet=True)  # rank 0 shows progress and notes
     train_data, heldout_data = _splits(cache, opts)
+    tokens = train_data["tokens"].tobytes() + heldout_data["tokens"].tobytes()
+    ranks.check_same(tokens, f"the training data in --cache-dir {cache.root}")
     examples = Examples.build(train_data, opts.positions)
     heldout = Examples.build(heldout_data, opts.positions)
     total = planned_steps(len(examples.starts), opts)
     trainer = build_trainer(model, _draft_vocab(train_data, opts), opts, total)
-    out.mkdir(parents=True, exist_ok=True)
-    clear_staged(out)
+    if ranks.lead:
+        out.mkdir(parents=True, exist_ok=True)
+        clear_staged(out)
     state = {"step": 0, "best": -1.0, "bad": 0, "tokens": int(train_data["tokens"].shape[0])}
     state["options"] = run_options
-    if opts.resume and (out / "checkpoint").exists():
-        state = {**load_checkpoint(trainer, out / "checkpoint"), "options": run_options}
+    if ranks.lead_says(opts.resume and (out / "checkpoint").exists()):
+        state = _resume(trainer, out, ranks, run_options)
         fitted = state.get("total_steps", total)  # max_minutes shortened it
         total = trainer.schedule.total = min(total, fitted)
-    elif opts.resume and not opts.quiet:
-        print(f"note: no checkpoint in {out}: starting at step 0", file=sys.stderr)
-    truncate_log(out / "train_log.jsonl", state["step"])
-    return run_loop(trainer, examples, heldout, out, state, opts, total)
+    else:
+        if opts.resume and not opts.quiet:
+            print(f"note: no checkpoint in {out}: starting at step 0", file=sys.stderr)
+        trainer.drafter.update(ranks.share_tree(trainer.drafter.trainable_parameters()))
+    if ranks.lead:
+        truncate_log(out / "train_log.jsonl", state["step"])
+    return run_loop(trainer, examples, heldout, out, state, opts, total, ranks)
+
+
+def _resume(trainer: Trainer, out: Path, ranks: Ranks, run_options: dict) -> dict:
+    """Rank 0 loads ``out/checkpoint`` into ``trainer`` and every rank gets its drafter,
+    optimizer state and loop state; the loop state, with ``run_options``."""
+    state = load_checkpoint(trainer, out / "checkpoint") if ranks.lead else None
+    if ranks.size > 1:
+        if not ranks.lead:  # the state's structure, to be filled with rank 0's
+            trainer.optimizer.init(trainer.drafter.trainable_parameters())
+        trainer.drafter.update(ranks.share_tree(trainer.drafter.trainable_parameters()))
+        trainer.optimizer.state = ranks.share_tree(trainer.optimizer.state)
+        state = ranks.share_json(state)
+    return {**state, "options": run_options}
 
 
 def _splits(cache: Cache, opts: TrainOptions) -> tuple[dict, dict]:
@@ -116,48 +144,80 @@ def run_loop(
     state: dict,
     opts: TrainOptions,
     total_steps: int,
+    ranks: Ranks = ONE,
 ) -> dict:
     """The step / evaluate / checkpoint loop with a rich progress bar, from ``state["step"]``
     to ``total_steps`` (fewer when ``max_minutes`` fits the schedule). Returns the best
     evaluation."""
-    per_epoch = max(len(examples.starts) // opts.batch_size, 1)
     start, seen0, losses = time.perf_counter(), state["step"], []
     before = state.get("seconds", 0.0)  # trained before a resume
     best, total = state.get("best_eval", {}), total_steps
+    marks = {"step": seen0, "comm": 0.0}  # at the last evaluation: its exchange time per step
     with Progress(*_train_columns(), disable=opts.quiet) as bar:
         task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="")
         while state["step"] < total:
-            losses.append(trainer.step(examples, _batch_rows(examples, state["step"], opts)))
+            rows = _batch_rows(examples, state["step"], opts)
+            losses.append(trainer.step(examples, rows, ranks))
             state["step"] = step = state["step"] + 1
-            elapsed = time.perf_counter() - start
-            rate = (step - seen0) * opts.batch_size / elapsed
-            loss = f"{np.mean(losses[-50:]):.3f}"
-            bar.update(task, completed=step, loss=loss, rate=f"{rate:.0f} pos/s")
+            elapsed = _clock(start, opts, ranks)
+            rate = _rate(trainer, step - seen0, elapsed, opts, ranks)
+            bar.update(task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=rate)
             timed_out = opts.max_minutes and before + elapsed > opts.max_minutes * 60
             if opts.max_minutes and step - seen0 == FIT_AFTER:
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
                 bar.update(task, total=total)
             if step % opts.eval_every and step < total and not timed_out:
                 continue
-            ev = trainer.agreement(heldout)
-            ev.update(
-                step=step,
-                examples=step * opts.batch_size,
-                epoch=round(step / per_epoch, 3),
-                train_tokens=state["tokens"],
-                loss=float(np.mean(losses[-opts.eval_every :])),
-                seconds=round(before + elapsed, 1),
-            )
+            ev = trainer.agreement(heldout, ranks=ranks)
+            ev.update(_progress(trainer, examples, state, losses, opts, ranks, marks))
+            ev.update(seconds=round(before + elapsed, 1))
             state.update(seconds=before + elapsed, total_steps=total)
-            best = _keep(trainer, ev, out, state) or best
+            best = _keep(trainer, ev, out, state, ranks.lead) or best
             bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
             if state["bad"] >= opts.patience or timed_out:
                 break
             if opts.max_minutes:
-                elapsed = time.perf_counter() - start  # evaluation included
+                elapsed = _clock(start, opts, ranks)  # evaluation included
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
                 bar.update(task, total=total)
     return best
+
+
+def _clock(start: float, opts: TrainOptions, ranks: Ranks) -> float:
+    """Seconds since ``start``; with ``max_minutes`` on several ranks rank 0's, so that all
+    stop at the same step."""
+    elapsed = time.perf_counter() - start
+    if opts.max_minutes and ranks.size > 1:
+        elapsed = float(ranks.share(np.array([elapsed]))[0])
+    return elapsed
+
+
+def _rate(trainer: Trainer, steps: int, seconds: float, opts: TrainOptions, ranks) -> str:
+    """Training positions per second of all ranks together (and, on several, the time a
+    step spends exchanging gradients)."""
+    rate = f"{steps * opts.batch_size / seconds:.0f} pos/s"
+    if ranks.size == 1:
+        return rate
+    return f"{rate}, {ranks.size} ranks, {trainer.comm_seconds / steps * 1e3:.0f} ms/step exchange"
+
+
+def _progress(trainer, examples, state, losses, opts: TrainOptions, ranks, marks) -> dict:
+    """An evaluation's log fields besides agreement: where training is, its recent loss, the
+    ranks and (several) the gradient exchange's time per step since the last evaluation."""
+    step = state["step"]
+    fields = {
+        "step": step,
+        "examples": step * opts.batch_size,
+        "epoch": round(step / max(len(examples.starts) // opts.batch_size, 1), 3),
+        "train_tokens": state["tokens"],
+        "loss": float(np.mean(losses[-opts.eval_every :])),
+        "ranks": ranks.size,
+    }
+    if ranks.size > 1:
+        steps, comm = step - marks["step"], trainer.comm_seconds - marks["comm"]
+        fields["exchange_ms_per_step"] = round(comm / max(steps, 1) * 1e3, 3)
+        marks.update(step=step, comm=trainer.comm_seconds)
+    return fields
 
 
 def _train_columns() -> tuple:
@@ -181,19 +241,28 @@ def _batch_rows(examples: Examples, step: int, opts: TrainOptions) -> np.ndarray
     return order[k * opts.batch_size : (k + 1) * opts.batch_size]
 
 
-def _keep(trainer: Trainer, ev: dict, out: Path, state: dict) -> dict | None:
+def _keep(trainer: Trainer, ev: dict, out: Path, state: dict, lead: bool = True) -> dict | None:
     """Log evaluation ``ev``, save the drafter to ``out`` when it is the best so far (then
-    return ``ev``), and checkpoint the run."""
-    with open(out / "train_log.jsonl", "a") as f:
-        f.write(json.dumps(ev) + "\n")
+    return ``ev``), and checkpoint the run; only ``lead`` (rank 0) writes."""
+    if lead:
+        _log(out / "train_log.jsonl", ev)
     improved = ev["mean_agreement"] > state["best"]
     if improved:
         state.update(best=ev["mean_agreement"], bad=0, best_eval=ev)
-        save_drafter(trainer.drafter, out)
+        if lead:
+            save_drafter(trainer.drafter, out)
     else:
         state["bad"] += 1
-    save_checkpoint(trainer, out / "checkpoint", state)
+    if lead:
+        save_checkpoint(trainer, out / "checkpoint", state)
     return ev if improved else None
+
+
+def _log(path: Path, ev: dict) -> None:
+    """Append ``ev`` to the log, atomically (the whole file is rewritten: a kill mid-write
+    leaves the old one)."""
+    old = path.read_text() if path.exists() else ""
+    write_text(path, old + json.dumps(ev) + "\n")
 
 
 def _refit(trainer, total, steps, seconds, step, opts: TrainOptions, before) -> int:

@@ -38,13 +38,16 @@ def loss_fn(
     next_hidden: mx.array | None,
     soft_weight: float = 0.0,
     hidden_weight: float = 0.0,
+    count: float | None = None,
 ) -> mx.array:
     """Mean loss over weighted steps: cross-entropy to the target's argmax ``labels (B, P)``
     (draft-vocab indices; ``weights (B, P)`` 0/1), optionally mixed (``soft_weight``) with
     cross-entropy to the target's distribution over the draft vocab ``soft (B, P, K)``
     (log-probs), plus, for ``head == "target"``, ``hidden_weight`` times a Huber regression of
     the predicted hidden state onto the target's own ``next_hidden (B, P, H)`` (feature
-    distillation, as in EAGLE)."""
+    distillation, as in EAGLE). ``count``: what the weighted sum is divided by instead of
+    this batch's weight (a rank's slice of a batch: the whole batch's weight over the ranks,
+    so the ranks' mean loss is the whole batch's)."""
     features = unrolled_features(drafter, context, embeds)
     logits = drafter.score(features).astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -55,4 +58,6 @@ def loss_fn(
         err = mx.abs(features - next_hidden)
         huber = mx.where(err < 1, 0.5 * err * err, err - 0.5).mean(axis=-1)
         loss = loss + hidden_weight * huber
-    return (loss * weights).sum() / mx.maximum(weights.sum(), 1)
+    if count is None:
+        count = mx.maximum(weights.sum(), 1)
+    return (loss * weights).sum() / count

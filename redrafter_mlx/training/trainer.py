@@ -8,6 +8,7 @@ positions, B batch rows.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ from redrafter_mlx.training.drafter_init import initial_drafter
 from redrafter_mlx.training.examples import Examples
 from redrafter_mlx.training.loss import loss_fn, unrolled_logits
 from redrafter_mlx.training.options import TrainOptions
+from redrafter_mlx.training.ranks import ONE, Ranks
 
 
 class WarmupCosine:
@@ -54,6 +56,7 @@ class Trainer:
     schedule: WarmupCosine
     soft_weight: float = 0.0
     hidden_weight: float = 0.0
+    comm_seconds: float = 0.0  # averaging gradients over ranks (waiting for the slowest too)
 
     def tensors(self, ex: Examples, rows: np.ndarray):
         """Numpy batch -> MLX ``(context (B, H), embeds (B, P, H), labels (B, P), weights
@@ -74,47 +77,76 @@ class Trainer:
         labels = mx.array(np.maximum(draft, 0).astype(np.int32))
         return context, embeds, labels, mx.array(weights.astype(np.float32)), soft, nxt, b
 
-    def step(self, ex: Examples, rows: np.ndarray) -> float:
-        """One optimizer step on the examples at ``rows (B,)``; the batch's loss."""
+    def step(self, ex: Examples, rows: np.ndarray, ranks: Ranks = ONE) -> float:
+        """One optimizer step on the examples at ``rows (B,)``; the batch's loss. On several
+        ``ranks`` each takes its slice of the rows and the gradients are averaged: each
+        slice's loss is divided by the whole batch's weight over N, so the mean over ranks
+        is the loss (and the gradient) of the whole batch."""
+        count = None
+        if ranks.size > 1:
+            count = max(self.weight(ex, rows), 1) / ranks.size
+            rows = ranks.mine(rows)
         *inputs, _ = self.tensors(ex, rows)
         grad_fn = nn.value_and_grad(self.drafter, loss_fn)
-        loss, grads = grad_fn(self.drafter, *inputs, self.soft_weight, self.hidden_weight)
+        loss, grads = grad_fn(self.drafter, *inputs, self.soft_weight, self.hidden_weight, count)
+        if ranks.size > 1:
+            loss, grads = self._average(loss, grads, ranks)
         self.optimizer.update(self.drafter, grads)
         mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
         return loss.item()
 
-    def agreement(self, ex: Examples, limit: int = 20000) -> dict:
+    def weight(self, ex: Examples, rows: np.ndarray) -> int:
+        """How many predictions of the examples at ``rows (B,)`` the loss counts."""
+        targets = ex.data["argmax"][ex.future(rows)]
+        return int((ex.valid[rows] & (self.lookup[targets] >= 0)).sum())
+
+    def _average(self, loss: mx.array, grads, ranks: Ranks):
+        """``(loss, gradients)`` averaged over the ranks, in one exchange (grouped by
+        ``nn.average_gradients``); its time (waiting for the slowest rank included) is added
+        to ``comm_seconds``."""
+        mx.eval(loss, grads)  # this rank's slice first, so the time below is the exchange's
+        start = time.perf_counter()
+        mean = nn.average_gradients({"loss": loss, "grads": grads}, group=ranks.group)
+        mx.eval(mean)
+        self.comm_seconds += time.perf_counter() - start
+        return mean["loss"], mean["grads"]
+
+    def agreement(self, ex: Examples, limit: int = 20000, ranks: Ranks = ONE) -> dict:
         """Held-out top-1 agreement with the target per future position (out-of-vocab targets
         count as misses), and the mean count of leading agreements (teacher forced), overall
-        and where all P inputs lie on the target's greedy path (as when decoding)."""
+        and where all P inputs lie on the target's greedy path (as when decoding). On several
+        ``ranks`` each evaluates every N-th chunk of positions and the counts are summed."""
         starts = _sample(ex.starts, limit)
-        hits = np.zeros(ex.valid.shape[1])
-        counts = np.zeros(ex.valid.shape[1])
-        leading, on_path = [], []
-        for i in range(0, len(starts), 1024):
-            rows = starts[i : i + 1024]
-            context, embeds, _, _, _, _, b = self.tensors(ex, rows)
-            index = mx.argmax(unrolled_logits(self.drafter, context, embeds), axis=-1)
-            agree = (np.array(self.drafter.draft_ids(index)) == b["targets"]) & b["valid"]
-            hits += agree.sum(0)
-            counts += b["valid"].sum(0)
-            full = b["valid"].all(axis=1)
-            # on the target's greedy path: every input is the target's own previous choice
-            prev = ex.data["argmax"][b["idx"] - 1]
-            path = full & (b["inputs"] == prev).all(axis=1)
-            lead = np.cumprod(agree, axis=1).sum(axis=1)
-            leading.append(lead[full])
-            on_path.append(lead[path])
-        lead, path = np.concatenate(leading), np.concatenate(on_path)
+        p = ex.valid.shape[1]
+        tally = np.zeros(2 * p + 4, np.int64)  # hits (P), counts (P), leading sums and counts
+        for i in range(ranks.rank * 1024, len(starts), ranks.size * 1024):
+            tally += self._agreement_counts(ex, starts[i : i + 1024])
+        tally = ranks.sum(tally)
+        hits, counts = tally[:p], tally[p : 2 * p]
+        lead_sum, lead_n, path_sum, path_n = (int(x) for x in tally[2 * p :])
         per = (hits / np.maximum(counts, 1)).round(4).tolist()
         return {
             "agreement": per,
             "mean_agreement": float(np.mean(per)),
-            "leading": float(lead.mean()) if len(lead) else 0.0,
-            "leading_on_path": float(path.mean()) if len(path) else 0.0,
-            "on_path": int(len(path)),
+            "leading": lead_sum / lead_n if lead_n else 0.0,
+            "leading_on_path": path_sum / path_n if path_n else 0.0,
+            "on_path": path_n,
             "positions": int(len(starts)),
         }
+
+    def _agreement_counts(self, ex: Examples, rows: np.ndarray) -> np.ndarray:
+        """``agreement``'s counts over the examples at ``rows``: hits (P), counts (P), then
+        the sum and count of leading agreements, overall and on the target's greedy path."""
+        context, embeds, _, _, _, _, b = self.tensors(ex, rows)
+        index = mx.argmax(unrolled_logits(self.drafter, context, embeds), axis=-1)
+        agree = (np.array(self.drafter.draft_ids(index)) == b["targets"]) & b["valid"]
+        full = b["valid"].all(axis=1)
+        # on the target's greedy path: every input is the target's own previous choice
+        prev = ex.data["argmax"][b["idx"] - 1]
+        path = full & (b["inputs"] == prev).all(axis=1)
+        lead = np.cumprod(agree, axis=1).sum(axis=1)
+        leading = [lead[full].sum(), full.sum(), lead[path].sum(), path.sum()]
+        return np.concatenate([agree.sum(0), b["valid"].sum(0), leading]).astype(np.int64)
 
 
 def _sample(starts: np.ndarray, limit: int) -> np.ndarray:
