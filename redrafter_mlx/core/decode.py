@@ -9,10 +9,15 @@ count, the next pending token and the *next* step's beams, all in one array. Eve
 two reads is one lazy graph. With a path-probability floor (``BeamShape.min_prob``) the drafter
 also reads its best score after each depth but the last, to stop drafting as soon as nothing
 deeper could be verified (``Step.syncs`` counts those reads).
+
+With ``BeamShape.lookup`` K > 0 the step adds up to K prompt-lookup beams
+(:mod:`redrafter_mlx.core.lookup`), made on the host from the token history after the read: the
+same tree, verify and acceptance, no extra read. Without a drafter they are the only beams.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +32,7 @@ from redrafter_mlx.core.accept import Sampler, accept, choose
 from redrafter_mlx.core.cache import KVCache
 from redrafter_mlx.core.draft import BeamDrafter, check_width
 from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
 from redrafter_mlx.core.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
@@ -41,6 +47,9 @@ class Step:
     tokens: list[int]  # emitted tokens (accepted drafts + the target's own next token)
     tree_size: int = 1  # nodes verified (1 for an autoregressive step)
     syncs: int = 1  # host reads this step made (excluding timing evals)
+    # Where the accepted drafts came from: "drafter", "lookup", "both" (a beam of each source
+    # held them) or None (none accepted).
+    accepted_from: str | None = None
 
 
 class PhaseTimer:
@@ -96,6 +105,11 @@ class Decoder:
                 f"model's {self.max_context}-token context"
             )
 
+    @property
+    def drafted(self) -> bool:
+        """Whether steps draft beams with a drafter (else only lookup beams)."""
+        return self.drafter is not None
+
     def check_shape(self, shape: BeamShape) -> None:
         """ValueError when the drafter cannot search ``shape``: more beams than draft tokens."""
         if isinstance(self.drafter, BeamDrafter):
@@ -112,7 +126,7 @@ class Decoder:
         would stop it to compile, and on the CPU backend MLX runs g++ meanwhile, which swallows
         Ctrl-C. Costs one small forward per compiled size (each is traced once per model).
         """
-        sizes = [1] if autoregressive else verified_sizes(self.shape, self.plan.tree_sizes)
+        sizes = [1] if autoregressive else self._verified_sizes()
         cache = self.new_cache()
         prompt = mx.zeros((2,), mx.int32)
         hidden = self._forward(prompt, mx.arange(2), llm.CAUSAL, cache, compiled=False)
@@ -125,7 +139,7 @@ class Decoder:
                 hidden = self._forward(tokens, mx.arange(size), mask, cache)
             rows = mx.zeros((size, logits.shape[-1]), logits.dtype)
             mx.eval(hidden, choose(rows, self.sampler))
-        if not autoregressive and self.drafter is not None:
+        if not autoregressive and self.drafted:
             pending = mx.array(0, mx.int32)
             self.drafter.warm_up(hidden[-1], pending, **self._search_options())
         if self.seed is not None:
@@ -176,15 +190,24 @@ class Decoder:
             token = choice
 
     def speculative(self, cache: KVCache, prompt: list[int]) -> Iterator[Step]:
-        """ReDrafter decoding: each step emits 1..L tokens with one target pass."""
-        if self.drafter is None:
-            raise ValueError("speculative decoding needs a drafter")
+        """ReDrafter decoding: each step emits 1..L tokens with one target pass, verifying the
+        drafter's beams and the shape's lookup beams (lookup beams alone without a drafter)."""
+        if not self.drafted and not self.shape.lookup:
+            raise ValueError("speculative decoding needs a drafter or lookup beams")
         pending, context = self.prefill(cache, prompt)
         read, draft = self._first_draft(context, pending)
+        index = self._lookup_index(cache)
         yield Step([int(read[0])])
         while True:
-            draft, step = self._step(cache, *draft)
+            draft, step = self._step(cache, *draft, index)
             yield step
+
+    def _lookup_index(self, cache: KVCache) -> NgramIndex | None:
+        """The n-gram index of the cached tokens when the shape has lookup beams."""
+        return NgramIndex(cache.ids) if self.shape.lookup else None
+
+    def _verified_sizes(self) -> frozenset[int]:
+        return _verified_sizes(self.shape, self.plan.tree_sizes, self.drafted)
 
     def time_steps(self, cache: KVCache, reps: int = 4) -> tuple[float, float]:
         """Seconds of a one-token step and of a ReDrafter step of the current shape at the
@@ -194,8 +217,8 @@ class Decoder:
         step, so the conversation is intact. The drafted beams come from the last cached token's
         hidden state, so the tree's size is the one this shape verifies there.
         """
-        if self.drafter is None:
-            raise ValueError("timing a speculative step needs a drafter")
+        if not self.drafted and not self.shape.lookup:
+            raise ValueError("timing a speculative step needs a drafter or lookup beams")
         self._check_room(cache, self.shape.length + 1)
         with _same_random_stream():  # sampled answers after the timing stay as without it
             return self._time_steps(cache, reps)
@@ -211,10 +234,13 @@ class Decoder:
 
         pending, hidden = one_token()
         _, draft = self._first_draft(hidden[-1], mx.array(int(pending[0]), mx.int32))
+        index = self._lookup_index(cache)
 
         def speculative() -> None:
-            self._step(cache, *draft)
+            self._step(cache, *draft, index)
             cache.rewind(offset)
+            if index is not None:
+                index.rewind(offset)
 
         seconds = {one_token: 0.0, speculative: 0.0}
         for rep in range(reps + 1):  # the first round warms up
@@ -248,29 +274,55 @@ class Decoder:
     def _first_draft(self, context: mx.array, pending: mx.array):
         """Draft from the prompt's (or any) state: one host read -> ``(read, draft)``, where
         ``read[0]`` is ``pending`` and ``draft`` is what :meth:`_step` takes."""
-        read, logprobs = self._read(pending[None], *self._draft(context, pending))
-        return read, (read[1:].reshape(self.shape.width, self.shape.length), logprobs)
+        drafted = self._draft(context, pending) if self.drafted else (None, None)
+        read, logprobs = self._read(pending[None], *drafted)
+        return read, (int(read[0]), self._beams(read[1:]), logprobs)
 
-    def _read(self, values: mx.array, beams: mx.array, logprobs: mx.array | None):
+    def _beams(self, values: np.ndarray) -> np.ndarray:
+        """The drafted beams ``(W, L)`` of a read (``(0, L)`` without a drafter)."""
+        return values.reshape(-1, self.shape.length)
+
+    def _read(self, values: mx.array, beams: mx.array | None, logprobs: mx.array | None):
         """The step's one host read: ``values`` then ``beams`` flattened (int), plus the drafted
         tokens' log-probs when the tree is pruned by them (None otherwise)."""
-        ints = mx.concatenate([values.astype(mx.int32), beams.reshape(-1)])
-        if not self.shape.min_prob:
+        ints = values.astype(mx.int32)
+        if beams is not None:
+            ints = mx.concatenate([ints, beams.reshape(-1)])
+        if beams is None or not self.shape.min_prob:
             return _host_read(ints), None
         return _host_read(ints, logprobs)
 
+    def _with_lookup(self, pending: int, beams: np.ndarray, logprobs, index: NgramIndex | None):
+        """The drafted ``beams (W, L)`` followed by the lookup beams of ``pending`` ``(k, L)``
+        (their tokens score log-prob 0: a floor never prunes them); the root alone ``(1, 1)``
+        when there is no beam at all."""
+        if index is not None:
+            found = index.propose(pending, self.shape.lookup, self.shape.length)
+            beams = np.concatenate([beams, found])
+            if logprobs is not None:
+                logprobs = np.concatenate([logprobs, np.zeros((len(found), beams.shape[1] - 1))])
+        if not len(beams):
+            return np.full((1, 1), pending, np.int32), logprobs
+        return beams, logprobs
+
     def _step(
-        self, cache: KVCache, beams: np.ndarray, logprobs: np.ndarray | None
-    ) -> tuple[tuple[np.ndarray, np.ndarray | None], Step]:
-        """One pack -> verify -> accept -> compact -> draft step from host ``beams (W, L)``
-        (and their drafted tokens' ``logprobs (W, L - 1)`` when pruning)."""
+        self,
+        cache: KVCache,
+        pending: int,
+        drafted: np.ndarray,
+        logprobs: np.ndarray | None,
+        index: NgramIndex | None = None,
+    ) -> tuple[tuple[int, np.ndarray, np.ndarray | None], Step]:
+        """One pack -> verify -> accept -> compact -> draft step from the ``pending`` token,
+        the host's ``drafted (W, L)`` beams (and their drafted tokens' ``logprobs (W, L - 1)``
+        when pruning) and, with ``index``, its lookup beams."""
         timer = self.timer
         timer.start()
-        shape = beams.shape
+        beams, logprobs = self._with_lookup(pending, drafted, logprobs, index)
         self._check_room(cache, 1)  # the root's position
         room = None if self.max_context is None else self.max_context - cache.offset
-        if room is not None and room < shape[1]:  # near the context's end: shorter beams,
-            beams = beams[:, :room]  # so the answer stops where the autoregressive one does
+        if room is not None and room < beams.shape[1]:  # near the context's end: shorter
+            beams = beams[:, :room]  # beams, so the answer stops where the autoregressive one does
             logprobs = None if logprobs is None else logprobs[:, : room - 1]
         tree = pack_beams(beams)
         if logprobs is not None:
@@ -283,7 +335,7 @@ class Decoder:
         cache.reserve(max(tree.size, beams.shape[1]))  # compaction writes L slots
         tokens = mx.array(tree.tokens)
         # shortened beams make sizes warm_up did not compile: run those few eagerly
-        compiled = beams.shape == shape
+        compiled = tree.size in self._verified_sizes()
         hidden = self._forward(tokens, positions, mask, cache, compiled=compiled)
         logits = llm.lm_head(self.model, hidden)
         timer.mark("verify", logits)
@@ -298,20 +350,43 @@ class Decoder:
         if not tree.paths_in_place:
             cache.compact(result.path)
         timer.mark("compact", *cache.state())
-        next_beams, next_logprobs = self._draft(hidden[result.last_node], result.next_token)
+        if self.drafted:
+            next_drafted = self._draft(hidden[result.last_node], result.next_token)
+        else:
+            next_drafted = (None, None)
         draft_syncs = getattr(self.drafter, "syncs", 0)
         read, next_logprobs = self._read(
-            mx.stack([result.best, result.num_accepted, result.next_token]),
-            next_beams,
-            next_logprobs,
+            mx.stack([result.best, result.num_accepted, result.next_token]), *next_drafted
         )
         timer.mark("draft")
         best, num_accepted, next_token = (int(x) for x in read[:3])
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
         cache.commit(root_and_accepted)
-        emitted = root_and_accepted[1:] + [next_token]
-        step = Step(emitted, tree_size=size, syncs=1 + draft_syncs)
-        return (read[3:].reshape(shape), next_logprobs), step
+        if index is not None:
+            index.extend(root_and_accepted)
+        step = Step(
+            root_and_accepted[1:] + [next_token],
+            tree_size=size,
+            syncs=1 + draft_syncs,
+            accepted_from=_source(beams, len(drafted), best, num_accepted),
+        )
+        return (next_token, self._beams(read[3:]), next_logprobs), step
+
+
+@functools.lru_cache(maxsize=64)
+def _verified_sizes(shape: BeamShape, tree_sizes: tuple[int, ...], drafted: bool) -> frozenset:
+    return frozenset(verified_sizes(shape, tree_sizes, drafted=drafted))
+
+
+def _source(beams: np.ndarray, drafted: int, best: int, num_accepted: int) -> str | None:
+    """Which beams of ``beams (W + k, L)`` (the first ``drafted`` the drafter's, the rest
+    lookup's) hold the ``num_accepted`` tokens accepted from beam ``best``."""
+    if not num_accepted:
+        return None
+    accepted = beams[best, 1 : num_accepted + 1]
+    holds = (beams[:, 1 : num_accepted + 1] == accepted).all(axis=1)
+    from_drafter, from_lookup = bool(holds[:drafted].any()), bool(holds[drafted:].any())
+    return "both" if from_drafter and from_lookup else "drafter" if from_drafter else "lookup"
 
 
 @contextmanager

@@ -1,0 +1,264 @@
+"""Prompt-lookup beams: the n-gram index, and decoding with lookup beams (with and without a
+drafter) that stays exactly the target's own output."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.sample_utils import make_sampler
+from scipy.stats import chisquare
+from test_decode import PADDED, _target_probs, autoregressive, take
+
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.core import decode
+from redrafter_mlx.core.accept import greedy
+from redrafter_mlx.core.decode import Decoder, _source
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.lookup import NgramIndex
+from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.shape import BeamShape, verified_sizes
+from redrafter_mlx.core.tree import verified_size
+
+
+def scanned(history: list[int], pending: int, count: int, length: int, max_ngram: int):
+    """What :meth:`NgramIndex.propose` must return, by scanning the whole history."""
+    full = history + [pending]
+    found = []
+    for n in range(min(max_ngram, len(full)), 0, -1):
+        for end in range(len(history) - 1, n - 2, -1):
+            if full[end - n + 1 : end + 1] == full[-n:]:
+                span = full[end + 1 :]
+                row = [pending] + [span[i % len(span)] for i in range(length - 1)]
+                if row not in found:
+                    found.append(row)
+    return found[:count]
+
+
+def test_propose_takes_the_most_recent_longest_matches_first():
+    index = NgramIndex([5, 1, 2, 3, 9, 1, 2, 4, 7, 2, 6, 8])
+    # "1 2" ended at 6 then 2: the 2-gram matches first (newest first), then the 1-gram "2"
+    assert index.propose(2, 4, 3).tolist() == [[2, 6, 8], [2, 4, 7], [2, 3, 9]]
+    assert index.propose(2, 1, 3).tolist() == [[2, 6, 8]]
+    assert index.propose(42, 4, 3).shape == (0, 3)  # never seen: nothing to copy
+    assert index.propose(2, 0, 3).shape == (0, 3)
+
+
+def test_a_match_near_the_end_repeats_its_span():
+    index = NgramIndex([3, 4, 3])
+    assert index.propose(4, 2, 6).tolist() == [[4, 3, 4, 3, 4, 3]]
+    assert NgramIndex([7]).propose(7, 2, 4).tolist() == [[7, 7, 7, 7]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 5), max_size=40),
+    pending=st.integers(0, 5),
+    count=st.integers(1, 6),
+    length=st.integers(2, 6),
+    max_ngram=st.integers(1, 4),
+    cut=st.integers(0, 40),
+)
+def test_index_proposes_what_a_scan_finds_and_rewinds_to_a_fresh_index(
+    history, pending, count, length, max_ngram, cut
+):
+    index = NgramIndex(history[:3], max_ngram)
+    index.extend(history[3:])  # grown in pieces as a decode grows it
+    want = scanned(history, pending, count, length, max_ngram)
+    assert index.propose(pending, count, length).tolist() == want
+    index.rewind(cut)
+    fresh = NgramIndex(history[:cut], max_ngram)
+    assert index.tokens == fresh.tokens
+    assert index._ends == fresh._ends
+
+
+def test_accepted_tokens_are_attributed_to_the_beams_that_held_them():
+    beams = np.array([[1, 2, 3], [1, 4, 5], [1, 2, 3], [1, 4, 6]])
+    assert _source(beams, 2, 0, 2) == "both"  # drafter row 0 and lookup row 2
+    assert _source(beams, 2, 1, 2) == "drafter"
+    assert _source(beams, 2, 3, 1) == "both"  # "4" starts drafter row 1 and lookup row 3
+    assert _source(beams, 2, 3, 2) == "lookup"
+    assert _source(beams, 2, 0, 0) is None
+    assert _source(beams[2:], 0, 1, 2) == "lookup"  # no drafter
+
+
+def repetitive_target():
+    """A small vocabulary: greedy continuations fall into loops that lookup can copy."""
+    return tiny_llama(seed=3, vocab=8)
+
+
+def decode_with(model, drafter, prompt, n, shape, sampler=greedy, plan=GENERIC_PLAN):
+    decoder = Decoder(model, sampler, drafter, shape, plan=plan)
+    out, sources, count = [], [], -1
+    for step in decoder.speculative(decoder.new_cache(), prompt):
+        out += step.tokens
+        sources.append(step.accepted_from)
+        count += 1
+        if len(out) >= n:
+            return out[:n], count, sources[1:]
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = repetitive_target()
+    return model, BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    width=st.integers(1, 4),
+    length=st.integers(2, 6),
+    lookup=st.integers(1, 6),
+    with_drafter=st.booleans(),
+    seed=st.integers(0, 3),
+    plan=st.sampled_from([GENERIC_PLAN, Plan(tree_sizes=PADDED), CPU_PLAN]),
+    min_prob=st.sampled_from([0.0, 0.0, 0.05]),
+)
+def test_greedy_with_lookup_beams_equals_autoregressive(
+    small, width, length, lookup, with_drafter, seed, plan, min_prob
+):
+    model, drafter = small
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 8, size=6)]
+    shape = BeamShape(width, length, min_prob, lookup=lookup)
+    got, _, _ = decode_with(model, drafter if with_drafter else None, prompt, 48, shape, plan=plan)
+    assert got == autoregressive(model, prompt, 48)
+
+
+def test_lookup_alone_accepts_copied_loops_and_says_so(small):
+    model, _ = small
+    prompt = [1, 2, 3]
+    expected = autoregressive(model, prompt, 64)
+    got, steps, sources = decode_with(model, None, prompt, 64, BeamShape(length=5, lookup=4))
+    assert got == expected
+    assert steps < 40  # copies of the loop were accepted, several tokens a step
+    assert set(sources) == {None, "lookup"}
+
+
+def test_drafter_and_lookup_beams_share_the_tree(small):
+    model, drafter = small
+    prompt = [1, 2, 3]
+    runs = {}
+    for lookup in (0, 4):
+        runs[lookup] = decode_with(model, drafter, prompt, 64, BeamShape(2, 5, lookup=lookup))
+    assert runs[0][0] == runs[4][0] == autoregressive(model, prompt, 64)
+    assert runs[4][1] < runs[0][1]  # fewer steps with the copied loops
+    assert set(runs[0][2]) <= {None, "drafter"}
+    assert {"lookup", "both"} <= set(runs[4][2])
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_one_host_read_per_step_with_lookup_beams(small, with_drafter, monkeypatch):
+    model, drafter = small
+    reads = []
+    real = decode._host_read
+    monkeypatch.setattr(decode, "_host_read", lambda *x: reads.append(1) or real(*x))
+    shape = BeamShape(2, 4, lookup=3)
+    _, steps, _ = decode_with(model, drafter if with_drafter else None, [1, 2, 3], 40, shape)
+    assert len(reads) == steps + 1  # one per step, plus the one after prefill
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_lookup_beams_stop_at_the_context_end_where_plain_decoding_does(small, with_drafter):
+    model, drafter = small
+    prompt, limit = [1, 2, 3], 3 + 30
+    answers = []
+    for speculative in (False, True):
+        shape = BeamShape(2, 5, lookup=3)
+        decoder = Decoder(model, greedy, drafter if with_drafter else None, shape, limit)
+        cache, out = decoder.new_cache(), []
+        steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, prompt)
+        with pytest.raises(ContextFull):
+            for step in steps:
+                out += step.tokens
+        answers.append((out, cache.offset))
+    assert answers[0] == answers[1] and answers[0][1] == limit
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_warm_up_traces_every_tree_size_lookup_beams_make(traces, with_drafter):
+    model = repetitive_target()  # a fresh model: nothing traced for it yet
+    drafter = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
+    shape = BeamShape(2, 3, lookup=3)
+    decoder = Decoder(model, greedy, drafter if with_drafter else None, shape, plan=CPU_PLAN)
+    decoder.warm_up()
+    warmed, sizes = len(traces), set()
+    for seed in range(4):
+        prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 8, size=5)]
+        for step in itertools.islice(decoder.speculative(decoder.new_cache(), prompt), 1, 40):
+            sizes.add(verified_size(step.tree_size, CPU_PLAN.tree_sizes))
+    assert len(sizes) >= 2
+    assert sizes <= set(verified_sizes(shape, CPU_PLAN.tree_sizes, drafted=with_drafter))
+    assert warmed > 0 and len(traces) == warmed
+
+
+def test_verified_sizes_count_lookup_beams():
+    assert verified_sizes(BeamShape(2, 3, lookup=2)) == [3, 4, 5, 6, 7, 8, 9]
+    assert verified_sizes(BeamShape(2, 3, lookup=2), drafted=False) == [1, 2, 3, 4, 5]
+
+
+def test_timing_a_lookup_step_leaves_the_index_and_cache_as_they_were(small):
+    model, drafter = small
+    for beams in (drafter, None):
+        decoder = Decoder(model, greedy, beams, BeamShape(2, 4, lookup=3))
+        cache = decoder.new_cache()
+        steps = decoder.speculative(cache, [1, 2, 3])
+        first, _ = take(steps, 12)
+        before = (cache.offset, list(cache.ids))
+        assert min(decoder.time_steps(cache, reps=2)) > 0
+        assert (cache.offset, cache.ids) == before
+        assert first + take(steps, 24)[0] == autoregressive(model, [1, 2, 3], 36)
+
+
+def test_without_drafter_or_lookup_there_is_nothing_to_speculate_with(small):
+    model, _ = small
+    decoder = Decoder(model, greedy, None, BeamShape(2, 4))
+    with pytest.raises(ValueError, match="drafter or lookup"):
+        next(decoder.speculative(decoder.new_cache(), [1, 2]))
+
+
+@pytest.mark.parametrize("temp,top_p,with_drafter", [(1.0, 0.0, True), (0.7, 0.8, False)])
+def test_sampling_with_lookup_beams_matches_target_distribution(temp, top_p, with_drafter):
+    """The chi-square test of test_decode, with lookup beams in the tree: a prompt that
+    repeats, so the lookup beams are there from the first step."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    vocab = 8
+    model = tiny_llama(seed=6, vocab=vocab, scale=1.5)
+    drafter = BeamDrafter(random_drafter(64, vocab, seed=7), model.model.embed_tokens)
+    sampler = make_sampler(temp, top_p=top_p)
+    filt = (lambda x: apply_top_p(x, top_p)) if top_p else (lambda x: x)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    p1 = _target_probs(model, filt, temp, prompt)
+    p2_given = [_target_probs(model, filt, temp, prompt + [x]) for x in range(vocab)]
+    p2 = sum(p1[x] * p2_given[x] for x in range(vocab))
+    p3 = sum(
+        p1[x] * p2_given[x][y] * _target_probs(model, filt, temp, prompt + [x, y])
+        for x in range(vocab)
+        for y in range(vocab)
+        if p1[x] * p2_given[x][y] > 0
+    )
+    shape = BeamShape(2, 3, lookup=3)
+    mx.random.seed(11)
+    runs, counts, lookups = 1500, np.zeros((3, vocab)), 0
+    for _ in range(runs):
+        tokens, _, sources = decode_with(
+            model, drafter if with_drafter else None, prompt, 3, shape, sampler
+        )
+        counts[np.arange(3), tokens] += 1
+        lookups += bool({"lookup", "both"} & set(sources))
+    assert lookups > 30  # lookup beams were accepted in many runs
+    for observed, probs in zip(counts, (p1, p2, p3), strict=True):
+        keep = probs * runs >= 5
+        obs = np.append(observed[keep], observed[~keep].sum())
+        exp = np.append(probs[keep], probs[~keep].sum()) * runs
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        exp = exp / exp.sum() * obs.sum()
+        assert observed[probs == 0].sum() == 0
+        assert chisquare(obs, exp).pvalue > 1e-3
