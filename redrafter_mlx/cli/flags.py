@@ -17,7 +17,8 @@ from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.core.shape import SHAPE_FIELDS
 from redrafter_mlx.io.prompts import MT_BENCH, load_prompts
 
-SHAPE_FLAGS = ("beam_width", "beam_length", "min_prob", "search_width")  # SHAPE_FIELDS' flags
+# SHAPE_FIELDS' flags, in their order
+SHAPE_FLAGS = ("beam_width", "beam_length", "min_prob", "search_width", "lookup")
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -103,23 +104,28 @@ SHAPE_HELP = {
     "(0 = the whole tree)",
     "search_width": "search with S beams, verify the W of them with the most expected "
     "accepted tokens (S <= W: plain beam search)",
+    "lookup": "also verify up to K prompt-lookup beams: continuations copied from where the "
+    "last tokens occurred earlier in the context (0 = off; without a drafter: lookup alone)",
 }
 SHAPE_EXAMPLES = {
     "beam_width": "1,2,4",
     "beam_length": "3,4,5",
     "min_prob": "0,0.3",
     "search_width": "1,16",
+    "lookup": "0,2,4",
 }
 SHAPE_TYPES = {
     "beam_width": at_least(1),
     "beam_length": at_least(2),
     "min_prob": floor,
     "search_width": at_least(1),
+    "lookup": at_least(0),
 }
 
 
 def add_shape_args(parser: argparse.ArgumentParser, *, grid: dict | None = None) -> None:
-    """``--beam-width``, ``--beam-length``, ``--min-prob``, ``--search-width``: one value each
+    """``--beam-width``, ``--beam-length``, ``--min-prob``, ``--search-width``, ``--lookup``:
+    one value each
     (default: the autotune profile), or with ``grid`` comma-separated lists of the flags that
     ``grid`` names, with the defaults it gives (None: not searched unless given)."""
     for name, kind in SHAPE_TYPES.items():
@@ -135,6 +141,8 @@ def add_shape_args(parser: argparse.ArgumentParser, *, grid: dict | None = None)
         shown = "" if default is None else f" (default: {','.join(f'{x:g}' for x in default)})"
         if name == "search_width" and default == [0]:
             shown = " (default: the plain search only)"
+        if name == "lookup" and default == [0]:
+            shown = " (default: no lookup beams)"
         parser.add_argument(
             flag,
             type=_list_of(kind),

@@ -21,6 +21,7 @@ from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.stops import first_stop
 
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm: 256 tokens)
+SOURCES = ("drafter", "lookup", "both")  # where accepted drafts came from (Step.accepted_from)
 
 
 def tokens_per_step(histogram: dict[int, int], steps: int) -> float:
@@ -38,6 +39,8 @@ class GenerationStats:
     generation_seconds: float = 0.0
     tree_sizes: list[int] = field(default_factory=list)
     accept_histogram: Counter = field(default_factory=Counter)  # tokens emitted per step
+    # Accepted drafted tokens by the beams that held them: "drafter", "lookup" or "both".
+    accepted_from: Counter = field(default_factory=Counter)
     syncs: int = 0
     peak_memory_gb: float = 0.0
 
@@ -53,6 +56,10 @@ class GenerationStats:
     @property
     def tokens_per_step(self) -> float:
         return tokens_per_step(self.accept_histogram, self.steps)
+
+    def accepted_shares(self) -> dict[str, int]:
+        """Accepted drafted tokens per source, every source named (0 when none)."""
+        return {source: self.accepted_from[source] for source in SOURCES}
 
     @property
     def mean_tree_size(self) -> float:
@@ -175,6 +182,8 @@ def _stream_steps(decoder, tokenizer, prompt, max_tokens, autoregressive, stop_s
             stats.syncs += step.syncs
             stats.tree_sizes.append(step.tree_size)
             stats.accept_histogram[len(step.tokens)] += 1
+            if step.accepted_from:
+                stats.accepted_from[step.accepted_from] += len(step.tokens) - 1
             stats.generation_seconds = now - tic
             if stats.steps % CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()
