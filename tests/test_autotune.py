@@ -181,9 +181,13 @@ def runtime(target, drafter, tmp_path, monkeypatch):
     )
 
 
-def shape_args(width=None, length=None, min_prob=None, search_width=None):
+def shape_args(width=None, length=None, min_prob=None, search_width=None, lookup=None):
     return argparse.Namespace(
-        beam_width=width, beam_length=length, min_prob=min_prob, search_width=search_width
+        beam_width=width,
+        beam_length=length,
+        min_prob=min_prob,
+        search_width=search_width,
+        lookup=lookup,
     )
 
 
@@ -200,7 +204,7 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
     profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     assert (tmp_path / "cache" / "profiles.json").exists()
     assert resolve(shape_args(), runtime) == (BeamShape(3, 5), "autotune profile")
-    full = shape_args(1, 2, 0.0, 0)
+    full = shape_args(1, 2, 0.0, 0, 0)
     assert resolve(full, runtime) == (BeamShape(1, 2), "flags")
     # each flag overrides its own field; the others stay the profile's ("default: profile")
     assert resolve(shape_args(1, 2), runtime) == (

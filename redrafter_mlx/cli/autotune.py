@@ -48,6 +48,7 @@ EXAMPLES = """examples:
   redrafter-mlx autotune --beam-width 1,2,3,4 --beam-length 3,4,5 --max-tokens 32
   redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
   redrafter-mlx autotune --beam-width 2,4 --beam-length 4,5 --search-width 1,8,16
+  redrafter-mlx autotune --lookup 0,2,4,8 --prompts my_documents.jsonl   # prompt-lookup beams
   redrafter-mlx autotune --temp 0.7                # the shape for sampled chats (--temp > 0)
   redrafter-mlx autotune --prompts my_prompts.jsonl --num-prompts 6   # tune on your workload
   redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
@@ -69,6 +70,7 @@ TABLE_COLUMNS = {  # row key of :func:`table` -> column of the printed table
     "beam_length": "L",
     "min_prob": "p",
     "search_width": "S",
+    "lookup": "K",
     "runs": "runs",
     "tokens_per_step": "tok/step",
     "mean_tree_size": "tree",
@@ -94,6 +96,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             "beam_length": list(DEFAULT_LENGTHS),
             "min_prob": [0.0],
             "search_width": [0],
+            "lookup": [0, 4],
         },
     )
     parser.add_argument(
@@ -158,7 +161,9 @@ def run_search(
 ) -> tuple[SearchResult, float]:
     """Warm up, then the search (or grid) with a progress bar; returns the result and seconds."""
     try:
-        shapes = shape_grid(args.beam_width, args.beam_length, args.min_prob, args.search_width)
+        shapes = shape_grid(
+            args.beam_width, args.beam_length, args.min_prob, args.search_width, args.lookup
+        )
     except ValueError as e:
         fail(str(e))
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.cli import flags
-from redrafter_mlx.cli.flags import fail, read_prompts
+from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core import atomic
 from redrafter_mlx.core.decode import PHASES
 from redrafter_mlx.core.shape import BeamShape, shape_grid
@@ -31,6 +31,9 @@ EXAMPLES = """examples:
   redrafter-mlx bench --num-prompts 5 --beam-width 1 --beam-length 2,3,4 --min-prob 0,0.3
   redrafter-mlx bench --num-prompts 5 --beam-width 4 --beam-length 5 --search-width 1,8,16
   redrafter-mlx bench --turns 2 --num-prompts 5 --beam-width 2 --beam-length 4
+  redrafter-mlx bench --prompts ../shared/data/specbench_dev.jsonl --num-prompts 40 \
+      --beam-width 2 --beam-length 4 --lookup 0,4     # per category; lookup alone and with W2
+  redrafter-mlx bench --model mlx-community/Qwen3-0.6B-4bit --lookup 4   # no drafter: lookup only
   redrafter-mlx bench --prompts my_prompts.jsonl --temp 0.7 --seed 0 --repetitions 3
   REDRAFTER_NO_OPENBLAS=1 redrafter-mlx bench --num-prompts 1 --beam-width 1 --beam-length 3
   REDRAFTER_NO_SMALLROWS=1 redrafter-mlx bench --num-prompts 2   # without the small-row kernel
@@ -43,6 +46,7 @@ CSV_FIELDS = (
     "beam_length",
     "min_prob",
     "search_width",
+    "lookup",
     "generation_tps",
     "generation_tps_p25",
     "generation_tps_p75",
@@ -55,6 +59,9 @@ CSV_FIELDS = (
     "speedup_vs_autoregressive",
     "speedup_vs_autoregressive_median_of_ratios",
     "tokens_per_step",
+    "accepted_drafter",
+    "accepted_lookup",
+    "accepted_both",
     "mean_tree_size",
     "compression_p1",
     "compression_p50",
@@ -80,9 +87,15 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     rows = io.StringIO()
     writer = csv.DictWriter(rows, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(result["results"])
+    writer.writerows(_flat(row) for row in result["results"])
     atomic.write_text(paths[1], rows.getvalue())
     return paths + plot_all(result["results"], out)
+
+
+def _flat(row: dict) -> dict:
+    """A result row with its accepted sources as ``accepted_<source>`` columns."""
+    sources = row.get("accepted_from") or {}
+    return row | {f"accepted_{k}": v for k, v in sources.items()}
 
 
 def plot_all(rows: list[dict], out: Path) -> list[Path]:
@@ -186,7 +199,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     flags.add_model_args(parser)
-    parser.add_argument("--prompts", help="JSONL with 'prompt' or 'turns' (default: MT-Bench)")
+    parser.add_argument(
+        "--prompts",
+        help="JSONL with 'prompt' or 'turns', and optionally 'category' for per-category rows "
+        "(default: MT-Bench)",
+    )
     parser.add_argument(
         "--num-prompts", type=flags.at_least(1), default=2, help="conversations to run"
     )
@@ -220,19 +237,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
-    """The grid from flags; without flags the short default grid plus the decoder's default
-    shape and the autotuned one."""
+    """The grid from flags; without shape flags the short default grid plus the decoder's
+    default shape and the autotuned one (each with every ``--lookup`` K given)."""
     default = default_shape()
+    lookups = args.lookup or [default.lookup]
     if args.beam_width or args.beam_length or args.min_prob or args.search_width:
         widths = args.beam_width or [default.width]
         lengths = args.beam_length or [default.length]
         floors = args.min_prob or [default.min_prob]
         searches = args.search_width or [default.search_width]
         try:
-            return shape_grid(widths, lengths, floors, searches)
+            return shape_grid(widths, lengths, floors, searches, lookups)
         except ValueError as e:
             fail(str(e))
-    shapes = [BeamShape(w, n) for w in DEFAULT_WIDTHS for n in DEFAULT_LENGTHS]
+    shapes = shape_grid(DEFAULT_WIDTHS, DEFAULT_LENGTHS, lookups=lookups)
+    if args.lookup:  # the short grid at each K given
+        return shapes
     found = lookup_profile(runtime, sampling=args.temp > 0)
     for extra in (default, found and found[0]):
         if extra and extra not in shapes:
@@ -246,17 +266,23 @@ def main(args: argparse.Namespace) -> None:
     from rich.progress import Progress
 
     atomic.check_writable(args.out, "--out")
-    conversations = read_prompts(args.prompts, args.num_prompts, args.turns)
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    conversations = flags.read_conversations(args.prompts, args.num_prompts, args.turns)
+    lookup = any(args.lookup or ())
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not lookup)
+    categories = [c.category for c in conversations]
     cfg = BenchConfig(
         shapes_from_args(args, runtime),
-        conversations,
+        [c.turns for c in conversations],
         args.max_tokens,
         args.repetitions,
         args.temp,
         args.seed,
         args.timed_prompts,
+        categories=categories if any(categories) else None,
+        drafter=runtime.drafter is not None,
     )
+    if runtime.drafter is None:
+        Console(stderr=True).print("note: no drafter for this model: lookup beams alone")
     console = Console(stderr=True)
     if short := sum(len(c) < args.turns for c in conversations):
         console.print(
@@ -266,7 +292,7 @@ def main(args: argparse.Namespace) -> None:
     if args.num_prompts and len(conversations) < args.num_prompts:
         console.print(f"note: {args.prompts or MT_BENCH} holds {len(conversations)} conversations")
     cases = sum(len(c) for c in conversations)
-    total = cases * args.repetitions * len(bench_methods(cfg.shapes)) + 2
+    total = cases * args.repetitions * len(bench_methods(cfg.shapes, drafter=cfg.drafter)) + 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=total)
         result = run_bench(
@@ -274,7 +300,10 @@ def main(args: argparse.Namespace) -> None:
             cfg,
             lambda name: progress.update(task, advance=1, description=f"benchmarking ({name})"),
         )
-    Console(width=None if console.is_terminal else 150).print(results_table(result))
+    out = Console(width=None if console.is_terminal else 150)
+    out.print(results_table(result))
+    if result.get("per_category"):
+        out.print(category_table(result["per_category"]))
     try:
         paths = write_outputs(result, Path(args.out))
     except OSError as e:
@@ -300,6 +329,7 @@ def results_table(result: dict):
         *(["x stock"] if stock else []),
         "x AR",
         "tok/step",
+        "from d/l/b",
         "tree",
         "verify x",
         "bound",
@@ -316,6 +346,7 @@ def results_table(result: dict):
             *([_fmt(row.get("speedup_vs_mlx-lm-stock"), "{:.2f}x")] if stock else []),
             _fmt(row.get("speedup_vs_autoregressive"), "{:.2f}x"),
             f"{row['tokens_per_step']:.2f}",
+            sources_cell(row.get("accepted_from")),
             _fmt(row.get("mean_tree_size"), "{:.1f}"),
             _fmt(row.get("verify_cost_ratio"), "{:.2f}"),
             _fmt(row.get("speedup_bound"), "{:.2f}x"),
@@ -323,6 +354,36 @@ def results_table(result: dict):
             _fmt(row.get("exact"), "{}"),
         )
     return table
+
+
+def category_table(per_category: dict[str, list[dict]]):
+    """Tokens/step and tokens/s of each method per prompt category (rich table)."""
+    from rich.table import Table
+
+    table = Table(title="per category: tokens/step | tok/s | x AR")
+    table.add_column("method")
+    for category, rows in per_category.items():
+        table.add_column(f"{category} ({rows[0]['prompts']})", justify="right")
+    methods = [row["method"] for row in next(iter(per_category.values()))]
+    for i, method in enumerate(methods):
+        cells = []
+        for rows in per_category.values():
+            row = rows[i]
+            speedup = _fmt(row.get("speedup_vs_autoregressive"), "{:.2f}x")
+            cells.append(f"{row['tokens_per_step']:.2f} | {row['generation_tps']:.1f} | {speedup}")
+        table.add_row(method, *cells)
+    return table
+
+
+def sources_cell(sources: dict | None) -> str:
+    """``62/31/7``: percent of the accepted drafts held by drafter beams only, lookup beams
+    only, both; ``-`` for a method that drafts nothing."""
+    if not sources:
+        return "-"
+    total = sum(sources.values())
+    if not total:
+        return "0/0/0"
+    return "/".join(f"{100 * sources[k] / total:.0f}" for k in ("drafter", "lookup", "both"))
 
 
 def _fmt(value, pattern: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.core.shape import SHAPE_FIELDS
-from redrafter_mlx.io.prompts import MT_BENCH, load_prompts
+from redrafter_mlx.io.prompts import MT_BENCH, load_conversations
 
 # SHAPE_FIELDS' flags, in their order
 SHAPE_FLAGS = ("beam_width", "beam_length", "min_prob", "search_width", "lookup")
@@ -189,8 +189,13 @@ def fail(message: str) -> None:
 def read_prompts(path: Path | str | None, num: int | None, turns: int) -> list[list[str]]:
     """:func:`load_prompts` for a command: a bad or empty file is a ConfigError naming
     ``--prompts``."""
+    return [c.turns for c in read_conversations(path, num, turns)]
+
+
+def read_conversations(path: Path | str | None, num: int | None, turns: int) -> list:
+    """:func:`load_conversations` (turns and category) for a command, as :func:`read_prompts`."""
     try:
-        conversations = load_prompts(path, num, turns)
+        conversations = load_conversations(path, num, turns)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--prompts {e}") from None
     if not conversations:

@@ -17,6 +17,8 @@ EXAMPLES = """examples:
   redrafter-mlx generate --prompt "What is the capital of France?"
   redrafter-mlx generate --prompt "Write a haiku about the sea." --beam-width 2 --beam-length 4
   redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
+  redrafter-mlx generate --prompt "$(cat notes.txt) Summarise the notes above." --lookup 4
+  redrafter-mlx generate --model mlx-community/Qwen3-0.6B-4bit --lookup 4 --prompt "..."
   echo "Summarise: MLX is an array framework." | redrafter-mlx generate --prompt - --temp 0.7
 """
 
@@ -61,6 +63,7 @@ def stats_dict(stats: GenerationStats, phase_seconds: dict[str, float] | None) -
         "mean_tree_size": round(stats.mean_tree_size, 3),
         "syncs_per_step": round(stats.syncs_per_step, 3),
         "accept_histogram": {str(k): v for k, v in sorted(stats.accept_histogram.items())},
+        "accepted_from": stats.accepted_shares(),
         "phase_seconds": phase_seconds,
     }
 
@@ -77,7 +80,10 @@ def main(args: argparse.Namespace) -> None:
         fail("--stop needs a non-empty string")
     if not prompt.strip():
         fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
+    lookup_only = bool(args.lookup) and not args.autoregressive  # enough without a drafter
+    runtime = rt.load_runtime(
+        args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
+    )
     shape, source = resolve_shape(
         runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
     )
@@ -100,8 +106,11 @@ def main(args: argparse.Namespace) -> None:
     if runtime.max_context and len(ids) >= runtime.max_context:
         fail(f"prompt is {len(ids)} tokens; the model's context is {runtime.max_context}")
     mode = "autoregressive" if args.autoregressive else "redrafter"
+    if not args.autoregressive and runtime.drafter is None:
+        mode = "lookup"  # lookup beams alone: this model has no drafter
     if not args.json:
-        note = "" if args.autoregressive else f" {shape.describe()} ({source})"
+        described = shape.describe_lookup_only() if mode == "lookup" else shape.describe()
+        note = "" if args.autoregressive else f" {described} ({source})"
         if ignored := flags.ignored_when_autoregressive(args):
             note += f" (ignored: {', '.join(ignored)})"
         timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""
@@ -136,6 +145,7 @@ def main(args: argparse.Namespace) -> None:
             "beam_length": shape.length,
             "min_prob": shape.min_prob,
             "search_width": shape.searched,
+            "lookup": shape.lookup,
             "shape_source": source,
         }
     if args.json:

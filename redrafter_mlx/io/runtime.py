@@ -81,9 +81,11 @@ def make_decoder(
     top_k: int = 0,
     seed: int | None = None,
     timing: bool = False,
+    use_drafter: bool = True,
 ) -> Decoder:
-    """A decoder for ``runtime`` at ``shape`` with this device's plan; ConfigError for a
-    sampler or shape the model or drafter cannot run."""
+    """A decoder for ``runtime`` at ``shape`` with this device's plan (without ``use_drafter``
+    it verifies the shape's lookup beams alone); ConfigError for a sampler or shape the model
+    or drafter cannot run."""
     vocab = runtime.config.get("vocab_size")
     if top_k and vocab and top_k >= vocab:
         raise ConfigError(f"--top-k {top_k}: the vocabulary has {vocab} tokens (0 turns top-k off)")
@@ -92,7 +94,7 @@ def make_decoder(
     decoder = Decoder(
         runtime.model,
         make_sampler(temp, top_p=top_p, top_k=top_k),
-        runtime.drafter,
+        runtime.drafter if use_drafter else None,
         shape,
         runtime.max_context,
         PhaseTimer(timing),

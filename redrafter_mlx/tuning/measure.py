@@ -31,13 +31,14 @@ from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_
 from redrafter_mlx.backend.plan import default_shape, plan_for
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import PHASES
-from redrafter_mlx.core.generate import stream_steps, tokens_per_step
+from redrafter_mlx.core.generate import SOURCES, stream_steps, tokens_per_step
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.tree import verified_size
 from redrafter_mlx.io.runtime import Runtime, encode_chat, make_decoder
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
 
 MLX_LM, AUTOREGRESSIVE, REDRAFTER = "mlx-lm", "autoregressive", "redrafter"
+LOOKUP = "lookup"  # lookup beams alone: ReDrafter's loop without the drafter
 
 
 # mlx-lm with the small-row BLAS kernel switched off (blas.py): the BLAS behind it alone
@@ -49,8 +50,8 @@ BASELINES = (MLX_LM, MLX_LM_STOCK, AUTOREGRESSIVE)
 
 @dataclass(frozen=True)
 class Method:
-    """What generates: ``kind`` is mlx-lm (-stock), autoregressive or redrafter (with a
-    ``shape``)."""
+    """What generates: ``kind`` is mlx-lm (-stock), autoregressive, redrafter (with a
+    ``shape``) or lookup (a shape's lookup beams alone, no drafter)."""
 
     kind: str
     shape: BeamShape | None = None
@@ -59,6 +60,8 @@ class Method:
     def name(self) -> str:
         if self.shape is None:
             return self.kind
+        if self.kind == LOOKUP:
+            return f"lookup-L{self.shape.length}k{self.shape.lookup}"
         return self.shape.label
 
 
@@ -78,6 +81,7 @@ class Run:
     syncs: int = 0
     peak_memory_gb: float = 0.0
     phase_seconds: dict[str, float] | None = None
+    accepted_from: dict[str, int] = field(default_factory=dict)  # GenerationStats'
 
 
 def _timed_stream(responses: Iterable) -> tuple[list[tuple[float, list[int], str]], object]:
@@ -141,8 +145,7 @@ def run_decoder(
     timing: bool = False,
 ) -> Run:
     """This project's decode loop: autoregressive, or ReDrafter at ``method.shape``."""
-    shape = method.shape or default_shape()
-    decoder = make_decoder(runtime, shape, temp=temp, timing=timing)
+    decoder = _decoder(runtime, method, temp=temp, timing=timing)
     stream = stream_steps(
         decoder,
         runtime.tokenizer,
@@ -166,7 +169,15 @@ def run_decoder(
         stats.syncs,
         stats.peak_memory_gb,
         dict(decoder.timer.seconds) if timing else None,
+        dict(stats.accepted_from),
     )
+
+
+def _decoder(runtime: Runtime, method: Method, *, temp: float, timing: bool = False):
+    """The decoder ``method`` runs: without the drafter for lookup beams alone."""
+    shape = method.shape or default_shape()
+    drafter = method.kind != LOOKUP
+    return make_decoder(runtime, shape, temp=temp, timing=timing, use_drafter=drafter)
 
 
 def measure(
@@ -239,8 +250,7 @@ def warm_up(
     then page everything in with a short generation, so no timed run pays for either."""
     for method in methods:
         if method.kind not in (MLX_LM, MLX_LM_STOCK):
-            shape = method.shape or default_shape()
-            decoder = make_decoder(runtime, shape, temp=temp)
+            decoder = _decoder(runtime, method, temp=temp)
             decoder.warm_up(autoregressive=method.kind == AUTOREGRESSIVE)
         measure(runtime, method, prompt, max_tokens=8, temp=temp)
 
@@ -258,7 +268,7 @@ def timed_runs(
     sampled like the measured runs."""
     totals: dict[str, dict[str, float]] = {}
     for method in methods:
-        if method.kind != REDRAFTER:
+        if method.kind not in (REDRAFTER, LOOKUP):
             continue
         acc = dict.fromkeys(PHASES, 0.0)
         for case, prompt in enumerate(prompts):
@@ -371,19 +381,18 @@ def summarize_method(
     mine = [r for r in records if r.method == method.name]
     runs = [r.run for r in mine]
     tps = list(per_case_median(records, method.name).values())
-    hist: Counter = Counter()
-    for run in runs:
-        hist.update(run.accept_histogram)
-    steps = sum(run.steps for run in runs)
+    hist, steps = _histogram(runs)
     trees = [t for run in runs for t in run.tree_sizes]
     lat = [x for run in runs for x in run.token_latencies]
+    drafted = method.shape is not None and method.kind != LOOKUP
     row = {
         "method": method.name,
         "kind": method.kind,
-        "beam_width": method.shape.width if method.shape else None,
+        "beam_width": method.shape.width if drafted else None,
         "beam_length": method.shape.length if method.shape else None,
-        "min_prob": method.shape.min_prob if method.shape else None,
-        "search_width": method.shape.searched if method.shape else None,
+        "min_prob": method.shape.min_prob if drafted else None,
+        "search_width": method.shape.searched if drafted else None,
+        "lookup": method.shape.lookup if method.shape else None,
         "runs": len(runs),
         "generation_tps": statistics.median(tps) if tps else 0.0,
         "generation_tps_p25": _pct(tps, 25),
@@ -394,6 +403,7 @@ def summarize_method(
         else 0.0,
         "tokens_per_step": tokens_per_step(hist, steps),
         "accept_histogram": {str(k): hist[k] for k in sorted(hist)},
+        "accepted_from": _accepted_from(runs) if method.shape else None,
         "syncs_per_step": sum(run.syncs for run in runs) / max(steps, 1),
         "latency_p50_ms": 1e3 * (_pct(lat, 50) or 0.0),
         "latency_p95_ms": 1e3 * (_pct(lat, 95) or 0.0),
@@ -410,11 +420,59 @@ def summarize_method(
     return row
 
 
+def _histogram(runs: list[Run]) -> tuple[Counter, int]:
+    """``{tokens emitted: steps}`` over ``runs`` and their number of steps."""
+    hist: Counter = Counter()
+    for run in runs:
+        hist.update(run.accept_histogram)
+    return hist, sum(run.steps for run in runs)
+
+
+def _accepted_from(runs: list[Run]) -> dict[str, int]:
+    """Accepted drafted tokens per source (drafter, lookup, both) over ``runs``."""
+    total: Counter = Counter()
+    for run in runs:
+        total.update(run.accepted_from)
+    return {source: total[source] for source in SOURCES}
+
+
+def category_rows(
+    records: list[Record], methods: list[Method], categories: dict[int, str]
+) -> dict[str, list[dict]]:
+    """Per prompt category (``categories``: case -> category), one row per method: tokens/step,
+    tokens/s (median of per-prompt medians), speedups over the baselines, accepted sources."""
+    out = {}
+    for category in dict.fromkeys(categories.values()):
+        cases = {c for c, name in categories.items() if name == category}
+        picked = [r for r in records if r.case in cases]
+        rows = []
+        for method in methods:
+            runs = [r.run for r in picked if r.method == method.name]
+            hist, steps = _histogram(runs)
+            tps = list(per_case_median(picked, method.name).values())
+            row = {
+                "method": method.name,
+                "prompts": len(cases),
+                "tokens_per_step": tokens_per_step(hist, steps),
+                "generation_tps": statistics.median(tps) if tps else 0.0,
+                "accepted_from": _accepted_from(runs) if method.shape else None,
+            }
+            for base in BASELINES:
+                if any(r.method == base for r in picked):
+                    speedup = speedups(picked, method.name, base)["ratio_of_medians"]
+                    row[f"speedup_vs_{base}"] = speedup
+            rows.append(row)
+        out[category] = rows
+    return out
+
+
 def _tree_fields(method: Method, trees: list[int], phases: dict[str, float] | None) -> dict:
-    """Tree size and compression (T / (W*L)), and the per-phase fractions of a timed run."""
+    """Tree size and compression (T / (W*L), with K lookup beams T / ((W + K) L)), and the
+    per-phase fractions of a timed run."""
     if method.shape is None:
         return {"mean_tree_size": 1.0 if method.kind == AUTOREGRESSIVE else None}
-    full = method.shape.width * method.shape.length
+    beams = method.shape.lookup + (method.shape.width if method.kind != LOOKUP else 0)
+    full = beams * method.shape.length
     compression = [t / full for t in trees]
     total = sum(phases.values()) if phases else 0.0
     return {
@@ -462,23 +520,30 @@ class BenchConfig:
     temp: float = 0.0
     seed: int = 0
     timed_prompts: int = 1
+    categories: list[str | None] | None = None  # per conversation, for per-category rows
+    drafter: bool = True  # ReDrafter rows use the drafter (else only lookup rows run)
 
 
-def bench_methods(shapes: list[BeamShape]) -> list[Method]:
+def bench_methods(shapes: list[BeamShape], *, drafter: bool = True) -> list[Method]:
     """The baselines (mlx-lm twice when the small-row kernel is loaded, our autoregressive
-    loop), then ReDrafter at each shape, in the order the table shows them."""
+    loop), then ReDrafter at each shape (with ``drafter``), then lookup beams alone for each
+    distinct (L, K > 0), in the order the table shows them."""
     stock = [Method(MLX_LM_STOCK)] if smallrows_loaded() else []
-    return [Method(MLX_LM), *stock, Method(AUTOREGRESSIVE)] + [Method(REDRAFTER, s) for s in shapes]
+    redrafter = [Method(REDRAFTER, s) for s in shapes] if drafter else []
+    alone = dict.fromkeys(BeamShape(length=s.length, lookup=s.lookup) for s in shapes if s.lookup)
+    lookup = [Method(LOOKUP, s) for s in alone]
+    return [Method(MLX_LM), *stock, Method(AUTOREGRESSIVE), *redrafter, *lookup]
 
 
 def run_bench(
     runtime: Runtime, cfg: BenchConfig, on_run: Callable[[str], None] | None = None
 ) -> dict:
     """The full benchmark -> one JSON-able result (environment, settings, rows, cost ratios)."""
-    methods = bench_methods(cfg.shapes)
-    records, prompts, reference = [], [], {}
+    methods = bench_methods(cfg.shapes, drafter=cfg.drafter)
+    records, prompts, reference, categories = [], [], {}, {}
     warmed = False
-    for conv in cfg.conversations:
+    for k, conv in enumerate(cfg.conversations):
+        category = cfg.categories[k] if cfg.categories else None
         history: list[dict] = []
         for user in conv:
             history.append({"role": "user", "content": user})
@@ -488,6 +553,8 @@ def run_bench(
                 warmed = True
             case = len(prompts)
             prompts.append(ids)
+            if category is not None:
+                categories[case] = category
             got = bench_case(
                 runtime,
                 methods,
@@ -521,13 +588,14 @@ def run_bench(
     ]
     for row, method in zip(rows, methods, strict=True):
         if method.shape is not None:
-            row |= cost_fields(runtime, method.shape, row)
+            row |= cost_fields(runtime, method.shape, row, drafted=method.kind != LOOKUP)
     if on_run:
         on_run("cost")
     return {
         "environment": environment(runtime),
         "settings": settings_dict(cfg, prompts),
         "results": rows,
+        "per_category": category_rows(records, methods, categories) if categories else None,
         "runs": [
             {
                 "method": r.method,
@@ -541,13 +609,13 @@ def run_bench(
     }
 
 
-def cost_fields(runtime: Runtime, shape: BeamShape, row: dict) -> dict:
-    """Verify-cost ratio at the mean tree size (padded as the decoder pads it), draft cost, and
-    the speedup bound they imply."""
+def cost_fields(runtime: Runtime, shape: BeamShape, row: dict, *, drafted: bool = True) -> dict:
+    """Verify-cost ratio at the mean tree size (padded as the decoder pads it), draft cost
+    (with a ``drafted`` tree), and the speedup bound they imply."""
     size = max(1, round(row["mean_tree_size"] or shape.width * shape.length))
     size = verified_size(size, plan_for().tree_sizes)
     verify = forward_cost_ratio(runtime.model, size)
-    draft = draft_cost_ratio(runtime, shape)
+    draft = draft_cost_ratio(runtime, shape) if drafted else 0.0
     return {
         "verify_tokens": size,
         "verify_cost_ratio": verify,
@@ -559,7 +627,7 @@ def cost_fields(runtime: Runtime, shape: BeamShape, row: dict) -> dict:
 
 def settings_dict(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     d = asdict(cfg)
-    d["shapes"] = [[s.width, s.length, s.min_prob, s.searched] for s in cfg.shapes]
+    d["shapes"] = [[s.width, s.length, s.min_prob, s.searched, s.lookup] for s in cfg.shapes]
     d["conversations"] = len(cfg.conversations)
     d["cases"] = len(prompts)
     d["prompt_tokens"] = [len(p) for p in prompts]

@@ -107,10 +107,11 @@ def save_profile(key: str, entry: dict, path: Path | None = None) -> None:
 
 def entry_shape(entry: dict) -> BeamShape:
     """A stored profile's shape; raises (TypeError, KeyError, ValueError...) when malformed."""
-    width, length, *more = entry["shape"]  # [W, L], [W, L, min_prob] or [W, L, p, search]
+    width, length, *more = entry["shape"]  # [W, L], [W, L, p], [W, L, p, S] or [W, L, p, S, K]
     floor = float(more[0]) if more else 0.0
     search = int(more[1]) if len(more) > 1 else 0
-    return BeamShape(int(width), int(length), floor, search)
+    lookup = int(more[2]) if len(more) > 2 else 0
+    return BeamShape(int(width), int(length), floor, search, lookup)
 
 
 def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | None:

@@ -86,7 +86,8 @@ Measure = Callable[[BeamShape, int], Observation]
 
 def _features(shape: BeamShape, tree: float) -> list[float]:
     searched, n = shape.searched, shape.length  # drafting: L - 1 depths of S beams
-    return [1.0, tree, tree * tree / 16.0, n - 1.0, searched * (n - 1.0)]
+    # lookup beams cost host time (proposing, packing) beyond the tree they add
+    return [1.0, tree, tree * tree / 16.0, n - 1.0, searched * (n - 1.0), float(shape.lookup)]
 
 
 def fit_cost(observations: Sequence[Observation]) -> Callable[[BeamShape, float], float]:
@@ -242,6 +243,7 @@ def table(result: SearchResult) -> list[dict]:
                 "beam_length": shape.length,
                 "min_prob": shape.min_prob,
                 "search_width": shape.searched,
+                "lookup": shape.lookup,
                 "runs": len(own),
                 "tokens_per_step": round(statistics.fmean(o.tokens_per_step for o in own), 3),
                 "mean_tree_size": round(statistics.fmean(o.tree_size for o in own), 2),
@@ -270,6 +272,7 @@ def profile_entry(
             result.best.length,
             result.best.min_prob,
             result.best.searched,
+            result.best.lookup,
         ],
         "method": method,
         "fingerprint": fp,
