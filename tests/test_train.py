@@ -18,6 +18,7 @@ from mlx_lm.models import llama
 from redrafter_mlx.cli import train as T
 from redrafter_mlx.core.drafter import load_drafter, random_drafter
 from redrafter_mlx.core.errors import TrainError
+from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.shape import shape_grid
 from redrafter_mlx.training import evaluate as E
 from redrafter_mlx.training import loop
@@ -373,6 +374,123 @@ def test_eval_drafter_loop_and_simulation_agree(trained):
     )
     assert all(r["tokens"] >= 23 for r in real)
     assert min(r["tokens_per_step"] for r in real) > 1.5, real
+
+
+def test_eval_drafter_lookup_beams_loop_and_simulation_agree(trained):
+    """With K lookup beams the replay (an n-gram index walking the path) counts what the real
+    loop counts: tokens, steps and where the accepted drafts came from."""
+    model, args, _, _, _, _ = trained
+    prompts = ["ab ab ab cd", "Xy 12 z Xy 12", "hello"]
+    for drafter in (load_drafter(args.out, model), random_drafter(64, VOCAB, seed=1)):
+        grid = shape_grid([1, 2], [4], lookups=(0, 3))
+        job = E.Evaluation(model, CharTokenizer(), drafter, prompts, grid, max_tokens=48)
+        real, sim = E.evaluate(job), E.simulate_grid(job)
+        assert [r["lookup"] for r in real] == [r["lookup"] for r in sim] == [0, 3, 0, 3]
+        for r, s in zip(real, sim, strict=True):
+            assert (r["tokens"], r["steps"]) == (s["tokens"], s["steps"]), (r, s)
+            assert r["accepted_from"] == s["accepted_from"], (r, s)
+            assert r["tokens"] == r["steps"] + sum(r["accepted_from"].values())
+            assert r["output_digest"] == real[0]["output_digest"]  # lookup keeps the output
+            if not r["lookup"]:
+                assert r["accepted_from"]["lookup"] == r["accepted_from"]["both"] == 0
+        with_lookup = [r["accepted_from"] for r in real if r["lookup"]]
+        assert all(a["lookup"] + a["both"] > 0 for a in with_lookup), with_lookup
+    # an untrained drafter rarely guesses: the lookup beams carry the steps alone
+    assert all(a["lookup"] > a["drafter"] for a in with_lookup), with_lookup
+    assert real[1]["tokens_per_step"] > real[0]["tokens_per_step"], real
+
+
+def test_lookup_replay_proposes_from_the_prompt_and_the_path_so_far():
+    """At path position j the lookup beams are those of an index of ids[:j] with pending
+    ids[j], as a fresh index of that history proposes them."""
+    ids = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 5, 6]
+    n_prompt = 4
+    found = E.lookup_everywhere(ids, n_prompt, [(2, 3), (1, 4)])
+    assert set(found) == {(2, 3), (1, 4)}
+    for (k, n), beams in found.items():
+        assert beams.shape == (len(ids) - n_prompt, k, n)
+        for r in range(len(ids) - n_prompt):
+            want = NgramIndex(ids[: n_prompt + r]).propose(ids[n_prompt + r], k, n)
+            assert (beams[r, : len(want)] == want).all()
+            assert (beams[r, len(want) :] == E.NO_TOKEN).all()
+    assert E.lookup_everywhere(ids, n_prompt, []) == {}
+
+
+def test_eval_drafter_pools_tokens_per_step_per_category(trained):
+    model, args, _, _, _, _ = trained
+    drafter = load_drafter(args.out, model)
+    prompts, grid = ["ab cd", "Xy 12 z", "hello", "zz"], shape_grid([2], [3], lookups=(0, 2))
+    tok = CharTokenizer()
+    job = E.Evaluation(model, tok, drafter, prompts, grid, 12, ["x", None, "y", "x"])
+    rows = E.simulate_grid(job)
+    for k, row in enumerate(rows):
+        assert set(row["per_category"]) == {"x", "y"}  # a prompt without one is in no category
+        for category, picked in (("x", [0, 3]), ("y", [2])):
+            alone = E.Evaluation(model, tok, drafter, [prompts[i] for i in picked], grid, 12)
+            assert row["per_category"][category] == E.simulate_grid(alone)[k]["tokens_per_step"]
+    plain = E.simulate_grid(dataclasses.replace(job, categories=None))
+    assert all(r["per_category"] == {} for r in plain)
+    with pytest.raises(ValueError, match="3 categories for 4 prompts"):
+        E.Evaluation(model, tok, drafter, prompts, grid, 12, ["x", "y", "x"])
+
+
+def test_eval_drafter_selection_keeps_each_prompt_with_its_category(tmp_path):
+    from redrafter_mlx.cli import eval_drafter as ED
+    from redrafter_mlx.cli.flags import read_prompts
+
+    lines = [
+        {"category": "a", "turns": ["p0", "second turn"]},
+        {"prompt": "p1"},
+        {"category": "b", "text": "a long p2"},
+        {"category": 7, "prompt": "p3"},  # not a string: no category
+        {"category": "c", "prompt": "p4"},
+        {"category": "d", "prompt": "p5"},
+        {"category": "e", "prompt": "p6"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        "\n".join(json.dumps(x) + ("\n" if i == 2 else "") for i, x in enumerate(lines))
+    )
+    texts = [turns[0] for turns in read_prompts(path, None, 1)]
+    categories = ED.prompt_categories(path)
+    assert categories == ["a", None, "b", None, "c", "d", "e"]
+    assert len(texts) == len(categories)
+
+    def short(text):
+        return "long" not in text
+
+    assert ED.select_prompts(texts, categories, 2, 3, short) == (
+        ["p0", "p4", "p6"],
+        ["a", "c", "e"],
+    )
+    assert ED.select_prompts(texts, categories, 1, 4, short) == (
+        ["p0", "p1", "p3", "p4"],
+        ["a", None, None, "c"],
+    )
+    mtb = ED.prompt_categories(None)  # the shipped MT-Bench: 10 per category, in order
+    assert len(mtb) == 80 and mtb[::10] == list(dict.fromkeys(mtb))
+
+
+def test_eval_drafter_table_labels_lookup_rows_and_lists_categories(trained, capsys):
+    from redrafter_mlx.cli import eval_drafter as ED
+
+    model, args, _, _, _, _ = trained
+    drafter = load_drafter(args.out, model)
+    grid = shape_grid([2], [3, 4], lookups=(0, 4))
+    job = E.Evaluation(model, CharTokenizer(), drafter, ["ab ab", "hello"], grid, 8, ["qa", "rag"])
+    rows = E.simulate_grid(job)
+    ED.print_table({"results": rows, "num_prompts": 2, "max_tokens": 8, "simulated": True})
+    out = capsys.readouterr().out
+    assert "W=2 lookup 4" in out and "per category" in out
+    assert "W=2 L=3 lookup 4" in out and "qa" in out and "rag" in out
+    ED.print_table(
+        {
+            "results": E.simulate_grid(dataclasses.replace(job, categories=None)),
+            "num_prompts": 2,
+            "max_tokens": 8,
+        }
+    )
+    assert "per category" not in capsys.readouterr().out
 
 
 def test_paths_cache_is_per_target_and_refuses_a_foreign_file(trained, tmp_path, monkeypatch):

@@ -1,15 +1,19 @@
 """`redrafter-mlx eval-drafter`: mean tokens per step of a drafter in the real greedy decode loop.
 
-For each beam shape (W, L, and search width S) of the grid, every prompt is decoded greedily
-with ReDrafter for ``--max-tokens`` new tokens (or until end of sequence); tokens/step is the
-number of tokens the speculative steps emitted divided by the number of steps (the prefill's
-first token is not counted). The reported mean is pooled over prompts (total tokens / total
-steps). No timing.
+For each beam shape (W, L, search width S and K prompt-lookup beams) of the grid, every prompt
+is decoded greedily with ReDrafter for ``--max-tokens`` new tokens (or until end of sequence);
+tokens/step is the number of tokens the speculative steps emitted divided by the number of steps
+(the prefill's first token is not counted). The reported mean is pooled over prompts (total
+tokens / total steps), and over the prompts of each category when the prompt file gives lines a
+"category" (MT-Bench, Spec-Bench). With ``--lookup K`` each step also verifies up to K beams
+copied from the context (:mod:`redrafter_mlx.core.lookup`); the JSON counts every row's accepted
+drafted tokens by source: "drafter", "lookup", or "both" (a beam of each held them). No timing.
 
 ``--simulate`` is the cheap variant for sweeps: each prompt is decoded once by the real loop (at
-W 2, L 5) to get its greedy path; every (W, L) is then replayed along that path from the drafter's
-beams at each position, with no further target passes. Greedy decoding is exact, so the counts
-equal the real loop's up to floating-point near-ties.
+W 2, L 5) to get its greedy path; every shape is then replayed along that path from the drafter's
+beams at each position, and the lookup beams an n-gram index of the prompt and the path so far
+proposes there, with no further target passes. Greedy decoding is exact, so the counts equal the
+real loop's up to floating-point near-ties.
 
 Default prompts: the MT-Bench first turns. MT-Bench is for final reports only; choose drafters and
 hyper-parameters on held-out training-distribution prompts (``train`` writes
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -49,6 +54,11 @@ EPILOG = """examples:
 
   # 4 beams picked from a 16-beam search against the plain 4-beam search, L 5
   redrafter-mlx eval-drafter --simulate --beam-width 4 --beam-length 5 --search-width 1,16
+
+  # Spec-Bench dev prompts (8 per category): W 2, L 4 without and with 4 prompt-lookup beams,
+  # tokens/step per category too
+  redrafter-mlx eval-drafter --prompts ../shared/data/specbench_dev.jsonl --num-prompts 40 \\
+      --simulate --beam-width 2 --beam-length 4 --lookup 0,4
 """
 
 
@@ -65,14 +75,20 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts",
         default=str(MT_BENCH),
-        help="JSONL prompts: first of 'turns', or 'prompt'/'text' (default: MT-Bench)",
+        help="JSONL prompts: first of 'turns', or 'prompt'/'text', and an optional "
+        "'category' (default: MT-Bench)",
     )
     p.add_argument("--num-prompts", type=positive, default=10)
     every = "use every k-th prompt of the file (spread over MT-Bench categories)"
     p.add_argument("--every", type=positive, default=1, help=every)
     p.add_argument("--max-tokens", type=positive, default=128, help="new tokens per prompt")
     p.add_argument("--max-prompt-tokens", type=positive, default=1024, help="skip longer prompts")
-    grid = {"beam_width": [1, 2, 3, 4], "beam_length": [3, 4, 5], "search_width": [0]}
+    grid = {
+        "beam_width": [1, 2, 3, 4],
+        "beam_length": [3, 4, 5],
+        "search_width": [0],
+        "lookup": [0],
+    }
     flags.add_shape_args(p, grid=grid)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
@@ -88,6 +104,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 @flags.reports_errors
 def main(args: argparse.Namespace) -> None:
     texts = [turns[0] for turns in read_prompts(args.prompts, None, 1)]
+    categories = prompt_categories(args.prompts)
     if args.paths_cache and not args.simulate:
         fail("--paths-cache is read and written by --simulate only: add --simulate")
     if args.paths_cache:
@@ -95,16 +112,20 @@ def main(args: argparse.Namespace) -> None:
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
     args.model, args.drafter = runtime.model_id, runtime.drafter_id
-    shapes = shape_grid(args.beam_width, args.beam_length, search_widths=args.search_width)
+    shapes = shape_grid(
+        args.beam_width, args.beam_length, search_widths=args.search_width, lookups=args.lookup
+    )
     ev.check_shapes(drafter, shapes)
-    prompts = [
-        p
-        for p in texts[:: args.every]
-        if p.strip() and len(tokenizer.encode(p)) <= args.max_prompt_tokens
-    ][: args.num_prompts]
+
+    def fits(prompt: str) -> bool:
+        return len(tokenizer.encode(prompt)) <= args.max_prompt_tokens
+
+    prompts, categories = select_prompts(texts, categories, args.every, args.num_prompts, fits)
     if not prompts:
         fail(f"{args.prompts}: no prompt of at most --max-prompt-tokens {args.max_prompt_tokens}")
-    job = ev.Evaluation(model, tokenizer, drafter, prompts, shapes, args.max_tokens)
+    if not any(c is not None for c in categories):
+        categories = None
+    job = ev.Evaluation(model, tokenizer, drafter, prompts, shapes, args.max_tokens, categories)
     # the target's greedy paths depend on its weights (folder + files) and dtype
     target_id = f"{args.model} {fingerprint(args.model)} {llm.compute_dtype(model)}"
     try:
@@ -119,12 +140,45 @@ def main(args: argparse.Namespace) -> None:
         "every": args.every,
         "max_tokens": args.max_tokens,
         "simulated": args.simulate,
+        "categories": {
+            c: categories.count(c) for c in dict.fromkeys(categories or ()) if c is not None
+        },
         "results": rows,
     }
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print_table(report)
+
+
+def prompt_categories(path: Path | str | None) -> list[str | None]:
+    """Each prompt's "category" (a string, else None) in the order of
+    :func:`~redrafter_mlx.io.prompts.load_prompts`, which skips blank lines only; read after it
+    (which reports a malformed line). To become ``load_conversations``' ``.category``."""
+    categories = []
+    for line in Path(path or MT_BENCH).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            item = json.loads(line)
+            category = item.get("category") if isinstance(item, dict) else None
+            categories.append(category if isinstance(category, str) else None)
+    return categories
+
+
+def select_prompts(
+    texts: list[str],
+    categories: list[str | None],
+    every: int,
+    num: int,
+    fits: Callable[[str], bool],
+) -> tuple[list[str], list[str | None]]:
+    """Every ``every``-th prompt of ``texts`` that ``fits`` (``--max-prompt-tokens``), the first
+    ``num`` of them, each with its category."""
+    picked = [
+        (text, category)
+        for text, category in zip(texts[::every], categories[::every], strict=True)
+        if text.strip() and fits(text)
+    ][:num]
+    return [text for text, _ in picked], [category for _, category in picked]
 
 
 def run_with_progress(job: ev.Evaluation, args: argparse.Namespace, target_id: str) -> list[dict]:
@@ -141,20 +195,36 @@ def run_with_progress(job: ev.Evaluation, args: argparse.Namespace, target_id: s
         return ev.evaluate(job, progress)
 
 
+def _label(row: dict, *, length: bool = False) -> str:
+    """``W=2``, plus `` L=4`` (``length``), `` search 8`` and `` lookup 4`` when set."""
+    w, searched, k = row["width"], row["search_width"], row.get("lookup", 0)
+    return (
+        f"W={w}"
+        + (f" L={row['length']}" if length else "")
+        + (f" search {searched}" if searched > w else "")
+        + (f" lookup {k}" if k else "")
+    )
+
+
 def print_table(report: dict) -> None:
-    """Tokens/step as a W x L grid (rich table)."""
+    """Tokens/step as a (W, S, K) x L grid (rich table), then per category when the prompts
+    have categories."""
     rows = report["results"]
-    searches = sorted({(r["width"], r["search_width"]) for r in rows})
+
+    def key(r: dict) -> tuple[int, int, int]:
+        return r["width"], r["search_width"], r.get("lookup", 0)
+
+    searches = sorted({key(r) for r in rows})
+    labels = {key(r): _label(r) for r in rows}
     lengths = sorted({r["length"] for r in rows})
-    cell = {(r["width"], r["search_width"], r["length"]): r["tokens_per_step"] for r in rows}
+    cell = {(*key(r), r["length"]): r["tokens_per_step"] for r in rows}
     mode = "simulated" if report.get("simulated") else "greedy decode loop"
     table = Table(title="mean tokens/step")
     table.add_column("W \\ L")
     for length in lengths:
         table.add_column(f"L={length}", justify="right")
-    for w, searched in searches:
-        label = f"W={w}" + (f" search {searched}" if searched > w else "")
-        table.add_row(label, *(f"{cell.get((w, searched, n)) or 0:.2f}" for n in lengths))
+    for search in searches:
+        table.add_row(labels[search], *(f"{cell.get((*search, n)) or 0:.2f}" for n in lengths))
     Console().print(table)
     Console().print(f"{report['num_prompts']} prompts x {report['max_tokens']} new tokens, {mode}")
     for r in rows:
@@ -167,3 +237,22 @@ def print_table(report: dict) -> None:
     digests = {r["output_digest"] for r in rows}
     note = "identical" if len(digests) == 1 else "DIFFER (near-tie argmax flips?)"
     Console().print(f"greedy outputs across shapes: {note}")
+    print_categories(rows)
+
+
+def print_categories(rows: list[dict]) -> None:
+    """Tokens/step per prompt category (columns) of every shape (rows); nothing without
+    categories."""
+    categories = list(dict.fromkeys(c for r in rows for c in r.get("per_category", {})))
+    if not categories:
+        return
+    table = Table(title="mean tokens/step per category")
+    table.add_column("shape")
+    for category in categories:
+        table.add_column(category, justify="right")
+    table.add_column("all", justify="right")
+    for r in rows:
+        per = r["per_category"]
+        cells = [f"{per[c]:.2f}" if per.get(c) is not None else "-" for c in categories]
+        table.add_row(_label(r, length=True), *cells, f"{r['tokens_per_step'] or 0:.2f}")
+    Console().print(table)

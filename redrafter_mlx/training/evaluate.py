@@ -2,20 +2,27 @@
 
 :func:`evaluate` decodes every prompt greedily with the real loop at every shape; tokens/step is
 the number of tokens the speculative steps emitted divided by the number of steps (the prefill's
-first token is not counted), pooled over prompts (total tokens / total steps). No timing.
+first token is not counted), pooled over prompts (total tokens / total steps), and per prompt
+category when the prompts have one. A shape with K > 0 lookup beams also verifies up to K
+prompt-lookup beams per step (:mod:`redrafter_mlx.core.lookup`). Each row counts the accepted
+drafted tokens by source: the drafter's beams, the lookup beams, or both (a beam of each held
+them). No timing.
 
 :func:`simulate_grid` is the cheap variant for sweeps: each prompt is decoded once by the real
 loop (at :data:`PATH_SHAPE`) to get its greedy path; every shape is then replayed along that path
-from the drafter's beams at each position (:func:`beams_everywhere`, one batched beam search),
-with no further target passes. Greedy decoding is exact, so the counts equal the real loop's up
-to floating-point near-ties.
+from the drafter's beams at each position (:func:`beams_everywhere`, one batched beam search)
+and, with K > 0, the lookup beams an n-gram index of the prompt and the path so far proposes
+there (:func:`lookup_everywhere`), with no further target passes. A step accepts the longest
+agreeing prefix over both kinds of beams, by the loop's own rule. Greedy decoding is exact, so
+the counts equal the real loop's up to floating-point near-ties.
 
 Library code: progress goes to a callback, failures raise :mod:`redrafter_mlx.core.errors`.
-Legend: T path positions, W beam width, L beam length, S search width, H hidden.
+Legend: T path positions, W beam width, L beam length, S search width, K lookup beams, H hidden.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -29,16 +36,19 @@ import numpy as np
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.core import atomic, llm
 from redrafter_mlx.core.accept import accepted_lengths, greedy
-from redrafter_mlx.core.decode import Decoder, Step
+from redrafter_mlx.core.decode import Decoder, Step, _source
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
 from redrafter_mlx.core.drafter import Drafter
 from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.stops import through_stop
 from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template
 
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for simulate_grid
+SOURCES = ("drafter", "lookup", "both")  # where a step's accepted drafts came from (Step)
+NO_TOKEN = -2  # pads lookup beams: equals no token and no past-the-path choice (-1)
 
 Progress = Callable[[int], None]  # called with the number of (prompt, shape) runs just done
 
@@ -46,7 +56,8 @@ Progress = Callable[[int], None]  # called with the number of (prompt, shape) ru
 @dataclass(frozen=True)
 class Evaluation:
     """What an evaluation decodes: ``prompts`` (text) with the target ``model`` and its
-    ``tokenizer``, ``drafter``'s beams at each of ``shapes``, ``max_tokens`` new tokens each."""
+    ``tokenizer``, ``drafter``'s beams at each of ``shapes``, ``max_tokens`` new tokens each;
+    ``categories`` (one per prompt, None for a prompt without one) adds per-category rows."""
 
     model: Any
     tokenizer: Any
@@ -54,6 +65,11 @@ class Evaluation:
     prompts: list[str]
     shapes: list[BeamShape]
     max_tokens: int
+    categories: list[str | None] | None = None
+
+    def __post_init__(self):
+        if self.categories is not None and len(self.categories) != len(self.prompts):
+            raise ValueError(f"{len(self.categories)} categories for {len(self.prompts)} prompts")
 
 
 def user_prompt_ids(tokenizer, text: str) -> list[int]:
@@ -88,57 +104,77 @@ def evaluate(job: Evaluation, progress: Progress | None = None) -> list[dict]:
             runs.append(decode_one(dec, ids, job.max_tokens, eos))
             if progress:
                 progress(1)
-        rows.append(summarize(shape, runs))
+        rows.append(summarize(shape, runs, job.categories))
     return rows
 
 
 def decode_one(decoder: Decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
-    """Greedy ReDrafter decode of one prompt -> ``{"tokens", "steps", "ids"}`` (first token
-    from the prefill excluded from tokens and steps, included in ids)."""
+    """Greedy ReDrafter decode of one prompt -> ``{"tokens", "steps", "ids", "accepted_from"}``
+    (first token from the prefill excluded from tokens and steps, included in ids)."""
     steps = decoder.speculative(decoder.new_cache(), prompt_ids)
     return _counts(list(_emitted(steps, eos, max_tokens)), max_tokens)
 
 
-def _emitted(steps: Iterator[Step], eos: set[int], max_tokens: int) -> Iterator[list[int]]:
-    """The tokens of each step through the first EOS token (kept): the prefill's first token,
-    then one list per decode step, until an EOS or a decode step that brings the total to
-    ``max_tokens``."""
+def _emitted(steps: Iterator[Step], eos: set[int], max_tokens: int) -> Iterator[Step]:
+    """Each step with its tokens cut after the first EOS token (kept): the prefill's first
+    token, then one step per decode step, until an EOS or a decode step that brings the total
+    to ``max_tokens``."""
     total = 0
     for k, step in enumerate(steps):
         emitted = through_stop(step.tokens, eos)
         total += len(emitted)
-        yield emitted
+        yield dataclasses.replace(step, tokens=emitted)
         if emitted[-1] in eos or (k and total >= max_tokens):
             return
 
 
-def _counts(chunks: list[list[int]], max_tokens: int) -> dict:
-    """``{"tokens", "steps", "ids"}`` of the decode that emitted ``chunks`` (:func:`_emitted`)
-    had it stopped after the first decode step that reached ``max_tokens`` tokens. The last
-    step may overshoot max_tokens by up to L - 1 tokens, by how much depends on the shape:
-    ``ids`` holds the first max_tokens only, to compare outputs."""
-    ids, steps = list(chunks[0]), 0
+def _counts(chunks: list[Step], max_tokens: int) -> dict:
+    """``{"tokens", "steps", "ids", "accepted_from"}`` of the decode that emitted ``chunks``
+    (:func:`_emitted`) had it stopped after the first decode step that reached ``max_tokens``
+    tokens. The last step may overshoot max_tokens by up to L - 1 tokens, by how much depends
+    on the shape: ``ids`` holds the first max_tokens only, to compare outputs.
+    ``accepted_from`` counts each counted step's accepted drafts (its tokens but the target's
+    own next one) by source, so tokens = steps + the sum of its counts."""
+    ids, steps = list(chunks[0].tokens), 0
+    accepted = dict.fromkeys(SOURCES, 0)
     for chunk in chunks[1:]:
         if steps and len(ids) >= max_tokens:
             break
-        ids += chunk
+        ids += chunk.tokens
         steps += 1
-    return {"tokens": len(ids) - len(chunks[0]), "steps": steps, "ids": ids[:max_tokens]}
+        if len(chunk.tokens) > 1:
+            accepted[chunk.accepted_from] += len(chunk.tokens) - 1
+    return {
+        "tokens": len(ids) - len(chunks[0].tokens),
+        "steps": steps,
+        "ids": ids[:max_tokens],
+        "accepted_from": accepted,
+    }
 
 
-def summarize(shape: BeamShape, runs: list[dict]) -> dict:
-    """One row of results: ``runs`` (``{"tokens", "steps", "ids"}`` per prompt) at ``shape``,
-    pooled and per prompt, with a digest of the outputs (equal across shapes: greedy)."""
+def summarize(shape: BeamShape, runs: list[dict], categories: list | None = None) -> dict:
+    """One row of results: ``runs`` (``{"tokens", "steps", "ids", "accepted_from"}`` per
+    prompt) at ``shape``, pooled, per prompt and per category (``categories``: one per run,
+    None for a prompt without one; ``{}`` without categories), with the accepted drafts by
+    source and a digest of the outputs (equal across shapes: greedy)."""
     tokens, steps = sum(r["tokens"] for r in runs), sum(r["steps"] for r in runs)
     digest = hashlib.sha1(json.dumps([r["ids"] for r in runs]).encode()).hexdigest()[:12]
+    pooled: dict[str, list[int]] = {}
+    for category, r in zip(categories or [None] * len(runs), runs, strict=True):
+        if category is not None:
+            counts = pooled.setdefault(category, [0, 0])
+            counts[0], counts[1] = counts[0] + r["tokens"], counts[1] + r["steps"]
     return {
         "width": shape.width,
         "length": shape.length,
         "search_width": shape.searched,
+        "lookup": shape.lookup,
         "tokens": tokens,
         "steps": steps,
         "tokens_per_step": _per_step(tokens, steps),
+        "accepted_from": {s: sum(r["accepted_from"][s] for r in runs) for s in SOURCES},
         "per_prompt": [_per_step(r["tokens"], r["steps"]) for r in runs],
+        "per_category": {c: _per_step(*counts) for c, counts in pooled.items()},
         "output_digest": digest,
     }
 
@@ -179,7 +215,7 @@ def simulate_grid(
             runs[shape].append(run)
         if progress:
             progress(len(job.shapes))
-    rows = [summarize(shape, runs[shape]) for shape in job.shapes]
+    rows = [summarize(shape, runs[shape], job.categories) for shape in job.shapes]
     real = [p[3] for p in paths]
     for shape, row in zip(job.shapes, rows, strict=True):
         if shape == BeamShape(*PATH_SHAPE) and all(real):
@@ -191,21 +227,48 @@ def simulate_grid(
 
 def replay_path(job: Evaluation, ids: list[int], hidden: mx.array, n_prompt: int) -> dict:
     """Every shape of ``job`` replayed along one greedy path ``ids (N,)`` with target hidden
-    ``hidden (N, H)`` (:func:`greedy_path`) -> ``{shape: {"tokens", "steps", "ids"}}``. One
-    batched search per (W, S) serves every L: beam search keeps the same beams at every depth
-    whatever the final length."""
+    ``hidden (N, H)`` (:func:`greedy_path`) -> ``{shape: {"tokens", "steps", "ids",
+    "accepted_from"}}``. One batched search per (W, S) serves every L and K: beam search keeps
+    the same beams at every depth whatever the final length; one walk of an n-gram index
+    proposes the lookup beams of every (K, L)."""
     embed = job.model.model.embed_tokens
     contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
     depth = max(shape.length for shape in job.shapes) - 1
     searches: dict[tuple[int, int], list[BeamShape]] = {}
     for shape in job.shapes:
         searches.setdefault((shape.width, shape.searched), []).append(shape)
+    lookups = {(s.lookup, s.length) for s in job.shapes if s.lookup}
+    looked_up = lookup_everywhere(ids, n_prompt, sorted(lookups))
     out = {}
     for (width, searched), group in searches.items():
         found = beams_everywhere(job.drafter, embed, contexts, pendings, width, depth, searched)
         for shape in group:
             beams = found[shape.length - 2][0]
-            out[shape] = simulate(beams, ids, n_prompt, job.max_tokens, shape.length)
+            extra = looked_up.get((shape.lookup, shape.length))
+            out[shape] = simulate(beams, ids, n_prompt, job.max_tokens, shape.length, extra)
+    return out
+
+
+def lookup_everywhere(
+    ids: list[int], n_prompt: int, shapes: list[tuple[int, int]]
+) -> dict[tuple[int, int], np.ndarray]:
+    """The prompt-lookup beams a step would verify at every position of a path -> for each
+    ``(K, L)`` of ``shapes``, ``(T, K, L)`` int32 (row r: pending ``ids[n_prompt + r]``),
+    rows with fewer than K beams padded with :data:`NO_TOKEN`.
+
+    As in the decode loop, the index at position j holds ``ids[:j]`` (the cached tokens: the
+    prompt, then every path token before the pending one); one index grows along the path.
+    """
+    rows = len(ids) - n_prompt
+    out = {(k, n): np.full((rows, k, n), NO_TOKEN, np.int32) for k, n in shapes}
+    if not shapes:
+        return out
+    index = NgramIndex(ids[:n_prompt])
+    for r, pending in enumerate(ids[n_prompt:]):
+        for (k, n), beams in out.items():
+            found = index.propose(pending, k, n)
+            beams[r, : len(found)] = found
+        index.extend([pending])
     return out
 
 
@@ -232,34 +295,48 @@ def beams_everywhere(
     return out
 
 
-def simulate(beams_at, ids: list[int], n_prompt: int, max_tokens: int, length: int) -> dict:
+def simulate(
+    beams_at, ids: list[int], n_prompt: int, max_tokens: int, length: int, lookup_at=None
+) -> dict:
     """Greedy ReDrafter steps replayed along a known greedy path (see :func:`greedy_path`).
 
     ``beams_at (T, W, L)`` are the beams drafted from ``(hidden[j - 1], ids[j])`` for
-    ``j = n_prompt + r`` (row r). Each step drafts at the pending position t, accepts the
-    longest beam prefix matching the path and emits it plus the target's next token. Greedy
-    decoding is exact, so this equals the real loop's count up to floating-point near-ties
-    (tree vs chain attention, batched vs single-row drafting), without any target pass.
+    ``j = n_prompt + r`` (row r), ``lookup_at (T, K, L)`` (optional) the lookup beams of the
+    same positions (:func:`lookup_everywhere`). Each step drafts at the pending position t,
+    accepts the longest prefix of any of its beams matching the path and emits it plus the
+    target's next token; ``accepted_from`` counts the accepted drafts by the source of the
+    beams that hold them (the decode loop's attribution). Greedy decoding is exact, so this
+    equals the real loop's count up to floating-point near-ties (tree vs chain attention,
+    batched vs single-row drafting), without any target pass.
     """
+    width = beams_at.shape[1]
+    if lookup_at is not None:
+        beams_at = np.concatenate([beams_at, lookup_at], axis=1)
     accepted = _accepted_along(beams_at, ids, n_prompt, length)
+    best, most = accepted.argmax(axis=-1), accepted.max(axis=-1)
     t, tokens, steps = n_prompt, 0, 0
+    sources = dict.fromkeys(SOURCES, 0)
     while t < len(ids) - 1 and t - n_prompt + 1 < max_tokens:
-        emitted = int(accepted[t - n_prompt]) + 1
-        tokens, steps, t = tokens + emitted, steps + 1, t + emitted
-    return {"tokens": tokens, "steps": steps, "ids": ids[n_prompt:]}
+        r = t - n_prompt
+        num_accepted = int(most[r])
+        if num_accepted:
+            sources[_source(beams_at[r], width, int(best[r]), num_accepted)] += num_accepted
+        tokens, steps, t = tokens + num_accepted + 1, steps + 1, t + num_accepted + 1
+    return {"tokens": tokens, "steps": steps, "ids": ids[n_prompt:], "accepted_from": sources}
 
 
 def _accepted_along(beams_at, ids: list[int], n_prompt: int, length: int) -> np.ndarray:
-    """Drafted tokens a step at each row of ``beams_at (T, W, L)`` accepts -> ``(T,)``: the
-    target's choices are the path's next tokens. The path's last token can only be a step's
-    own next token (it has no successor to check): past it the choices are -1, no token."""
+    """Drafted tokens each beam of a step at each row of ``beams_at (T, W, L)`` accepts ->
+    ``(T, W)``: the target's choices are the path's next tokens. The path's last token can only
+    be a step's own next token (it has no successor to check): past it the choices are -1, no
+    token."""
     rows = len(beams_at)
     after = [int(i) for i in ids[n_prompt + 1 : -1]]
     path = np.array(after + [-1] * (rows + length - len(after)), dtype=np.int32)
     choices = np.lib.stride_tricks.sliding_window_view(path, length - 1)[:rows]  # (T, L - 1)
     drafted = mx.array(np.ascontiguousarray(beams_at[:, :, 1:]))
     accepted = accepted_lengths(drafted, mx.array(np.ascontiguousarray(choices))[:, None])
-    return np.array(accepted.max(axis=-1))
+    return np.array(accepted)
 
 
 def greedy_path(
@@ -282,7 +359,8 @@ def greedy_path(
     dec = Decoder(model, greedy, drafter=drafter, shape=BeamShape(*PATH_SHAPE))
     steps = (dec.speculative if drafter else dec.autoregressive)(dec.new_cache(), prompt_ids)
     chunks = list(_emitted(steps, eos, max_tokens))
-    ids = [*prompt_ids, *(t for chunk in chunks for t in chunk)][: len(prompt_ids) + max_tokens]
+    ids = [*prompt_ids, *(t for chunk in chunks for t in chunk.tokens)]
+    ids = ids[: len(prompt_ids) + max_tokens]
     real = None
     if drafter:
         counted = _counts(chunks, count_until or max_tokens)
