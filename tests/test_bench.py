@@ -239,3 +239,63 @@ def test_rotation_interleaves():
     methods = [Method("a"), Method("b"), Method("c")]
     firsts = Counter(measure.rotated(methods, rep)[0].kind for rep in range(3))
     assert firsts == Counter("abc")
+
+
+def test_lookup_rows_per_category_and_the_sources_of_accepted_tokens(runtime, tmp_path):
+    """``--lookup 0,3``: the drafter alone, drafter + lookup, and lookup alone, all exact,
+    with where the accepted tokens came from and one row per method in each category."""
+    cfg = BenchConfig(
+        [BeamShape(2, 3), BeamShape(2, 3, lookup=3)],
+        [["w5 w6 w5 w6 w5 w6"], ["w7 w8 w7 w8"], ["w9 w10"]],
+        max_tokens=16,
+        repetitions=1,
+        categories=["rag", "summarization", "rag"],
+    )
+    result = measure.run_bench(runtime, cfg)
+    rows = {r["method"]: r for r in result["results"]}
+    assert list(rows) == ["mlx-lm", "autoregressive", "W2L3", "W2L3k3", "lookup-L3k3"]
+    for name in ("W2L3", "W2L3k3", "lookup-L3k3"):
+        assert rows[name]["exact"] is True
+        assert set(rows[name]["accepted_from"]) == {"drafter", "lookup", "both"}
+    assert rows["W2L3"]["accepted_from"]["lookup"] == rows["W2L3"]["accepted_from"]["both"] == 0
+    alone = rows["lookup-L3k3"]
+    assert alone["beam_width"] is None and alone["lookup"] == 3
+    assert alone["accepted_from"]["drafter"] == alone["accepted_from"]["both"] == 0
+    assert alone["draft_cost_ratio"] == 0.0
+    accepted = sum(alone["accepted_from"].values())
+    steps = sum(int(k) * v for k, v in alone["accept_histogram"].items())
+    assert accepted == steps - sum(alone["accept_histogram"].values())  # tokens - steps
+    per = result["per_category"]
+    assert list(per) == ["rag", "summarization"]
+    assert [r["prompts"] for r in (per["rag"][0], per["summarization"][0])] == [2, 1]
+    assert [r["method"] for r in per["rag"]] == list(rows)
+    for category in per.values():
+        for row in category:
+            assert row["tokens_per_step"] >= 1 and row["generation_tps"] > 0
+    table = bench.category_table(per)
+    assert [c.header for c in table.columns] == ["method", "rag (2)", "summarization (1)"]
+    bench.write_outputs(result, tmp_path)
+    with open(tmp_path / "bench.csv") as f:
+        csv_rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert int(csv_rows["lookup-L3k3"]["accepted_lookup"]) == alone["accepted_from"]["lookup"]
+
+
+def test_lookup_flags_make_the_grid_and_sources_read_as_percentages(runtime):
+    args = bench.setup_arg_parser().parse_args(["--beam-width", "2", "--lookup", "0,4"])
+    width_two = [BeamShape(2, default_shape().length, lookup=k) for k in (0, 4)]
+    assert bench.shapes_from_args(args, runtime) == width_two
+    args = bench.setup_arg_parser().parse_args(["--lookup", "4"])
+    assert {s.lookup for s in bench.shapes_from_args(args, runtime)} == {4}
+    assert bench.sources_cell({"drafter": 6, "lookup": 3, "both": 1}) == "60/30/10"
+    assert bench.sources_cell(None) == "-"
+    with pytest.raises(SystemExit):
+        bench.setup_arg_parser().parse_args(["--lookup", "-1"])
+
+
+def test_prompt_categories_are_read_with_the_turns(tmp_path):
+    from redrafter_mlx.io.prompts import load_conversations
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "category": "rag"}\n\n{"turns": ["b"], "category": 3}\n')
+    loaded = load_conversations(path, None, 1)
+    assert [(c.turns, c.category) for c in loaded] == [(["a"], "rag"), (["b"], None)]

@@ -436,7 +436,7 @@ def test_eval_drafter_pools_tokens_per_step_per_category(trained):
 
 def test_eval_drafter_selection_keeps_each_prompt_with_its_category(tmp_path):
     from redrafter_mlx.cli import eval_drafter as ED
-    from redrafter_mlx.cli.flags import read_prompts
+    from redrafter_mlx.cli.flags import read_conversations
 
     lines = [
         {"category": "a", "turns": ["p0", "second turn"]},
@@ -451,8 +451,9 @@ def test_eval_drafter_selection_keeps_each_prompt_with_its_category(tmp_path):
     path.write_text(
         "\n".join(json.dumps(x) + ("\n" if i == 2 else "") for i, x in enumerate(lines))
     )
-    texts = [turns[0] for turns in read_prompts(path, None, 1)]
-    categories = ED.prompt_categories(path)
+    conversations = read_conversations(path, None, 1)
+    texts = [c.turns[0] for c in conversations]
+    categories = [c.category for c in conversations]
     assert categories == ["a", None, "b", None, "c", "d", "e"]
     assert len(texts) == len(categories)
 
@@ -467,7 +468,7 @@ def test_eval_drafter_selection_keeps_each_prompt_with_its_category(tmp_path):
         ["p0", "p1", "p3", "p4"],
         ["a", None, None, "c"],
     )
-    mtb = ED.prompt_categories(None)  # the shipped MT-Bench: 10 per category, in order
+    mtb = [c.category for c in read_conversations(None, None, 1)]  # 10 per category, in order
     assert len(mtb) == 80 and mtb[::10] == list(dict.fromkeys(mtb))
 
 

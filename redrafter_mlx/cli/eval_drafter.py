@@ -32,7 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from redrafter_mlx.cli import flags
-from redrafter_mlx.cli.flags import fail, read_prompts
+from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
@@ -103,8 +103,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 @flags.reports_errors
 def main(args: argparse.Namespace) -> None:
-    texts = [turns[0] for turns in read_prompts(args.prompts, None, 1)]
-    categories = prompt_categories(args.prompts)
+    conversations = flags.read_conversations(args.prompts, None, 1)
+    texts = [c.turns[0] for c in conversations]
+    categories = [c.category for c in conversations]
     if args.paths_cache and not args.simulate:
         fail("--paths-cache is read and written by --simulate only: add --simulate")
     if args.paths_cache:
@@ -149,19 +150,6 @@ def main(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=1))
     else:
         print_table(report)
-
-
-def prompt_categories(path: Path | str | None) -> list[str | None]:
-    """Each prompt's "category" (a string, else None) in the order of
-    :func:`~redrafter_mlx.io.prompts.load_prompts`, which skips blank lines only; read after it
-    (which reports a malformed line). To become ``load_conversations``' ``.category``."""
-    categories = []
-    for line in Path(path or MT_BENCH).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            item = json.loads(line)
-            category = item.get("category") if isinstance(item, dict) else None
-            categories.append(category if isinstance(category, str) else None)
-    return categories
 
 
 def select_prompts(

@@ -400,7 +400,10 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
     the sampling shape (flags, else this chip's profiles), build the decoder."""
 
     def setup() -> Engine:
-        runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
+        lookup_only = bool(args.lookup)  # lookup beams need no drafter
+        runtime = rt.load_runtime(
+            args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
+        )
         overrides = flags.shape_overrides(args)
         greedy, greedy_source = resolve_shape(runtime, overrides=overrides, sampling=False)
         sampled, sampled_source = resolve_shape(runtime, overrides=overrides, sampling=True)
