@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 import warnings
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_llama
@@ -17,10 +20,12 @@ from redrafter_mlx.backend import blas
 from redrafter_mlx.cli.chat import (
     ChatSession,
     Command,
+    accepted_sources,
     drop_oldest_turn,
     fit_history,
     parse_beam,
     parse_command,
+    parse_lookup,
     parse_temp,
     save_conversation,
     unknown_hint,
@@ -138,6 +143,17 @@ def test_parse_beam_and_temp():
     for bad in ("", "hot", "-1", "nan"):
         with pytest.raises(ValueError, match="usage"):
             parse_temp(bad)
+
+
+def test_parse_lookup_and_accepted_sources():
+    assert parse_lookup("4") == 4 and parse_lookup("0") == 0
+    for bad in ("", "x", "-1", "+2", "1.5", "2 3", "²"):  # "²": str.isdigit, not int()
+        with pytest.raises(ValueError, match="usage: /lookup K"):
+            parse_lookup(bad)
+    counts = Counter(drafter=40, lookup=12, both=3)
+    assert accepted_sources(counts) == "drafter 40, lookup 12, both 3"
+    assert accepted_sources(Counter(lookup=5)) == "drafter 0, lookup 5, both 0"
+    assert accepted_sources(Counter(lookup=5), drafted=False) == "lookup 5"
 
 
 def test_unknown_command_hint():
@@ -546,3 +562,188 @@ def test_a_line_that_is_not_utf8_is_one_error_line_and_the_chat_goes_on(
     out, err = capsys.readouterr()
     assert "input: byte 0xfe at byte offset 0 is not UTF-8 text" in err
     assert len(out.splitlines()) == 2 and chat.totals.answers == 2  # both good lines answered
+
+
+# ---------------------------------------------------------------- prompt-lookup beams (#24)
+
+SMALL_ROLE = {"system": 0, "user": 2, "assistant": 3}
+
+
+def small_template(messages: list[dict]) -> list[int]:
+    """``toy_template`` for an 8-token vocabulary: text folds onto tokens 4..7."""
+    ids = []
+    for m in messages:
+        ids += [SMALL_ROLE[m["role"]], *(ord(c) % 4 + 4 for c in m["content"]), EOS]
+    return ids + [SMALL_ROLE["assistant"]]
+
+
+@pytest.fixture(scope="module")
+def looping():
+    """A target whose greedy answers fall into loops lookup beams can copy (8 tokens, seed 5),
+    and a drafter for it."""
+    model = tiny_llama(seed=5, vocab=8)
+    return model, BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
+
+
+def small_session(model, drafter=None, shape=None, **kwargs) -> ChatSession:
+    decoder = Decoder(model, GREEDY, drafter, shape or BeamShape(2, 4, lookup=3))
+    return ChatSession(decoder, ToyTokenizer(), small_template, **kwargs)
+
+
+def chat_ui(chat: ChatSession, source: str = "default"):
+    from redrafter_mlx.cli.chat import ChatOptions, ChatUI
+
+    runtime = SimpleNamespace(model_id="tiny", drafter_id=None)
+    return ChatUI(chat, runtime, ChatOptions(), source, interactive=False)
+
+
+def test_lookup_command_sets_k_keeps_the_rest_and_refuses_bad_values(target, capsys):
+    beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
+    chat = session(target, beam, max_tokens=6)
+    chat.set_shape(BeamShape(2, 3, 0.05, 4))
+    ui = chat_ui(chat)
+    ui.run_command(Command("lookup", "3"))
+    assert chat.decoder.shape == BeamShape(2, 3, 0.05, 4, lookup=3)
+    assert "lookup beams 3 per step" in capsys.readouterr().err
+    assert ui.mode() == "ReDrafter W=2 L=3 search 4 min-prob 0.05 lookup 3 (default + /lookup)"
+    for bad in ("", "x", "-1", "2 3", "1.5"):
+        ui.run_command(Command("lookup", bad))
+        assert "usage: /lookup K" in capsys.readouterr().err
+        assert chat.decoder.shape.lookup == 3
+    ui.run_command(Command("beam", "3 4"))  # /beam keeps K (and the floor, the search)
+    assert chat.decoder.shape == BeamShape(3, 4, 0.05, 4, lookup=3)
+    ui.run_command(Command("lookup", "0"))  # with a drafter, 0 turns lookup off
+    assert chat.decoder.shape == BeamShape(3, 4, 0.05, 4)
+    assert "lookup beams off" in capsys.readouterr().err
+    ui.answer("abc")
+    assert "accepted:" not in capsys.readouterr().err  # no lookup beams: no sources
+    ui.run_command(Command("help"))
+    assert "/lookup  K: prompt-lookup beams" in capsys.readouterr().err
+
+
+def test_a_temperature_change_keeps_the_lookup_beams(target, capsys):
+    """/temp may switch to another profile's shape; profiles hold no K, so K stays."""
+    from redrafter_mlx.backend.plan import default_shape
+
+    beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
+    chat = session(target, beam, max_tokens=6)  # W=2 L=3: not the default shape
+    ui = chat_ui(chat)
+    ui.run_command(Command("lookup", "3"))
+    ui.run_command(Command("temp", "0.5"))
+    assert chat.decoder.shape == replace(default_shape(), lookup=3)
+    assert ui.mode().endswith("lookup 3 (default + /lookup)")
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_lookup_commands_warm_up_what_the_answers_run(traces, with_drafter):
+    """/lookup and /beam with lookup beams compile at the command, never inside an answer."""
+    from redrafter_mlx.backend.plan import CPU_PLAN
+
+    # built after ``traces`` patched mx.compile: its traces count; its loops make lookup
+    # beams (and so trees of many sizes) at most steps
+    model = tiny_llama(seed=5, vocab=8)
+    beam = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
+    shape = BeamShape(2, 3, lookup=1)
+    # CPU_PLAN: compiled forwards per tree size (the default plan compiles only the drafter)
+    decoder = Decoder(model, GREEDY, beam if with_drafter else None, shape, plan=CPU_PLAN)
+    chat = ChatSession(decoder, ToyTokenizer(), small_template, max_tokens=24)
+    ui = chat_ui(chat)
+    for command in (Command("lookup", "4"), Command("beam", "1 5"), Command("lookup", "2")):
+        ui.run_command(command)
+        warmed = len(traces)
+        for question in ("abc abc abc", "defg", "abc abc abc"):
+            ask(chat, question)
+        assert len(traces) == warmed, f"an answer compiled after /{command.name} {command.arg}"
+
+
+def test_stats_say_where_accepted_tokens_came_from(looping, capsys):
+    model, beam = looping
+    chat = small_session(model, beam, max_tokens=32)
+    ui = chat_ui(chat, "flags")
+    counts = []
+    for question in ("abc", "defg"):
+        ui.answer(question)
+        err = capsys.readouterr().err
+        got = chat.last.stats.accepted_from
+        counts.append(got)
+        assert f"accepted: {accepted_sources(got)}" in err  # drafter N, lookup N, both N
+        assert "ReDrafter W=2 L=4 lookup 3 (flags)" in err
+    total = counts[0] + counts[1]
+    assert total["lookup"] > 0  # the loops were copied
+    # every accepted draft has a source: a step of k tokens accepted k - 1 drafts
+    assert sum(total.values()) == sum((k - 1) * n for k, n in chat.totals.histogram.items())
+    assert chat.totals.accepted_from == total  # the session totals add the answers up
+    ui.run_command(Command("stats"))
+    stats = capsys.readouterr().err
+    assert f"accepted drafted tokens by source: {accepted_sources(total)}" in stats
+    assert "a ReDrafter step" in stats
+
+
+def test_lookup_only_session_answers_as_autoregressive_and_refuses_k0(looping, capsys):
+    """A model without a drafter: lookup beams alone give the autoregressive answers (greedy),
+    in fewer steps; /lookup 0 would leave nothing to speculate with, so it is refused."""
+    model, _ = looping
+    fast = small_session(model, None, BeamShape(1, 5, lookup=4), max_tokens=32)
+    slow = small_session(model, None, max_tokens=32, autoregressive=True)
+    ui = chat_ui(fast, "flags + default")
+    assert fast.lookup_only and not slow.lookup_only
+    assert ui.mode() == "lookup only L=5 lookup 4 (flags + default)"
+    for question in ("abc", "defg", "abc"):
+        assert ask(fast, question) == ask(slow, question)
+    assert fast.messages == slow.messages
+    assert fast.totals.tokens == slow.totals.tokens
+    assert fast.totals.steps < slow.totals.steps  # copied loops: several tokens a step
+    assert set(fast.totals.accepted_from) == {"lookup"}
+    ui.report(fast.last)  # without a drafter only lookup's share is shown
+    accepted = fast.last.stats.accepted_from["lookup"]
+    assert capsys.readouterr().err.rstrip().endswith(f"· accepted: lookup {accepted}")
+    ui.run_command(Command("lookup", "0"))
+    assert "no drafter" in capsys.readouterr().err
+    assert fast.decoder.shape == BeamShape(1, 5, lookup=4)  # the old shape stays
+    ui.run_command(Command("beam", "2 3"))  # L counts, W does not
+    assert fast.decoder.shape == BeamShape(2, 3, lookup=4)
+    assert "L=3 lookup 4 (no drafter: W, P and S are unused)" in capsys.readouterr().err
+    assert ask(fast, "more") == ask(slow, "more")
+    ui.run_command(Command("stats"))
+    stats = capsys.readouterr().err
+    assert f"by source: lookup {fast.totals.accepted_from['lookup']}\n" in stats
+    assert "a lookup step" in stats
+
+
+def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch, capsys):
+    """`chat --lookup K` on a model that has no drafter loads it (need_drafter false) and
+    answers with lookup beams alone, exactly as `chat --autoregressive`; without --lookup it
+    is refused as before."""
+    import io
+
+    from redrafter_mlx.cli import chat as C
+    from redrafter_mlx.core.errors import ConfigError
+    from redrafter_mlx.io import runtime as rt
+
+    model, _ = looping
+    config = {"vocab_size": 8, "max_position_embeddings": 4096}
+
+    def load_runtime(model_path, drafter_path, *, need_drafter):
+        if need_drafter:  # what the real one says for a model without a drafter
+            raise ConfigError("no drafter for this model: pass --drafter DIR")
+        return rt.Runtime(model, ToyTokenizer(), config, None, "tiny", None)
+
+    monkeypatch.setattr(rt, "load_runtime", load_runtime)
+    monkeypatch.setattr(rt, "encode_chat", lambda runtime, messages: small_template(messages))
+    monkeypatch.setattr(C.CtrlC, "install", lambda self: None)  # keep pytest's SIGINT
+    outputs = {}
+    for argv in (["--lookup", "3", "--beam-length", "5"], ["--autoregressive"], []):
+        lines = b"abc\n/stats\nhello there\n"
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(lines)))
+        args = C.setup_arg_parser().parse_args([*argv, "--max-tokens", "24"])
+        try:
+            C.main(args)
+        except SystemExit as e:
+            assert e.code == 1
+        outputs[tuple(argv)] = capsys.readouterr()
+    lookup, plain, refused = outputs.values()
+    assert lookup.out == plain.out
+    assert [len(answer) for answer in lookup.out.splitlines()] == [24, 24]
+    assert "lookup only L=5 lookup 3 (flags + default)" in lookup.err
+    assert "accepted: lookup" in lookup.err and "by source: lookup" in lookup.err
+    assert refused.out == "" and "error: no drafter for this model" in refused.err

@@ -5,6 +5,9 @@ longest prefix the cache already holds (``cache.ids``), rewinds to it and feeds 
 When the conversation outgrows the model's context the oldest turns are dropped (the cache then
 re-prefills from the first differing token). Ctrl-C stops an answer and keeps what was shown.
 
+With ``--lookup K`` each step also verifies up to K prompt-lookup beams (continuations copied
+from the conversation); a model without a drafter then decodes with those beams alone.
+
 With a pipe on stdin it is a plain line-by-line session: one answer per input line on stdout,
 notices and stats on stderr, no colours or prompts.
 """
@@ -19,7 +22,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -31,6 +34,7 @@ from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ConfigError, ContextFull
 from redrafter_mlx.core.generate import (
+    SOURCES,
     GenerationStats,
     StepResponse,
     stream_steps,
@@ -45,15 +49,18 @@ EXAMPLES = """examples:
   redrafter-mlx chat
   redrafter-mlx chat --system "Answer in one sentence." --beam-width 2 --beam-length 4
   redrafter-mlx chat --autoregressive --max-tokens 128
+  redrafter-mlx chat --lookup 4        (prompt-lookup beams too; without a drafter: alone)
   printf 'My name is Ada.\\nWhat is my name?\\n' | redrafter-mlx chat
 """
 
 COMMANDS = {
     "help": "this list",
     "reset": "forget the conversation (keeps the system prompt)",
-    "stats": "session totals: tokens, tokens/step histogram, speedup estimate",
+    "stats": "session totals: tokens, tokens/step histogram, accepted drafts by source, "
+    "speedup estimate",
     "beam": "W L [P [S]]: beam width, length (path-probability floor, search width) for the "
-    "next answers",
+    "next answers (without a drafter only L counts)",
+    "lookup": "K: prompt-lookup beams per step, copied from the conversation (0 = off)",
     "temp": "T: sampling temperature (0 = greedy)",
     "system": "TEXT: set the system prompt (no text: show it)",
     "save": "PATH: write the conversation as JSON",
@@ -97,6 +104,21 @@ def parse_beam(arg: str, min_prob: float = 0.0, search_width: int = 0) -> BeamSh
         raise ValueError(usage) from None
     search = int(parts[3]) if len(parts) == 4 else search_width
     return BeamShape(int(parts[0]), int(parts[1]), floor, search)
+
+
+def parse_lookup(arg: str) -> int:
+    """``"4"`` -> 4; ValueError unless one integer >= 0."""
+    if not (arg.isascii() and arg.isdigit()):  # no sign, decimal point, extra word, "²"
+        raise ValueError("usage: /lookup K  (an integer >= 0: lookup beams per step, 0 = off)")
+    return int(arg)
+
+
+def accepted_sources(counts: Counter, drafted: bool = True) -> str:
+    """``"drafter 40, lookup 12, both 3"``: accepted drafted tokens by the beams that held them
+    (``both``: a drafter beam and a lookup beam). Without a drafter every one is lookup's, so
+    the other two are left out."""
+    sources = SOURCES if drafted else ("lookup",)
+    return ", ".join(f"{source} {counts[source]}" for source in sources)
 
 
 def parse_temp(arg: str) -> float:
@@ -166,6 +188,7 @@ class Totals:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     histogram: Counter = field(default_factory=Counter)
+    accepted_from: Counter = field(default_factory=Counter)  # accepted drafts by source
 
     def add(self, stats: GenerationStats, reused: int) -> None:
         self.answers += 1
@@ -175,6 +198,7 @@ class Totals:
         self.prompt_tokens += stats.prompt_tokens
         self.reused_tokens += reused
         self.histogram.update(stats.accept_histogram)
+        self.accepted_from.update(stats.accepted_from)
 
     @property
     def tokens_per_step(self) -> float:
@@ -226,8 +250,21 @@ class ChatSession:
         Ctrl-C to g++): at the start, and whenever the beam shape or sampler changes."""
         self.decoder.warm_up(autoregressive=self.autoregressive)
 
+    @property
+    def lookup_only(self) -> bool:
+        """Whether answers speculate with lookup beams alone (no drafter)."""
+        return not self.autoregressive and not self.decoder.drafted
+
     def set_shape(self, shape: BeamShape) -> None:
-        """Switch to ``shape`` (ValueError, and the shape unchanged, if the drafter can't)."""
+        """Switch to ``shape`` (ValueError, and the shape unchanged, if the drafter can't or,
+        without a drafter, if it has no lookup beams: nothing would be left to speculate with
+        and the next answer would fail)."""
+        if self.lookup_only and not shape.lookup:
+            raise ValueError(
+                "no drafter: the lookup beams are all this session speculates with, so it keeps "
+                f"{self.decoder.shape.lookup} (K >= 1; for plain decoding restart with "
+                "--autoregressive)"
+            )
         self.decoder.check_shape(shape)
         self.decoder.shape = shape
         self.warm_up()
@@ -345,7 +382,8 @@ class ChatUI:
         self.ctrl_c = ctrl_c or CtrlC()
         self.runtime = runtime
         self.options = options
-        self.shape_source = shape_source
+        self.shape_source = shape_source  # where W, L, P, S came from
+        self.lookup_by_command = False  # whether /lookup set K (the source then says so)
         self.interactive = interactive
         plain = {} if interactive else {"no_color": True, "force_terminal": False}
         self.out = Console(highlight=False, soft_wrap=True, **plain)
@@ -357,11 +395,23 @@ class ChatUI:
     def note(self, text: str, style: str = "dim") -> None:
         self.info.print(escape(text), style=style)
 
+    def source(self) -> str:
+        """Where the beam shape came from (``/lookup`` added once that command set K)."""
+        return self.shape_source + (" + /lookup" if self.lookup_by_command else "")
+
+    def describe(self, shape: BeamShape) -> str:
+        """``shape`` as this session uses it: without a drafter only L and K count."""
+        return shape.describe_lookup_only() if self.session.lookup_only else shape.describe()
+
     def mode(self) -> str:
         if self.session.autoregressive:
             return "autoregressive (no drafter)"
-        shape = self.session.decoder.shape
-        return f"ReDrafter {shape.describe()} ({self.shape_source})"
+        kind = "lookup only" if self.session.lookup_only else "ReDrafter"
+        return f"{kind} {self.describe(self.session.decoder.shape)} ({self.source()})"
+
+    def lookup_on(self) -> bool:
+        """Whether answers verify lookup beams now (then stats say where accepts came from)."""
+        return not self.session.autoregressive and self.session.decoder.shape.lookup > 0
 
     # -- main loop
 
@@ -444,7 +494,8 @@ class ChatUI:
             sys.stdout.flush()
 
     def report(self, turn: Turn | None) -> None:
-        """The dim line after an answer: speed, tokens/step, beam shape, cache reuse."""
+        """The dim line after an answer: speed, tokens/step, beam shape, cache reuse and, with
+        lookup beams, where the accepted drafts came from."""
         if turn is None or turn.stats is None:
             return
         stats = turn.stats
@@ -454,11 +505,15 @@ class ChatUI:
             self.note(
                 "context full: the answer was cut; older turns are dropped next time", "yellow"
             )
-        self.note(
+        line = (
             f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
             f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
+        if self.lookup_on():  # what the lookup beams add, next to the drafter's share
+            drafted = self.session.decoder.drafted
+            line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
+        self.note(line)
 
     # -- commands
 
@@ -488,10 +543,25 @@ class ChatUI:
     def cmd_beam(self, arg: str) -> None:
         current = self.session.decoder.shape
         shape = parse_beam(arg, current.min_prob, current.search_width)
+        shape = replace(shape, lookup=current.lookup)  # /lookup sets K, /beam the rest
         self.session.set_shape(shape)
         self.shape_source = "/beam"
-        extra = " (ignored: --autoregressive)" if self.session.autoregressive else ""
-        self.note(f"beam shape {shape.describe()}{extra}")
+        self.note(f"beam shape {self.describe(shape)}{self.shape_note()}")
+
+    def cmd_lookup(self, arg: str) -> None:
+        shape = replace(self.session.decoder.shape, lookup=parse_lookup(arg))
+        self.session.set_shape(shape)  # a lookup-only session refuses K = 0
+        self.lookup_by_command = True
+        state = f"{shape.lookup} per step" if shape.lookup else "off"
+        self.note(f"lookup beams {state} · beam shape {self.describe(shape)}{self.shape_note()}")
+
+    def shape_note(self) -> str:
+        """What a shape change means for this session, if anything beyond the shape."""
+        if self.session.autoregressive:
+            return " (ignored: --autoregressive)"
+        if self.session.lookup_only:
+            return " (no drafter: W, P and S are unused)"
+        return ""
 
     def cmd_temp(self, arg: str) -> None:
         temp = parse_temp(arg)
@@ -499,13 +569,16 @@ class ChatUI:
         self.note(f"temperature {temp:g}" + (" (greedy)" if temp == 0 else ""))
         if self.shape_source != "/beam" and not self.session.autoregressive:
             # greedy and sampling may have their own autotune profiles
+            current = self.session.decoder.shape
             shape, source = resolve_shape(
                 self.runtime, overrides=self.options.shape_overrides, sampling=temp > 0
             )
-            if (shape, source) != (self.session.decoder.shape, self.shape_source):
+            # profiles hold no lookup beams: K stays the session's (--lookup or /lookup)
+            shape = replace(shape, lookup=current.lookup)
+            if (shape, source) != (current, self.shape_source):
                 self.session.set_shape(shape)
                 self.shape_source = source
-                self.note(f"beam shape {shape.describe()} ({source})")
+                self.note(f"beam shape {self.describe(shape)} ({self.source()})")
 
     def cmd_system(self, arg: str) -> None:
         if not arg:
@@ -541,6 +614,10 @@ class ChatUI:
             f"tokens/step {totals.tokens_per_step:.2f} · histogram (tokens per step: steps) "
             + (", ".join(f"{k}: {n}" for k, n in sorted(totals.histogram.items())) or "none"),
         ]
+        counts = totals.accepted_from
+        if self.lookup_on() or counts["lookup"] or counts["both"]:
+            sources = accepted_sources(counts, self.session.decoder.drafted)
+            lines.append(f"accepted drafted tokens by source: {sources}")
         lines.append(self.speedup_line(totals))
         for line in lines:
             self.info.print(escape(line))
@@ -557,9 +634,10 @@ class ChatUI:
         except ContextFull:
             return "speedup: not measured (the context is full)"
         ratio = step / single
+        kind = "lookup" if self.session.lookup_only else "ReDrafter"
         return (
             f"speedup estimate {totals.tokens_per_step / ratio:.2f}x = tokens/step "
-            f"{totals.tokens_per_step:.2f} ÷ step cost ratio {ratio:.2f} (a ReDrafter step "
+            f"{totals.tokens_per_step:.2f} ÷ step cost ratio {ratio:.2f} (a {kind} step "
             f"{step * 1e3:.1f} ms vs a one-token step {single * 1e3:.1f} ms, both timed now; "
             f"in the answers a step took {totals.seconds_per_step * 1e3:.1f} ms, terminal "
             f"output included)"
@@ -603,7 +681,9 @@ def main(args: argparse.Namespace) -> None:
     ctrl_c = CtrlC()
     ctrl_c.install()
     sys.stdin.reconfigure(errors="surrogateescape")  # a bad byte is one error line: check_text
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not args.autoregressive)
+    # with lookup beams a model without a drafter still speculates: with those beams alone
+    need_drafter = not args.autoregressive and not args.lookup
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=need_drafter)
     overrides = flags.shape_overrides(args)
     shape, source = resolve_shape(runtime, overrides=overrides, sampling=args.temp > 0)
     decoder = rt.make_decoder(
