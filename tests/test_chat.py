@@ -621,17 +621,23 @@ def test_lookup_command_sets_k_keeps_the_rest_and_refuses_bad_values(target, cap
     assert "/lookup  K: prompt-lookup beams" in capsys.readouterr().err
 
 
-def test_a_temperature_change_keeps_the_lookup_beams(target, capsys):
-    """/temp may switch to another profile's shape; profiles hold no K, so K stays."""
-    from redrafter_mlx.backend.plan import default_shape
+def test_a_temperature_change_keeps_the_lookup_beams_of_the_lookup_command(target, monkeypatch):
+    """/temp switches to the sampling profile's shape, K included, unless /lookup chose K."""
+    from redrafter_mlx.cli import chat as C
 
+    profiles = {False: BeamShape(2, 4, lookup=1), True: BeamShape(3, 4, lookup=4)}
+    monkeypatch.setattr(
+        C, "resolve_shape", lambda runtime, overrides, sampling: (profiles[sampling], "profile")
+    )
     beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
-    chat = session(target, beam, max_tokens=6)  # W=2 L=3: not the default shape
-    ui = chat_ui(chat)
-    ui.run_command(Command("lookup", "3"))
+    chat = session(target, beam, max_tokens=6)
+    ui = chat_ui(chat, "profile")
     ui.run_command(Command("temp", "0.5"))
-    assert chat.decoder.shape == replace(default_shape(), lookup=3)
-    assert ui.mode().endswith("lookup 3 (default + /lookup)")
+    assert chat.decoder.shape == profiles[True]  # the sampling profile's K
+    ui.run_command(Command("lookup", "2"))
+    ui.run_command(Command("temp", "0"))
+    assert chat.decoder.shape == replace(profiles[False], lookup=2)  # K stays /lookup's
+    assert ui.mode() == "ReDrafter W=2 L=4 lookup 2 (profile + /lookup)"
 
 
 @pytest.mark.parametrize("with_drafter", [True, False])

@@ -573,8 +573,8 @@ class ChatUI:
             shape, source = resolve_shape(
                 self.runtime, overrides=self.options.shape_overrides, sampling=temp > 0
             )
-            # profiles hold no lookup beams: K stays the session's (--lookup or /lookup)
-            shape = replace(shape, lookup=current.lookup)
+            if self.lookup_by_command:  # K chosen by /lookup: a profile's K must not undo it
+                shape = replace(shape, lookup=current.lookup)
             if (shape, source) != (current, self.shape_source):
                 self.session.set_shape(shape)
                 self.shape_source = source
