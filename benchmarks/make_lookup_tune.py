@@ -17,7 +17,11 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("README.md", "benchmarks/README.md", "weights/smollm2-135m-instruct-drafter/PROVENANCE.md")
+SOURCES = (
+    "README.md",
+    "benchmarks/README.md",
+    "weights/smollm2-135m-instruct-drafter/PROVENANCE.md",
+)
 OUT = ROOT / "benchmarks" / "data" / "lookup_tune.jsonl"
 WORDS = 300  # passage length (Spec-Bench's summarisation and RAG passages: 150-1000 words)
 QUESTIONS = (

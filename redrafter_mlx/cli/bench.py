@@ -284,14 +284,14 @@ def main(args: argparse.Namespace) -> None:
     if runtime.drafter is None:
         Console(stderr=True).print("note: no drafter for this model: lookup beams alone")
     console = Console(stderr=True)
-    if short := sum(len(c) < args.turns for c in conversations):
+    if short := sum(len(turns) < args.turns for turns in cfg.conversations):
         console.print(
             f"note: {short} of {len(conversations)} conversations have fewer than {args.turns} "
             "user turns; they run with the turns they have"
         )
     if args.num_prompts and len(conversations) < args.num_prompts:
         console.print(f"note: {args.prompts or MT_BENCH} holds {len(conversations)} conversations")
-    cases = sum(len(c) for c in conversations)
+    cases = sum(len(turns) for turns in cfg.conversations)
     total = cases * args.repetitions * len(bench_methods(cfg.shapes, drafter=cfg.drafter)) + 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=total)

@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import numpy as np
 
-MAX_NGRAM = 3  # the longest n-gram matched (benchmarks/README.md: "prompt lookup")
+# The n-grams matched, longest first (chosen on the tuning split: benchmarks/README.md,
+# "prompt-lookup beams"); a 1-gram match proposes a beam on the strength of one token.
+MAX_NGRAM = 3
+MIN_NGRAM = 1
 
 
 class NgramIndex:
     """Where each n-gram of a growing token history ended, oldest first."""
 
-    def __init__(self, tokens: list[int] = (), max_ngram: int = MAX_NGRAM):
-        if max_ngram < 1:
-            raise ValueError(f"max n-gram {max_ngram}: need at least 1")
-        self.max_ngram = max_ngram
+    def __init__(
+        self, tokens: list[int] = (), max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM
+    ):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-grams {min_ngram}..{max_ngram}: need 1 <= min <= max")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram)]
         self.extend(tokens)
@@ -57,13 +62,14 @@ class NgramIndex:
         """Up to ``count`` distinct beams ``(k, length)`` int32 for the history followed by
         ``pending``: column 0 is ``pending``, the rest the tokens that followed the most recent
         earlier occurrences of the history's last n tokens (``pending`` included), for n from
-        ``max_ngram`` down to 1. A match close to the end of the history continues with its
-        own copy (a repeating span keeps repeating). ``(0, length)`` when nothing matches."""
+        ``max_ngram`` down to ``min_ngram``. A match close to the end of the history continues
+        with its own copy (a repeating span keeps repeating). ``(0, length)`` when nothing
+        matches."""
         beams: dict[tuple[int, ...], None] = {}
         if count < 1 or length < 2:
             return np.zeros((0, max(length, 1)), np.int32)
         history = self.tokens + [int(pending)]
-        for n in range(min(self.max_ngram, len(history)), 0, -1):
+        for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
             ends = self._ends[n - 1].get(tuple(history[-n:]), ())
             for end in reversed(ends):  # most recent first
                 beams.setdefault(_continuation(history, end, length - 1), None)
