@@ -369,6 +369,18 @@ def test_sampling_matches_target_distribution(temp, top_p, width, search):
     sampler = make_sampler(temp, top_p=top_p)
     filt = (lambda x: apply_top_p(x, top_p)) if top_p else (lambda x: x)
     prompt = [1, 2, 3]
+    probs = first_three_token_probs(model, filt, temp, prompt)
+    mx.random.seed(11)
+    runs = 1500
+    counts = np.zeros((3, VOCAB))
+    for _ in range(runs):
+        tokens, _ = speculative(model, bd, prompt, 3, width, 3, sampler, search_width=search)
+        counts[np.arange(3), tokens] += 1
+    assert_drawn_from(counts, probs, runs)
+
+
+def first_three_token_probs(model, filt, temp, prompt) -> list[np.ndarray]:
+    """The target's marginal distributions of the 1st, 2nd and 3rd token after ``prompt``."""
     p1 = _target_probs(model, filt, temp, prompt)
     p2_given = [_target_probs(model, filt, temp, prompt + [x]) for x in range(VOCAB)]
     p2 = sum(p1[x] * p2_given[x] for x in range(VOCAB))
@@ -378,19 +390,18 @@ def test_sampling_matches_target_distribution(temp, top_p, width, search):
         for y in range(VOCAB)
         if p1[x] * p2_given[x][y] > 0
     )
-    mx.random.seed(11)
-    runs = 1500
-    counts = np.zeros((3, VOCAB))
-    for _ in range(runs):
-        tokens, _ = speculative(model, bd, prompt, 3, width, 3, sampler, search_width=search)
-        counts[np.arange(3), tokens] += 1
-    for observed, probs in zip(counts, (p1, p2, p3), strict=True):
-        keep = probs * runs >= 5  # pool rare cells so the chi-square approximation holds
+    return [p1, p2, p3]
+
+
+def assert_drawn_from(counts: np.ndarray, probs: list[np.ndarray], runs: int) -> None:
+    """Chi-square test of each position's token counts ``counts (3, V)`` against ``probs``."""
+    for observed, expected in zip(counts, probs, strict=True):
+        keep = expected * runs >= 5  # pool rare cells so the chi-square approximation holds
         obs = np.append(observed[keep], observed[~keep].sum())
-        exp = np.append(probs[keep], probs[~keep].sum()) * runs
+        exp = np.append(expected[keep], expected[~keep].sum()) * runs
         obs, exp = obs[exp > 0], exp[exp > 0]
         exp = exp / exp.sum() * obs.sum()  # float rounding of the probabilities
-        assert observed[probs == 0].sum() == 0  # top-p never lets a filtered token through
+        assert observed[expected == 0].sum() == 0  # top-p never lets a filtered token through
         assert chisquare(obs, exp).pvalue > 1e-3
 
 

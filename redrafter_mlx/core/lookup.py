@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-# The n-grams matched, longest first (chosen on the tuning split: benchmarks/README.md,
-# "prompt-lookup beams"); a 1-gram match proposes a beam on the strength of one token.
+# The n-grams matched, longest first. Not single tokens: a 1-gram match proposes a beam on the
+# strength of one token, and verifying those cost more than they gained on the tuning split
+# (benchmarks/README.md, "prompt-lookup beams").
 MAX_NGRAM = 3
-MIN_NGRAM = 1
+MIN_NGRAM = 2
 
 
 class NgramIndex:
