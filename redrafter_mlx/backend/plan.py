@@ -16,9 +16,10 @@ from redrafter_mlx.core.shape import BeamShape
 # Each choice was measured on a 2-core x86 CPU with OpenBLAS (benchmarks/README.md: "verify
 # forward", "verify cost"): 2-3-row projections cost less transposed; RoPE angles per call
 # cost ~40 us each; grouped matmuls beat SDPA's CPU fallback; evaluating every 2 layers
-# overlaps graph building; a 16-row verify costs less than a 9..15-row one; W1 L2 is the
-# fastest shape autotune found here. A drafter pass costs more than a host read here, so a
-# floored search stops early; MLX's CPU float16 matmuls are slow, so the drafter stays float32.
+# overlaps graph building; a 16-row verify costs less than a 9..15-row one; W1 L2 with one
+# prompt-lookup beam is the fastest shape autotune found here (on its held-out prompts, run
+# 67). A drafter pass costs more than a host read here, so a floored search stops early;
+# MLX's CPU float16 matmuls are slow, so the drafter stays float32.
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -29,7 +30,7 @@ CPU_PLAN = Plan(
     prefill_chunk=512,
     draft_early_stop=True,
     drafter_float32=True,
-    default_shape=BeamShape(width=1, length=2),
+    default_shape=BeamShape(width=1, length=2, lookup=1),
 )
 GENERIC_PLAN = Plan()
 
