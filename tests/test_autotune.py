@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -242,14 +243,16 @@ def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
 def test_shape_flags_without_a_profile_fill_in_the_default_shape(runtime):
     d = default_shape()
     assert resolve(shape_args(search_width=8), runtime) == (
-        BeamShape(d.width, d.length, d.min_prob, 8),
+        replace(d, search_width=8),
         "flags + default",
     )
+    assert resolve(shape_args(lookup=3), runtime) == (replace(d, lookup=3), "flags + default")
 
 
 def test_profiles_store_the_search_width_and_older_ones_still_load(tmp_path):
     path = tmp_path / "profiles.json"
     for stored, shape in (
+        ([2, 4, 0.0, 0, 4], BeamShape(2, 4, lookup=4)),  # K lookup beams
         ([4, 5, 0.0, 16], BeamShape(4, 5, 0.0, 16)),
         ([4, 5, 0.2, 4], BeamShape(4, 5, 0.2)),  # S <= W: the plain search
         ([3, 5, 0.2], BeamShape(3, 5, 0.2)),
@@ -331,4 +334,5 @@ def test_a_profile_wider_than_the_draft_vocabulary_is_ignored_with_a_warning(run
     profiles.save_profile(key, {"shape": [vocab + 1, 3], "fingerprint": fp})
     assert resolve(shape_args(), runtime) == (default_shape(), "default")
     assert f"{vocab + 1} beams exceed the drafter's vocabulary" in capsys.readouterr().err
-    assert resolve(shape_args(width=2), runtime) == (BeamShape(2, 2), "flags + default")
+    wider = replace(default_shape(), width=2)
+    assert resolve(shape_args(width=2), runtime) == (wider, "flags + default")

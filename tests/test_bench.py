@@ -211,20 +211,24 @@ def test_mt_bench_is_the_default():
 
 
 def test_grid_flags(runtime):
-    args = bench.setup_arg_parser().parse_args(["--beam-width", "1,2", "--beam-length", "3,4,5"])
-    shapes = bench.shapes_from_args(args, runtime)
-    assert shapes == [BeamShape(w, n) for w in (1, 2) for n in (3, 4, 5)]
-    args = bench.setup_arg_parser().parse_args(["--beam-length", "3", "--min-prob", "0,0.3"])
-    assert bench.shapes_from_args(args, runtime) == [BeamShape(1, 3), BeamShape(1, 3, 0.3)]
-    args = bench.setup_arg_parser().parse_args(
-        ["--beam-width", "1,4", "--beam-length", "5", "--search-width", "1,4,16"]
-    )
-    assert bench.shapes_from_args(args, runtime) == [  # S <= W is the plain search, once
-        BeamShape(1, 5),
-        BeamShape(1, 5, search_width=4),
-        BeamShape(1, 5, search_width=16),
-        BeamShape(4, 5),
-        BeamShape(4, 5, search_width=16),
+    k = default_shape().lookup  # the flags not given come from the default shape
+
+    def grid(argv):
+        return bench.shapes_from_args(bench.setup_arg_parser().parse_args(argv), runtime)
+
+    assert grid(["--beam-width", "1,2", "--beam-length", "3,4,5"]) == [
+        BeamShape(w, n, lookup=k) for w in (1, 2) for n in (3, 4, 5)
+    ]
+    assert grid(["--beam-length", "3", "--min-prob", "0,0.3"]) == [
+        BeamShape(1, 3, lookup=k),
+        BeamShape(1, 3, 0.3, lookup=k),
+    ]
+    assert grid(["--beam-width", "1,4", "--beam-length", "5", "--search-width", "1,4,16"]) == [
+        BeamShape(1, 5, lookup=k),  # S <= W is the plain search, once
+        BeamShape(1, 5, search_width=4, lookup=k),
+        BeamShape(1, 5, search_width=16, lookup=k),
+        BeamShape(4, 5, lookup=k),
+        BeamShape(4, 5, search_width=16, lookup=k),
     ]
     for bad in (["--beam-width", "1,x"], ["--min-prob", "0,x"]):
         with pytest.raises(SystemExit):
@@ -282,7 +286,8 @@ def test_lookup_rows_per_category_and_the_sources_of_accepted_tokens(runtime, tm
 
 def test_lookup_flags_make_the_grid_and_sources_read_as_percentages(runtime):
     args = bench.setup_arg_parser().parse_args(["--beam-width", "2", "--lookup", "0,4"])
-    width_two = [BeamShape(2, default_shape().length, lookup=k) for k in (0, 4)]
+    d = default_shape()
+    width_two = [BeamShape(2, d.length, d.min_prob, d.search_width, k) for k in (0, 4)]
     assert bench.shapes_from_args(args, runtime) == width_two
     args = bench.setup_arg_parser().parse_args(["--lookup", "4"])
     assert {s.lookup for s in bench.shapes_from_args(args, runtime)} == {4}
