@@ -193,7 +193,18 @@ def test_requests_are_checked_field_by_field():
 
 # ---------------------------------------------------------------- the real server (slow)
 
-SHAPE = ["--beam-width", "1", "--beam-length", "3", "--min-prob", "0", "--search-width", "1"]
+SHAPE = [
+    "--beam-width",
+    "1",
+    "--beam-length",
+    "3",
+    "--min-prob",
+    "0",
+    "--search-width",
+    "1",
+    "--lookup",
+    "0",
+]
 QUEUE_SIZE = 4
 MODEL = "smollm2-135m-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -326,7 +337,9 @@ def test_usage_carries_the_redrafter_block(server):
     assert usage["total_tokens"] == usage["prompt_tokens"] + 20
     block = usage["redrafter"]
     assert block["mode"] == "redrafter" and block["shape_source"] == "flags"
-    assert (block["beam_width"], block["beam_length"]) == (1, 3)
+    assert (block["beam_width"], block["beam_length"], block["lookup"]) == (1, 3, 0)
+    assert set(block["accepted_from"]) == {"drafter", "lookup", "both"}
+    assert sum(block["accepted_from"].values()) == block["accepted_tokens"]
     histogram = {int(k): n for k, n in block["accept_histogram"].items()}
     steps = block["steps"]
     assert sum(histogram.values()) == steps > 0

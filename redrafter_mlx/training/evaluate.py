@@ -40,6 +40,7 @@ from redrafter_mlx.core.decode import Decoder, Step, _source
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
 from redrafter_mlx.core.drafter import Drafter
 from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.generate import SOURCES
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.stops import through_stop
@@ -47,7 +48,6 @@ from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template
 
 PATH_SHAPE = (2, 5)  # beam shape of the real loop that decodes greedy paths for simulate_grid
-SOURCES = ("drafter", "lookup", "both")  # where a step's accepted drafts came from (Step)
 NO_TOKEN = -2  # pads lookup beams: equals no token and no past-the-path choice (-1)
 
 Progress = Callable[[int], None]  # called with the number of (prompt, shape) runs just done
