@@ -281,9 +281,9 @@ def main(args: argparse.Namespace) -> None:
         categories=categories if any(categories) else None,
         drafter=runtime.drafter is not None,
     )
-    if runtime.drafter is None:
-        Console(stderr=True).print("note: no drafter for this model: lookup beams alone")
     console = Console(stderr=True)
+    if runtime.drafter is None:
+        console.print("note: no drafter for this model: lookup beams alone")
     if short := sum(len(turns) < args.turns for turns in cfg.conversations):
         console.print(
             f"note: {short} of {len(conversations)} conversations have fewer than {args.turns} "
