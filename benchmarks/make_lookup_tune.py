@@ -6,6 +6,8 @@ where lookup matters, built from this repository's own prose (README.md, benchma
 the drafter's PROVENANCE.md): "Summarize: <passage>" (as Spec-Bench's summarisation prompts),
 "<passage>\\n<question>" (as its RAG prompts), and a few short open questions (as MT-Bench) so
 the pick is not only for document tasks. Deterministic: the same files give the same prompts.
+The committed file (what runs 64-65 tuned on) is what those files gave at commit 3a2418f,
+which added it; the README has changed since, so rerunning now writes other passages.
 
     python benchmarks/make_lookup_tune.py
 """
