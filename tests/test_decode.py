@@ -169,16 +169,23 @@ def test_near_the_context_end_redrafter_stops_where_plain_decoding_does(
     """The last steps verify shorter beams, so the answer runs exactly as far as the
     autoregressive one before ContextFull (whole trees used to stop it up to W * L early)."""
     limit = len(PROMPT) + 30
+    plain, speculative = answers_to_the_context_end(target, beam_drafter, shape, PROMPT, limit)
+    assert plain == speculative and plain[1] == limit
+
+
+def answers_to_the_context_end(model, drafter, shape, prompt, limit):
+    """``(tokens, cache length)`` of the autoregressive and the speculative answer, each run
+    until ContextFull at a ``limit``-token context."""
     answers = []
     for speculative in (False, True):
-        decoder = Decoder(target, GREEDY, beam_drafter, shape, limit)
+        decoder = Decoder(model, GREEDY, drafter, shape, limit)
         cache, out = decoder.new_cache(), []
-        steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, PROMPT)
+        steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, prompt)
         with pytest.raises(ContextFull):
             for step in steps:
                 out += step.tokens
         answers.append((out, cache.offset))
-    assert answers[0] == answers[1] and answers[0][1] == limit
+    return answers
 
 
 def test_early_stopped_drafts_count_their_reads(target, beam_drafter):

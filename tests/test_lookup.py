@@ -16,6 +16,7 @@ from test_decode import (
     PADDED,
     VOCAB,
     _target_probs,
+    answers_to_the_context_end,
     assert_drawn_from,
     autoregressive,
     first_three_token_probs,
@@ -28,7 +29,6 @@ from redrafter_mlx.core.accept import greedy
 from redrafter_mlx.core.decode import Decoder, _source
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
@@ -180,17 +180,10 @@ def test_one_host_read_per_step_with_lookup_beams(small, with_drafter, monkeypat
 def test_lookup_beams_stop_at_the_context_end_where_plain_decoding_does(small, with_drafter):
     model, drafter = small
     prompt, limit = [1, 2, 3], 3 + 30
-    answers = []
-    for speculative in (False, True):
-        shape = BeamShape(2, 5, lookup=3)
-        decoder = Decoder(model, greedy, drafter if with_drafter else None, shape, limit)
-        cache, out = decoder.new_cache(), []
-        steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, prompt)
-        with pytest.raises(ContextFull):
-            for step in steps:
-                out += step.tokens
-        answers.append((out, cache.offset))
-    assert answers[0] == answers[1] and answers[0][1] == limit
+    shape = BeamShape(2, 5, lookup=3)
+    beams = drafter if with_drafter else None
+    plain, speculative = answers_to_the_context_end(model, beams, shape, prompt, limit)
+    assert plain == speculative and plain[1] == limit
 
 
 @pytest.mark.parametrize("with_drafter", [True, False])
