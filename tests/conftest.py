@@ -96,3 +96,84 @@ def toy_tokenizer():
         "{% if add_generation_prompt %}w4{% endif %}"
     )
     return TokenizerWrapper(hf)
+
+
+_VERIFIERS: dict = {}  # built once per (model, drafter, plan, context): forwards compile once
+
+
+def verifier_for(model, drafter=None, plan=None, max_context=None):
+    """The :class:`Verifier` of ``model`` and ``drafter`` on ``plan`` (default: generic),
+    shared by the tests that ask for the same one (the key's objects are kept alive)."""
+    from redrafter_mlx.backend.plan import GENERIC_PLAN, build_verifier
+
+    plan = GENERIC_PLAN if plan is None else plan
+    key = (id(model), id(drafter), plan, max_context)
+    if key not in _VERIFIERS:
+        built = build_verifier(model, drafter, plan=plan, max_context=max_context)
+        _VERIFIERS[key] = (model, drafter, built)
+    return _VERIFIERS[key][2]
+
+
+def decoding_of(drafter=None, shape=None, sampler=None, *, autoregressive=False):
+    """The :class:`Decoding` of a run with ``drafter`` (or None) at ``shape``."""
+    from redrafter_mlx.core.accept import greedy
+    from redrafter_mlx.core.decode import Decoding
+    from redrafter_mlx.core.mode import Mode
+    from redrafter_mlx.core.shape import BeamShape
+
+    shape = BeamShape() if shape is None else shape
+    autoregressive = autoregressive or (drafter is None and not shape.lookup)
+    mode = Mode.choose(drafter=drafter is not None, shape=shape, autoregressive=autoregressive)
+    return Decoding(mode, shape, greedy if sampler is None else sampler)
+
+
+def run_steps(
+    model,
+    prompt,
+    drafter=None,
+    shape=None,
+    sampler=None,
+    *,
+    plan=None,
+    max_context=None,
+    cache=None,
+    autoregressive=False,
+):
+    """The decode loop's steps (the prefill's first token first) for ``prompt``."""
+    from redrafter_mlx.core.generate import decode_steps
+
+    verifier = verifier_for(model, drafter, plan, max_context)
+    decoding = decoding_of(drafter, shape, sampler, autoregressive=autoregressive)
+    cache = verifier.new_cache() if cache is None else cache
+    return decode_steps(verifier, cache, prompt, decoding)
+
+
+def make_runtime(model, tokenizer, config, drafter=None, model_id="tiny", drafter_id=None):
+    """A :class:`Runtime` as ``load_runtime`` builds it, over an in-memory model."""
+    from redrafter_mlx.backend.plan import build_verifier
+    from redrafter_mlx.io.runtime import Runtime
+
+    verifier = build_verifier(model, drafter, max_context=config.get("max_position_embeddings"))
+    return Runtime(verifier.model, tokenizer, config, drafter, model_id, drafter_id, verifier)
+
+
+def chat_session(
+    model,
+    drafter=None,
+    shape=None,
+    template=None,
+    *,
+    plan=None,
+    max_context=None,
+    autoregressive=False,
+    **kwargs,
+):
+    """A chat over ``model`` (autoregressive without a drafter unless the shape has lookup
+    beams), warmed up as the command's is."""
+    from redrafter_mlx.cli.chat import ChatSession
+    from redrafter_mlx.core.session import Session
+
+    verifier = verifier_for(model, drafter, plan, max_context)
+    decoding = decoding_of(drafter, shape, autoregressive=autoregressive)
+    tokenizer = kwargs.pop("tokenizer")
+    return ChatSession(Session(verifier, tokenizer, decoding), template, **kwargs)

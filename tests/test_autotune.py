@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import toy_tokenizer
+from conftest import make_runtime, toy_tokenizer
 from rich.console import Console
 
-from redrafter_mlx.backend.plan import default_shape
+from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import autotune
 from redrafter_mlx.cli.flags import shape_overrides
 from redrafter_mlx.core.draft import BeamDrafter
@@ -172,7 +172,7 @@ def runtime(target, drafter, tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()
     (tmp_path / "drafter").mkdir()
     (tmp_path / "drafter" / "model.safetensors").write_bytes(b"weights")
-    return rt.Runtime(
+    return make_runtime(
         target,
         None,
         {},
@@ -200,7 +200,7 @@ def resolve(args, runtime):
 
 
 def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
-    assert resolve(shape_args(), runtime) == (default_shape(), "default")
+    assert resolve(shape_args(), runtime) == (plan_for().default_shape, "default")
     key, fp = profiles.runtime_identity(runtime)
     profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     assert (tmp_path / "cache" / "profiles.json").exists()
@@ -226,7 +226,7 @@ def test_resolve_shape_uses_the_stored_profile(runtime, tmp_path):
 def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
     key, fp = profiles.runtime_identity(runtime)
     sampled = argparse.Namespace(**vars(shape_args()), temp=0.7)
-    assert resolve(sampled, runtime) == (default_shape(), "default")
+    assert resolve(sampled, runtime) == (plan_for().default_shape, "default")
     profiles.save_profile(key, {"shape": [3, 5, 0.3, 0], "fingerprint": fp})
     assert resolve(sampled, runtime) == (BeamShape(3, 5, 0.3), "autotune profile")
     profiles.save_profile(key + profiles.SAMPLING, {"shape": [1, 2], "fingerprint": fp})
@@ -241,7 +241,7 @@ def test_sampling_uses_the_sampling_profile_else_the_greedy_one(runtime):
 
 
 def test_shape_flags_without_a_profile_fill_in_the_default_shape(runtime):
-    d = default_shape()
+    d = plan_for().default_shape
     assert resolve(shape_args(search_width=8), runtime) == (
         replace(d, search_width=8),
         "flags + default",
@@ -266,14 +266,14 @@ def test_retrained_drafter_makes_the_profile_stale(runtime, tmp_path, capsys):
     key, fp = profiles.runtime_identity(runtime)
     profiles.save_profile(key, {"shape": [3, 5], "fingerprint": fp})
     (tmp_path / "drafter" / "model.safetensors").write_bytes(b"retrained weights")
-    assert resolve(shape_args(), runtime) == (default_shape(), "default")
+    assert resolve(shape_args(), runtime) == (plan_for().default_shape, "default")
     assert "stale" in capsys.readouterr().err
 
 
 def test_corrupt_store_never_breaks_resolve_shape(runtime, tmp_path, capsys):
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "profiles.json").write_bytes(b"\xff\x00garbage")
-    assert resolve(shape_args(), runtime) == (default_shape(), "default")
+    assert resolve(shape_args(), runtime) == (plan_for().default_shape, "default")
     assert "warning" in capsys.readouterr().err
 
 
@@ -332,7 +332,7 @@ def test_a_profile_wider_than_the_draft_vocabulary_is_ignored_with_a_warning(run
     key, fp = profiles.runtime_identity(runtime)
     vocab = runtime.drafter.drafter.args.draft_vocab
     profiles.save_profile(key, {"shape": [vocab + 1, 3], "fingerprint": fp})
-    assert resolve(shape_args(), runtime) == (default_shape(), "default")
+    assert resolve(shape_args(), runtime) == (plan_for().default_shape, "default")
     assert f"{vocab + 1} beams exceed the drafter's vocabulary" in capsys.readouterr().err
-    wider = replace(default_shape(), width=2)
+    wider = replace(plan_for().default_shape, width=2)
     assert resolve(shape_args(width=2), runtime) == (wider, "flags + default")

@@ -8,14 +8,13 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import toy_tokenizer
+from conftest import make_runtime, toy_tokenizer
 
-from redrafter_mlx.backend.plan import default_shape
+from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import bench
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.prompts import load_prompts
-from redrafter_mlx.io.runtime import Runtime
 from redrafter_mlx.tuning import measure
 from redrafter_mlx.tuning.measure import BenchConfig, Method, Record, Run
 
@@ -24,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def runtime(target, drafter):
-    return Runtime(
+    return make_runtime(
         target,
         toy_tokenizer(),
         {"max_position_embeddings": 4096},
@@ -211,7 +210,7 @@ def test_mt_bench_is_the_default():
 
 
 def test_grid_flags(runtime):
-    k = default_shape().lookup  # the flags not given come from the default shape
+    k = plan_for().default_shape.lookup  # the flags not given come from the default shape
 
     def grid(argv):
         return bench.shapes_from_args(bench.setup_arg_parser().parse_args(argv), runtime)
@@ -236,7 +235,7 @@ def test_grid_flags(runtime):
     with pytest.raises(SystemExit):  # a floor outside [0, 1)
         bench.shapes_from_args(bench.setup_arg_parser().parse_args(["--min-prob", "1"]), runtime)
     default = bench.shapes_from_args(bench.setup_arg_parser().parse_args([]), runtime)
-    assert default_shape() in default and len(set(default)) == len(default)
+    assert plan_for().default_shape in default and len(set(default)) == len(default)
 
 
 def test_rotation_interleaves():
@@ -286,7 +285,7 @@ def test_lookup_rows_per_category_and_the_sources_of_accepted_tokens(runtime, tm
 
 def test_lookup_flags_make_the_grid_and_sources_read_as_percentages(runtime):
     args = bench.setup_arg_parser().parse_args(["--beam-width", "2", "--lookup", "0,4"])
-    d = default_shape()
+    d = plan_for().default_shape
     width_two = [BeamShape(2, d.length, d.min_prob, d.search_width, k) for k in (0, 4)]
     assert bench.shapes_from_args(args, runtime) == width_two
     args = bench.setup_arg_parser().parse_args(["--lookup", "4"])

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import tiny_llama
+from conftest import chat_session, decoding_of, make_runtime, tiny_llama, verifier_for
 
 from redrafter_mlx.backend import blas
 from redrafter_mlx.cli.chat import (
@@ -32,11 +32,10 @@ from redrafter_mlx.cli.chat import (
 )
 from redrafter_mlx.core.accept import greedy
 from redrafter_mlx.core.cache import common_prefix
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.errors import ContextFull
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,10 +94,8 @@ GREEDY = greedy  # the fast path: argmax of raw logits
 
 
 def session(target, drafter=None, **kwargs) -> ChatSession:
-    shape = BeamShape(2, 3)
-    decoder = Decoder(target, GREEDY, drafter, shape, kwargs.pop("max_context", None))
-    return ChatSession(
-        decoder, ToyTokenizer(), toy_template, autoregressive=drafter is None, **kwargs
+    return chat_session(
+        target, drafter, BeamShape(2, 3), toy_template, tokenizer=ToyTokenizer(), **kwargs
     )
 
 
@@ -108,12 +105,9 @@ def ask(chat: ChatSession, text: str) -> str:
 
 def fresh_answer(target, messages: list[dict], max_tokens: int) -> str:
     """The autoregressive answer for ``messages`` from an empty cache (no reuse)."""
-    decoder = Decoder(target, GREEDY)
     ids = toy_template(messages)
-    responses = stream_steps(
-        decoder, ToyTokenizer(), ids, max_tokens=max_tokens, autoregressive=True
-    )
-    return "".join(r.text for r in responses)
+    chat = Session(verifier_for(target), ToyTokenizer(), decoding_of(), warm=False)
+    return "".join(r.text for r in chat.generate(ids, max_tokens=max_tokens))
 
 
 # ---------------------------------------------------------------- parsing
@@ -217,7 +211,7 @@ def test_second_turn_prefills_only_new_tokens(target):
     first = ask(chat, "hello there")
     assert chat.last.prompt_tokens == len(toy_template(chat.messages[:1]))
     assert chat.last.reused_tokens == 0
-    before = list(chat.cache.ids)
+    before = list(chat.session.cache.ids)
     second = ask(chat, "and again")
     conversation = [
         {"role": "user", "content": "hello there"},
@@ -268,7 +262,7 @@ def test_interrupted_answer_stays_in_history(target):
     shown = next(responses).text + next(responses).text
     responses.close()  # what Ctrl-C does
     assert chat.messages[-1] == {"role": "assistant", "content": shown}
-    assert chat.cache.offset == len(chat.cache.ids)
+    assert chat.session.cache.offset == len(chat.session.cache.ids)
     ask(chat, "next")
     assert chat.last.reused_tokens > 0 and len(chat.messages) == 4
 
@@ -300,7 +294,7 @@ def test_reset_and_system_prompt(target):
     assert chat.last.reused_tokens == 0  # the system prompt comes first: nothing shared
     assert chat.conversation()[0] == {"role": "system", "content": "be brief"}
     chat.reset()
-    assert chat.messages == [] and chat.cache.offset == 0
+    assert chat.messages == [] and chat.session.cache.offset == 0
     ask(chat, "hi")
     assert chat.last.prompt_tokens == len(toy_template(chat.conversation()[:2]))
 
@@ -309,20 +303,19 @@ def test_reset_and_system_prompt(target):
 
 EXPECTED_SCRIPT = """
 import json, sys
-from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.cli.chat import encoder
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.session import Session
 record = json.load(open(sys.argv[1]))
 runtime = rt.load_runtime(None, None, need_drafter=False)
-decoder = rt.make_decoder(runtime, default_shape())
+plain = rt.decoding(runtime, runtime.plan.default_shape, mode=Mode.AUTOREGRESSIVE)
 encode, messages, out = encoder(runtime), record["messages"], []
 for i, m in enumerate(messages):
     if m["role"] == "assistant":
         ids = encode(messages[:i])
-        out.append("".join(r.text for r in stream_steps(
-            decoder, runtime.tokenizer, ids, max_tokens=int(sys.argv[2]), autoregressive=True)))
+        answer = Session(runtime.verifier, runtime.tokenizer, plain, warm=False)
+        out.append("".join(r.text for r in answer.generate(ids, max_tokens=int(sys.argv[2]))))
 print(json.dumps(out))
 """
 
@@ -520,7 +513,7 @@ def test_a_beam_wider_than_the_draft_vocabulary_is_refused_and_nothing_changes(t
     for too_wide in (BeamShape(65, 3), BeamShape(2, 3, search_width=65)):
         with pytest.raises(ValueError, match="65 beams exceed the drafter's vocabulary"):
             chat.set_shape(too_wide)
-    assert chat.decoder.shape == BeamShape(2, 3)
+    assert chat.shape == BeamShape(2, 3)
     assert ask(chat, "def") and chat.messages[-1]["role"] == "assistant"
 
 
@@ -528,9 +521,9 @@ def test_redrafter_chat_drops_old_turns_exactly_when_plain_decoding_does(target)
     """Near the context's end the two modes keep the same history and give the same answers
     (ReDrafter used to reserve W * L tokens more and drop turns earlier)."""
     beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
-    decoders = [Decoder(target, GREEDY, beam, BeamShape(4, 4), 64) for _ in range(2)]
-    fast = ChatSession(decoders[0], ToyTokenizer(), toy_template, max_tokens=8)
-    slow = ChatSession(decoders[1], ToyTokenizer(), toy_template, max_tokens=8, autoregressive=True)
+    options = {"tokenizer": ToyTokenizer(), "max_context": 64, "max_tokens": 8}
+    fast = chat_session(target, beam, BeamShape(4, 4), toy_template, **options)
+    slow = chat_session(target, beam, BeamShape(4, 4), toy_template, autoregressive=True, **options)
     assert fast.room() == slow.room()
     for question in ("one two three", "four five", "six", "seven eight nine ten"):
         assert ask(fast, question) == ask(slow, question)
@@ -586,8 +579,8 @@ def looping():
 
 
 def small_session(model, drafter=None, shape=None, **kwargs) -> ChatSession:
-    decoder = Decoder(model, GREEDY, drafter, shape or BeamShape(2, 4, lookup=3))
-    return ChatSession(decoder, ToyTokenizer(), small_template, **kwargs)
+    shape = shape or BeamShape(2, 4, lookup=3)
+    return chat_session(model, drafter, shape, small_template, tokenizer=ToyTokenizer(), **kwargs)
 
 
 def chat_ui(chat: ChatSession, source: str = "default"):
@@ -603,17 +596,17 @@ def test_lookup_command_sets_k_keeps_the_rest_and_refuses_bad_values(target, cap
     chat.set_shape(BeamShape(2, 3, 0.05, 4))
     ui = chat_ui(chat)
     ui.run_command(Command("lookup", "3"))
-    assert chat.decoder.shape == BeamShape(2, 3, 0.05, 4, lookup=3)
+    assert chat.shape == BeamShape(2, 3, 0.05, 4, lookup=3)
     assert "lookup beams 3 per step" in capsys.readouterr().err
     assert ui.mode() == "ReDrafter W=2 L=3 search 4 min-prob 0.05 lookup 3 (default + /lookup)"
     for bad in ("", "x", "-1", "2 3", "1.5"):
         ui.run_command(Command("lookup", bad))
         assert "usage: /lookup K" in capsys.readouterr().err
-        assert chat.decoder.shape.lookup == 3
+        assert chat.shape.lookup == 3
     ui.run_command(Command("beam", "3 4"))  # /beam keeps K (and the floor, the search)
-    assert chat.decoder.shape == BeamShape(3, 4, 0.05, 4, lookup=3)
+    assert chat.shape == BeamShape(3, 4, 0.05, 4, lookup=3)
     ui.run_command(Command("lookup", "0"))  # with a drafter, 0 turns lookup off
-    assert chat.decoder.shape == BeamShape(3, 4, 0.05, 4)
+    assert chat.shape == BeamShape(3, 4, 0.05, 4)
     assert "lookup beams off" in capsys.readouterr().err
     ui.answer("abc")
     assert "accepted:" not in capsys.readouterr().err  # no lookup beams: no sources
@@ -633,10 +626,10 @@ def test_a_temperature_change_keeps_the_lookup_beams_of_the_lookup_command(targe
     chat = session(target, beam, max_tokens=6)
     ui = chat_ui(chat, "profile")
     ui.run_command(Command("temp", "0.5"))
-    assert chat.decoder.shape == profiles[True]  # the sampling profile's K
+    assert chat.shape == profiles[True]  # the sampling profile's K
     ui.run_command(Command("lookup", "2"))
     ui.run_command(Command("temp", "0"))
-    assert chat.decoder.shape == replace(profiles[False], lookup=2)  # K stays /lookup's
+    assert chat.shape == replace(profiles[False], lookup=2)  # K stays /lookup's
     assert ui.mode() == "ReDrafter W=2 L=4 lookup 2 (profile + /lookup)"
 
 
@@ -651,8 +644,16 @@ def test_lookup_commands_warm_up_what_the_answers_run(traces, with_drafter):
     beam = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
     shape = BeamShape(2, 3, lookup=1)
     # CPU_PLAN: compiled forwards per tree size (the default plan compiles only the drafter)
-    decoder = Decoder(model, GREEDY, beam if with_drafter else None, shape, plan=CPU_PLAN)
-    chat = ChatSession(decoder, ToyTokenizer(), small_template, max_tokens=24)
+    drafter = beam if with_drafter else None
+    chat = chat_session(
+        model,
+        drafter,
+        shape,
+        small_template,
+        plan=CPU_PLAN,
+        tokenizer=ToyTokenizer(),
+        max_tokens=24,
+    )
     ui = chat_ui(chat)
     for command in (Command("lookup", "4"), Command("beam", "1 5"), Command("lookup", "2")):
         ui.run_command(command)
@@ -705,9 +706,9 @@ def test_lookup_only_session_answers_as_autoregressive_and_refuses_k0(looping, c
     assert capsys.readouterr().err.rstrip().endswith(f"· accepted: lookup {accepted}")
     ui.run_command(Command("lookup", "0"))
     assert "no drafter" in capsys.readouterr().err
-    assert fast.decoder.shape == BeamShape(1, 5, lookup=4)  # the old shape stays
+    assert fast.shape == BeamShape(1, 5, lookup=4)  # the old shape stays
     ui.run_command(Command("beam", "2 3"))  # L counts, W does not
-    assert fast.decoder.shape == BeamShape(2, 3, lookup=4)
+    assert fast.shape == BeamShape(2, 3, lookup=4)
     assert "L=3 lookup 4 (no drafter: W, P and S are unused)" in capsys.readouterr().err
     assert ask(fast, "more") == ask(slow, "more")
     ui.run_command(Command("stats"))
@@ -732,7 +733,7 @@ def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch
     def load_runtime(model_path, drafter_path, *, need_drafter):
         if need_drafter:  # what the real one says for a model without a drafter
             raise ConfigError("no drafter for this model: pass --drafter DIR")
-        return rt.Runtime(model, ToyTokenizer(), config, None, "tiny", None)
+        return make_runtime(model, ToyTokenizer(), config)
 
     monkeypatch.setattr(rt, "load_runtime", load_runtime)
     monkeypatch.setattr(rt, "encode_chat", lambda runtime, messages: small_template(messages))

@@ -7,7 +7,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_llama
+from conftest import decoding_of, run_steps, tiny_llama, verifier_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p, make_sampler
@@ -17,13 +17,14 @@ from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
 from redrafter_mlx.core import decode, llm
 from redrafter_mlx.core.accept import choose, greedy
 from redrafter_mlx.core.accept import make_sampler as our_sampler
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter, beam_search, select_paths
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
 from redrafter_mlx.core.tree import verified_size
+from redrafter_mlx.tuning.measure import time_steps
 
 GREEDY = greedy  # the fast path: argmax of raw logits
 PROMPT = [5, 17, 33, 2, 41]
@@ -40,8 +41,7 @@ def take(steps, n):
 
 
 def autoregressive(model, prompt, n):
-    decoder = Decoder(model, GREEDY)
-    return take(decoder.autoregressive(decoder.new_cache(), prompt), n)[0]
+    return take(run_steps(model, prompt), n)[0]
 
 
 PADDED = (4, 8, 16, 32, 64, 128)  # pads most trees: exactness must not depend on padding
@@ -60,8 +60,7 @@ def speculative(
     search_width=0,
 ):
     shape = BeamShape(width, length, min_prob, search_width)
-    decoder = Decoder(model, sampler, drafter, shape, plan=plan)
-    return take(decoder.speculative(decoder.new_cache(), prompt), n)
+    return take(run_steps(model, prompt, drafter, shape, sampler, plan=plan), n)
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +115,8 @@ def test_pruned_trees_are_smaller_and_still_exact():
     expected = autoregressive(model, [1, 2, 3], 64)
     sizes = {}
     for min_prob in (0.0, 0.05, 0.2):
-        decoder = Decoder(model, GREEDY, bd, BeamShape(4, 5, min_prob))
         out, trees = [], []
-        for k, step in enumerate(decoder.speculative(decoder.new_cache(), [1, 2, 3])):
+        for k, step in enumerate(run_steps(model, [1, 2, 3], bd, BeamShape(4, 5, min_prob))):
             out += step.tokens
             trees += [step.tree_size] if k else []
             if len(out) >= 64:
@@ -134,13 +132,13 @@ class OracleDrafter:
     def __init__(self, continuation, vocab):
         self.continuation, self.vocab, self.calls = continuation, vocab, 0
 
-    def __call__(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
+    def search(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
         start = self.calls * length
         beams = np.random.default_rng(self.calls).integers(0, self.vocab, (width, length))
         beams[:, 0] = self.continuation[start]
         beams[self.calls % width] = self.continuation[start : start + length]
         self.calls += 1
-        return mx.array(beams), None
+        return mx.array(beams), None, 0
 
 
 @pytest.mark.parametrize("width,length", [(1, 2), (3, 4), (5, 6), (16, 5)])
@@ -178,9 +176,17 @@ def answers_to_the_context_end(model, drafter, shape, prompt, limit):
     until ContextFull at a ``limit``-token context."""
     answers = []
     for speculative in (False, True):
-        decoder = Decoder(model, GREEDY, drafter, shape, limit)
-        cache, out = decoder.new_cache(), []
-        steps = (decoder.speculative if speculative else decoder.autoregressive)(cache, prompt)
+        verifier = verifier_for(model, drafter, max_context=limit)
+        cache, out = verifier.new_cache(), []
+        steps = run_steps(
+            model,
+            prompt,
+            drafter,
+            shape,
+            max_context=limit,
+            cache=cache,
+            autoregressive=not speculative,
+        )
         with pytest.raises(ContextFull):
             for step in steps:
                 out += step.tokens
@@ -197,8 +203,8 @@ def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
         shape = BeamShape(4, 4, min_prob)
         runs = {}
         for plan in (CPU_PLAN, GENERIC_PLAN):
-            decoder = Decoder(target, GREEDY, beam_drafter, shape, plan=plan)
-            steps = list(itertools.islice(decoder.speculative(decoder.new_cache(), PROMPT), 1, 30))
+            steps = run_steps(target, PROMPT, beam_drafter, shape, plan=plan)
+            steps = list(itertools.islice(steps, 1, 30))
             runs[plan] = steps
         syncs = [step.syncs for step in runs[CPU_PLAN]]
         assert all(1 < s <= most for s in syncs)
@@ -239,15 +245,14 @@ def test_early_stopping_search_is_the_full_search_cut_short(target, drafter):
     pending = mx.array(7)
     for width, length in [(1, 5), (3, 4)]:  # a floor nothing falls below: the full search
         beams, logprobs = bd(context, pending, width=width, length=length)
-        same = bd(context, pending, width=width, length=length, min_prob=1e-12)
-        assert (same[0] == beams).all() and bd.syncs == length - 2
+        same = bd.search(context, pending, width=width, length=length, min_prob=1e-12)
+        assert (same[0] == beams).all() and same[2] == length - 2
         np.testing.assert_allclose(same[1], logprobs, atol=1e-5)
     beams, logprobs = (np.array(a) for a in bd(context, pending, width=1, length=6))
     floor = float(np.exp(logprobs[0, 0])) * 0.999  # depth 1 reaches it, depth 2 does not
-    cut, cut_logprobs = (
-        np.array(a) for a in bd(context, pending, width=1, length=6, min_prob=floor)
-    )
-    assert bd.syncs == 2  # read after depths 1 and 2, stopped
+    cut, cut_logprobs, syncs = bd.search(context, pending, width=1, length=6, min_prob=floor)
+    cut, cut_logprobs = np.array(cut), np.array(cut_logprobs)
+    assert syncs == 2  # read after depths 1 and 2, stopped
     assert (cut[:, :3] == beams[:, :3]).all() and (cut[:, 3:] == -1).all()
     assert np.isneginf(cut_logprobs[:, 2:]).all()
 
@@ -412,14 +417,35 @@ def assert_drawn_from(counts: np.ndarray, probs: list[np.ndarray], runs: int) ->
         assert chisquare(obs, exp).pvalue > 1e-3
 
 
-def test_prompts_run_on_modules_and_only_decode_steps_compile():
+@pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
+def test_a_verifier_leaves_the_callers_model_as_it_was(plan):
+    """The verifier runs a copy (RoPE wrapped, weights fused on the CPU plan) sharing the
+    arrays: the model passed in keeps its modules, its weights and its plain attributes."""
+    from mlx.utils import tree_flatten
+
+    from redrafter_mlx.backend.plan import build_verifier
+
     model = tiny_llama(seed=5)
-    decoder, cache = Decoder(model, GREEDY, plan=CPU_PLAN), llm.make_cache(model)
-    decoder.prefill(cache, [3, 5, 7, 11, 13])  # any prompt length: no kernels built for it
-    assert "_redrafter_compiled" not in model.__dict__
-    steps = decoder.autoregressive(llm.make_cache(model), [3, 5, 7])
-    next(steps), next(steps)  # a one-token decode step runs the compiled halves
-    assert "_redrafter_compiled" in model.__dict__
+    before = {k: id(v) for k, v in tree_flatten(model.parameters())}
+    modules = [id(m) for _, m in model.named_modules()]
+    attributes = dict(vars(model))
+    verifier = build_verifier(model, plan=plan)
+    take(run_steps(model, [3, 5, 7], plan=plan), 8)
+    assert {k: id(v) for k, v in tree_flatten(model.parameters())} == before
+    assert [id(m) for _, m in model.named_modules()] == modules
+    assert vars(model) == attributes
+    assert verifier.model is not model
+
+
+def test_prompts_run_uncompiled_and_only_decode_steps_compile(traces):
+    model = tiny_llama(seed=5)
+    verifier = verifier_for(model, plan=CPU_PLAN)
+    decoding = decoding_of()
+    cache = verifier.new_cache()
+    state, _ = verifier.prefill(cache, [3, 5, 7, 11, 13], decoding)  # any prompt length
+    assert not traces  # no kernels built for the prompt
+    verifier.step(state)  # a one-token decode step runs the compiled halves
+    assert traces
 
 
 @pytest.mark.parametrize("shape", [BeamShape(3, 3), BeamShape(2, 4, 0.05)])
@@ -428,13 +454,13 @@ def test_warm_up_traces_every_tree_size_before_the_answer(traces, shape):
     compile mid-answer runs g++ on the CPU backend, which loses Ctrl-C)."""
     model = tiny_llama(seed=11, vocab=16)  # small vocab: drafts often merge and get accepted
     drafter = BeamDrafter(random_drafter(64, 16, seed=12), model.model.embed_tokens)
-    decoder = Decoder(model, GREEDY, drafter, shape, plan=CPU_PLAN)
-    decoder.warm_up()
+    verifier = verifier_for(model, drafter, CPU_PLAN)
+    verifier.warm_up(decoding_of(drafter, shape))
     warmed = len(traces)
     sizes = set()
     for seed in range(4):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 16, size=5)]
-        steps = decoder.speculative(decoder.new_cache(), prompt)
+        steps = run_steps(model, prompt, drafter, shape, plan=CPU_PLAN)
         for step in itertools.islice(steps, 1, 40):  # after the prefill
             sizes.add(verified_size(step.tree_size, CPU_PLAN.tree_sizes))
     assert len(sizes) >= 2  # the answers did meet several sizes
@@ -465,13 +491,13 @@ def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
     model = tiny_llama(seed=11)
     drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
     shape = BeamShape(16, 4)  # up to 49 nodes: trees beyond the compiled 32 rows
-    decoder = Decoder(model, our_sampler(0.8), drafter, shape)
-    decoder.warm_up()
+    verifier = verifier_for(model, drafter)
+    verifier.warm_up(decoding_of(drafter, shape, our_sampler(0.8)))
     warmed, seen[:] = set(seen), []
     for seed in range(3):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=5)]
-        take(decoder.speculative(decoder.new_cache(), prompt), 24)
-    assert max(seen) > decoder.plan.compiled_max_rows and set(seen) <= warmed
+        take(run_steps(model, prompt, drafter, shape, our_sampler(0.8)), 24)
+    assert max(seen) > verifier.plan.compiled_max_rows and set(seen) <= warmed
 
 
 def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():
@@ -479,11 +505,9 @@ def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():
     drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
 
     def answer(warm: bool) -> list[int]:
-        decoder = Decoder(model, our_sampler(1.0), drafter, BeamShape(2, 3), seed=7)
-        mx.random.seed(7)
-        if warm:
-            decoder.warm_up()
-        return take(decoder.speculative(decoder.new_cache(), PROMPT), 32)[0]
+        decoding = decoding_of(drafter, BeamShape(2, 3), our_sampler(1.0))
+        session = Session(verifier_for(model, drafter), None, decoding, seed=7, warm=warm)
+        return take(session.steps(PROMPT), 32)[0]
 
     assert answer(warm=True) == answer(warm=False)
 
@@ -496,14 +520,14 @@ def test_timing_steps_mid_answer_changes_nothing(temp):
     drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
 
     def answer(timed: bool) -> tuple[list[int], list[int]]:
-        decoder = Decoder(model, our_sampler(temp), drafter, BeamShape(3, 4), seed=7)
-        mx.random.seed(7)
-        cache = decoder.new_cache()
-        steps = decoder.speculative(cache, PROMPT)
+        decoding = decoding_of(drafter, BeamShape(3, 4), our_sampler(temp))
+        session = Session(verifier_for(model, drafter), None, decoding, seed=7, warm=False)
+        cache = session.cache
+        steps = session.steps(PROMPT)
         first, _ = take(steps, 12)
         if timed:
             before = (cache.offset, list(cache.ids))
-            single, step = decoder.time_steps(cache, reps=2)
+            single, step = time_steps(session, reps=2)
             assert 0 < single and 0 < step
             assert (cache.offset, cache.ids) == before
         rest, _ = take(steps, 24)

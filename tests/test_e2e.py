@@ -9,13 +9,13 @@ import sys
 
 import mlx.core as mx
 import pytest
+from conftest import decoding_of, verifier_for
 from mlx_lm.generate import generate_step
 
 from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter, random_drafter
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.embedded import default_drafter_path, default_model_path
 from redrafter_mlx.io.load import load_target
@@ -43,9 +43,10 @@ def chat_ids(tokenizer, text):
 
 
 def generate_tokens(model, tokenizer, ids, n, drafter=None, shape=None):
-    decoder = Decoder(model, GREEDY, drafter, shape or BeamShape(1, 2))
+    decoding = decoding_of(drafter, shape or BeamShape(1, 2), autoregressive=not drafter)
+    session = Session(verifier_for(model, drafter), tokenizer, decoding, warm=False)
     out = []
-    for r in stream_steps(decoder, tokenizer, ids, max_tokens=n, autoregressive=not drafter):
+    for r in session.generate(ids, max_tokens=n):
         out += r.tokens
     return out, r.stats
 

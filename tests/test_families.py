@@ -12,23 +12,21 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import shared_data
+from conftest import run_steps, shared_data
 from families import FAMILIES, build, config, exchanges, model_folder, save
 from mlx_lm.generate import generate_step
 from test_chat import ask, session
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, make_forward
 from redrafter_mlx.cli import main
 from redrafter_mlx.core import llm
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.tree import pack_beams, tree_mask
 from redrafter_mlx.io.load import load_target
-from redrafter_mlx.io.runtime import encode_chat, load_runtime, make_decoder
+from redrafter_mlx.io.runtime import decoding, encode_chat, load_runtime
 
 PLANS = {"generic": GENERIC_PLAN, "cpu": CPU_PLAN}
 PREFIX = [3, 14, 15, 9, 26, 5, 35]  # longer than gemma3_text's test window (5)
@@ -57,16 +55,12 @@ def test_tree_verify_equals_mlx_lm_on_each_path(family, plan):
     n = len(PREFIX)
     llm.forward(model, mx.array(PREFIX), mx.arange(n), llm.chain_mask(0, n), cache)
     cache.commit(PREFIX)
+    forward = make_forward(model, PLANS[plan])
     for _ in range(2):
         beams = random_beams(rng, 4, 5, config(name)["vocab_size"])
         tree = pack_beams(beams)
-        hidden = llm.forward(
-            model,
-            mx.array(tree.tokens),
-            mx.array(n + tree.depths),
-            tree_mask(tree, n),
-            cache,
-            plan=PLANS[plan],
+        hidden = forward(
+            mx.array(tree.tokens), mx.array(n + tree.depths), tree_mask(tree, n), cache
         )
         logits = llm.lm_head(model, hidden)
         for w, d in np.ndindex(*beams.shape):
@@ -92,7 +86,7 @@ class PartOracle:
         self.continuation, self.vocab = continuation, vocab
         self.rng, self.start = np.random.default_rng(seed), 0
 
-    def __call__(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
+    def search(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
         want = np.array(self.continuation[self.start : self.start + length])
         want = np.pad(want, (0, length - len(want)))
         beams = (want + self.rng.integers(1, self.vocab, (width, length))) % self.vocab
@@ -100,7 +94,7 @@ class PartOracle:
         good = int(self.rng.integers(0, length))  # drafted tokens that match
         beams[self.rng.integers(0, width), : good + 1] = want[: good + 1]
         self.start += good + 1
-        return mx.array(beams), None
+        return mx.array(beams), None, 0
 
 
 def test_accepted_paths_equal_mlx_lm_generate(family):
@@ -108,9 +102,8 @@ def test_accepted_paths_equal_mlx_lm_generate(family):
     want = mlx_lm_greedy(model, PREFIX, 40)
     for plan in PLANS.values():
         oracle = PartOracle(want, config(name)["vocab_size"], seed=len(name))
-        decoder = Decoder(model, greedy, oracle, BeamShape(3, 5), plan=plan)
         got, steps = [], 0
-        for step in decoder.speculative(decoder.new_cache(), PREFIX):
+        for step in run_steps(model, PREFIX, oracle, BeamShape(3, 5), plan=plan):
             got, steps = got + step.tokens, steps + 1
             if len(got) >= 40:
                 break
@@ -126,9 +119,8 @@ def test_greedy_redrafter_equals_mlx_lm_generate(family, seed):
     prompt = PREFIX[seed:]
     want = mlx_lm_greedy(model, prompt, 32)
     for plan in PLANS.values():
-        decoder = Decoder(model, greedy, drafter, BeamShape(4, 4), plan=plan)
         got = []
-        for step in decoder.speculative(decoder.new_cache(), prompt):
+        for step in run_steps(model, prompt, drafter, BeamShape(4, 4), plan=plan):
             got += step.tokens
             if len(got) >= 32:
                 break
@@ -172,12 +164,10 @@ def train_flags(model: Path, data: Path, root: Path) -> list[str]:
 
 
 def generated(runtime, prompt: str, shape: BeamShape, *, autoregressive: bool) -> list[int]:
-    decoder = make_decoder(runtime, shape)
+    mode = runtime.mode(shape, autoregressive=autoregressive)
+    session = Session(runtime.verifier, runtime.tokenizer, decoding(runtime, shape, mode=mode))
     ids = encode_chat(runtime, [{"role": "user", "content": prompt}])
-    steps = stream_steps(
-        decoder, runtime.tokenizer, ids, max_tokens=32, autoregressive=autoregressive
-    )
-    return [t for step in steps for t in step.tokens]
+    return [t for step in session.generate(ids, max_tokens=32) for t in step.tokens]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -214,11 +204,9 @@ def quantized_folder(name: str, kind: str, out: Path) -> Path:
     return save(model, cfg, out)
 
 
-def ours(decoder: Decoder, prompt: list[int], n: int, autoregressive: bool = False) -> list[int]:
-    cache = decoder.new_cache()
-    steps = decoder.autoregressive if autoregressive else decoder.speculative
+def ours(model, prompt: list[int], n: int, drafter=None, shape=None, plan=None) -> list[int]:
     got = []
-    for step in steps(cache, prompt):
+    for step in run_steps(model, prompt, drafter, shape, plan=plan):
         got += step.tokens
         if len(got) >= n:
             return got[:n]
@@ -233,11 +221,11 @@ def test_quantized_targets_decode_exactly(name, kind, tmp_path):
     want = mlx_lm_greedy(model, PREFIX, 40)
     hidden, vocab = llm.target_dims(model)
     for plan in PLANS.values():
-        assert ours(Decoder(model, greedy, plan=plan), PREFIX, 40, autoregressive=True) == want
+        assert ours(model, PREFIX, 40, plan=plan) == want
         oracle = PartOracle(want, vocab, seed=3)
-        assert ours(Decoder(model, greedy, oracle, BeamShape(3, 5), plan=plan), PREFIX, 40) == want
+        assert ours(model, PREFIX, 40, oracle, BeamShape(3, 5), plan) == want
         drafter = BeamDrafter(random_drafter(hidden, vocab, seed=2), model.model.embed_tokens)
-        assert ours(Decoder(model, greedy, drafter, BeamShape(4, 3), plan=plan), PREFIX, 40) == want
+        assert ours(model, PREFIX, 40, drafter, BeamShape(4, 3), plan) == want
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,13 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_llama, toy_tokenizer
+from conftest import decoding_of, run_steps, tiny_llama, toy_tokenizer, verifier_for
 
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
 PROMPT = [5, 17, 33, 2, 41]
@@ -25,8 +23,8 @@ def model():
 @pytest.fixture(scope="module")
 def reference(model):
     """The target's own greedy continuation of PROMPT (60 tokens: answers take 40)."""
-    decoder, out = Decoder(model, greedy), []
-    for step in decoder.autoregressive(decoder.new_cache(), PROMPT):
+    out = []
+    for step in run_steps(model, PROMPT):
         out += step.tokens
         if len(out) >= 60:
             return out[:60]
@@ -39,22 +37,18 @@ class Oracle:
     def __init__(self, continuation):
         self.continuation, self.pos = continuation, 0
 
-    def __call__(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
+    def search(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
         beam = self.continuation[self.pos : self.pos + length]
         self.pos += length
-        return mx.array(np.tile(np.array(beam), (width, 1)), dtype=mx.int32), None
+        return mx.array(np.tile(np.array(beam), (width, 1)), dtype=mx.int32), None, 0
 
 
-def answer(decoder, stop_strings, autoregressive=False):
+def answer(model, stop_strings, drafter=None, shape=None):
+    """The answer to PROMPT (autoregressive without a drafter) in a fresh session."""
+    decoding = decoding_of(drafter, shape)
+    session = Session(verifier_for(model, drafter), toy_tokenizer(), decoding, warm=False)
     text, tokens = "", []
-    for response in stream_steps(
-        decoder,
-        toy_tokenizer(),
-        PROMPT,
-        max_tokens=40,
-        autoregressive=autoregressive,
-        stop_strings=stop_strings,
-    ):
+    for response in session.generate(PROMPT, max_tokens=40, stop_strings=stop_strings):
         text += response.text
         tokens += response.tokens
     return text, tokens, response.stats.generation_tokens, response.finish_reason
@@ -65,23 +59,22 @@ def test_stop_strings_cut_redrafter_where_they_cut_the_baseline(model, reference
     """Text, tokens and counts are the same for every grouping of tokens into steps; the text
     stops before the stop string, the tokens at the one that completes it."""
     stop = toy_tokenizer().decode(reference[span[0] : span[1]])
-    baseline = answer(Decoder(model, greedy), (stop,), autoregressive=True)
+    baseline = answer(model, (stop,))
     text, tokens, count, reason = baseline
     assert reason == "stop" and stop not in text and count == len(tokens)
     decode = toy_tokenizer().decode
     assert stop in decode(tokens) and stop not in decode(tokens[:-1])
     random = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
     for drafter, shape in ((Oracle(reference), BeamShape(1, 4)), (random, BeamShape(2, 3))):
-        assert answer(Decoder(model, greedy, drafter, shape), (stop,)) == baseline
+        assert answer(model, (stop,), drafter, shape) == baseline
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back_then_released(model, reference):
     """A stop string that never completes costs nothing: the whole answer comes out."""
     tok = toy_tokenizer()
     never = tok.decode(reference[4:6]) + " w999"  # begins like the answer, never completes
-    full = answer(Decoder(model, greedy), (), autoregressive=True)
-    oracle = Decoder(model, greedy, Oracle(reference), BeamShape(1, 4))
-    assert answer(oracle, (never,)) == full
+    full = answer(model, ())
+    assert answer(model, (never,), Oracle(reference), BeamShape(1, 4)) == full
     assert full[0] == tok.decode(full[1]) and full[3] == "length"
 
 
@@ -92,13 +85,22 @@ def test_stream_generate_yields_mlx_lm_style_responses_token_by_token(model, sha
     carrying the finish reason, and ``from_draft`` set on accepted drafted tokens."""
     import mlx_lm
 
-    from redrafter_mlx.core.generate import stream_generate
+    import redrafter_mlx
 
     tokenizer = toy_tokenizer()
     theirs = list(mlx_lm.stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=24))
     drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
     ours = list(
-        stream_generate(Decoder(model, greedy, drafter, shape), tokenizer, PROMPT, max_tokens=24)
+        redrafter_mlx.stream_generate(
+            model,
+            tokenizer,
+            PROMPT,
+            max_tokens=24,
+            drafter=drafter,
+            beam_width=shape.width,
+            beam_length=shape.length,
+            lookup=0,
+        )
     )
     assert [r.token for r in ours] == [r.token for r in theirs]
     assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)
@@ -111,3 +113,23 @@ def test_stream_generate_yields_mlx_lm_style_responses_token_by_token(model, sha
     fields = {"text", "token", "logprobs", "from_draft", "prompt_tokens", "prompt_tps"}
     fields |= {"generation_tokens", "generation_tps", "peak_memory", "finish_reason"}
     assert fields <= set(vars(ours[0])) and ours[0].prompt_tokens == len(PROMPT)
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_stream_generate_on_a_plain_mlx_lm_model_equals_mlx_lm(model, lookup):
+    """A plain mlx-lm model (no drafter), a text prompt and mlx-lm's own sampler: the same
+    tokens and text as ``mlx_lm.stream_generate``, decoding plainly or with lookup beams."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    import redrafter_mlx
+
+    tokenizer, prompt = toy_tokenizer(), "w5 w17 w33 w2 w41 w5 w17"
+    options = {"max_tokens": 20, "sampler": make_sampler(0.0)}
+    theirs = list(mlx_lm.stream_generate(model, tokenizer, prompt, **options))
+    ours = list(redrafter_mlx.stream_generate(model, tokenizer, prompt, lookup=lookup, **options))
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)
+    assert ours[-1].prompt_tokens == theirs[-1].prompt_tokens
+    text = redrafter_mlx.generate(model, tokenizer, prompt, lookup=lookup, **options)
+    assert text == "".join(r.text for r in theirs)

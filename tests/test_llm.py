@@ -8,14 +8,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import tiny_llama
+from conftest import run_steps, tiny_llama
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from redrafter_mlx.backend.plan import CPU_PLAN
+from redrafter_mlx.backend.fused import attention, rope_tables
+from redrafter_mlx.backend.plan import CPU_PLAN, make_forward
 from redrafter_mlx.core import llm
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.tree import pack_beams, tree_mask
 
@@ -76,9 +76,8 @@ def _mlx_lm_greedy(model, prompt, n):
 
 
 def _ours_greedy(model, prompt, n):
-    decoder = Decoder(model, make_sampler(0.0))
     out = []
-    for step in decoder.autoregressive(decoder.new_cache(), prompt):
+    for step in run_steps(model, prompt, sampler=make_sampler(0.0)):
         out += step.tokens
         if len(out) >= n:
             return out[:n]
@@ -108,6 +107,10 @@ def test_compiled_small_forwards_equal_module_forward(quantized, plan):
     model = tiny_llama(seed=7, tie=True)
     if quantized:
         nn.quantize(model, group_size=32, bits=8)
+    forwards = {
+        rows: make_forward(model, replace(plan, compiled_max_rows=rows))
+        for rows in (plan.compiled_max_rows, 0)
+    }
     rng = np.random.default_rng(7)
     for t in (1, 2, 3, 4, 9):
         tokens = [int(x) for x in rng.integers(0, 64, size=len(PREFIX) + t)]
@@ -116,19 +119,13 @@ def test_compiled_small_forwards_equal_module_forward(quantized, plan):
             _, _, cache = _sequential(model, tokens[: len(PREFIX)])
             cache.commit(tokens[: len(PREFIX)])
             n = len(PREFIX)
-            hidden = llm.forward(
-                model,
-                mx.array(tokens[n:]),
-                mx.arange(n, n + t),
-                llm.chain_mask(n, t),
-                cache,
-                plan=replace(plan, compiled_max_rows=max_rows),
+            hidden = forwards[max_rows](
+                mx.array(tokens[n:]), mx.arange(n, n + t), llm.chain_mask(n, t), cache
             )
             results.append((hidden, cache.keys[1][..., : n + t, :]))
         (got, got_keys), (want, want_keys) = results
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(got_keys, want_keys, atol=1e-4, rtol=1e-4)
-    assert "_redrafter_compiled" in model.__dict__ and "_redrafter_compiled" not in model
 
 
 LLAMA3_ROPE = {
@@ -148,17 +145,17 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
     result is the same as each layer running its RoPE module, bit for bit, for plain and
     llama3-scaled RoPE (traditional RoPE keeps the module)."""
     model = tiny_llama(seed=5, **rope)
-    tables = llm.rope_tables(model.model.layers[0].self_attn, mx.arange(3), mx.float32)
+    tables = rope_tables(model.model.layers[0].self_attn, mx.arange(3), mx.float32)
     assert (tables is None) == bool(rope.get("rope_traditional"))
+    forwards = {flag: make_forward(model, replace(CPU_PLAN, rope_tables=flag)) for flag in (1, 0)}
     for t in (1, 2, 40):  # compiled decode steps and a module-run prompt
         results = []
         for flag in (True, False):
             cache = llm.make_cache(model)
             positions = mx.arange(100, 100 + t)  # after 100 (empty) cached positions
-            cache.offset = 100
+            cache.commit([0] * 100)
             mask = llm.chain_mask(100, t)
-            plan = replace(CPU_PLAN, rope_tables=flag)
-            hidden = llm.forward(model, mx.arange(t) % 64, positions, mask, cache, plan=plan)
+            hidden = forwards[flag](mx.arange(t) % 64, positions, mask, cache)
             results.append((hidden, cache.keys[0][..., 100 : 100 + t, :]))
         (got, got_keys), (want, want_keys) = results
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
@@ -177,21 +174,24 @@ def test_grouped_attention_equals_fused_kernel(t):
         None if t == 1 else mx.array(rng.random((t, 5 + t)) < 0.7) | mx.eye(t, 5 + t, 5, mx.bool_)
     )
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
-    got = llm._attention(queries, keys, values, 0.3, mask, grouped=True)
+    got = attention(queries, keys, values, 0.3, mask, grouped=True)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_fused_projections_keep_module_weights():
-    """The compiled forward stacks q/k/v and gate/up into one matmul each; the modules' own
-    weights (which mlx-lm's forward and prefill use) keep their values and shapes."""
+    """The compiled forward stacks q/k/v and gate/up into one matmul each on its copy of the
+    model; the copy's modules' weights (which its prefill and mlx-lm's forward use) keep their
+    values and shapes, and the model itself is untouched."""
     model = tiny_llama(seed=3)
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    forward = make_forward(model, CPU_PLAN)
     cache = llm.make_cache(model)
     tokens, mask = mx.array([1, 2]), llm.chain_mask(0, 2)
-    mx.eval(llm.forward(model, tokens, mx.arange(2), mask, cache, plan=CPU_PLAN))
-    assert "_redrafter_compiled" in model.__dict__  # the fused path ran
-    after = dict(tree_flatten(model.parameters()))
-    assert after.keys() == before.keys()
-    for name, value in before.items():
-        np.testing.assert_array_equal(after[name], value)
+    mx.eval(forward(tokens, mx.arange(2), mask, cache))
+    for params in (model.parameters(), forward.model.parameters()):
+        after = dict(tree_flatten(params))
+        assert after.keys() == before.keys()
+        for name, value in before.items():
+            np.testing.assert_array_equal(after[name], value)
+    assert _mlx_lm_greedy(forward.model, PREFIX, 16) == _mlx_lm_greedy(model, PREFIX, 16)
     assert _ours_greedy(model, PREFIX, 16) == _mlx_lm_greedy(model, PREFIX, 16)

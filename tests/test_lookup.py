@@ -8,7 +8,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_llama
+from conftest import decoding_of, run_steps, tiny_llama, verifier_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_sampler
@@ -26,13 +26,17 @@ from test_decode import (
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
 from redrafter_mlx.core import decode
 from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder, _source
+from redrafter_mlx.core.decode import Decoding
+from redrafter_mlx.core.decode import accepted_source as _source
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.lookup import NgramIndex
+from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
 from redrafter_mlx.core.tree import verified_size
+from redrafter_mlx.tuning.measure import time_steps
 
 
 def scanned(history, pending: int, count: int, length: int, min_ngram: int, max_ngram: int):
@@ -107,9 +111,8 @@ def repetitive_target():
 
 
 def decode_with(model, drafter, prompt, n, shape, sampler=greedy, plan=GENERIC_PLAN):
-    decoder = Decoder(model, sampler, drafter, shape, plan=plan)
     out, sources, count = [], [], -1
-    for step in decoder.speculative(decoder.new_cache(), prompt):
+    for step in run_steps(model, prompt, drafter, shape, sampler, plan=plan):
         out += step.tokens
         sources.append(step.accepted_from)
         count += 1
@@ -191,12 +194,13 @@ def test_warm_up_traces_every_tree_size_lookup_beams_make(traces, with_drafter):
     model = repetitive_target()  # a fresh model: nothing traced for it yet
     drafter = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
     shape = BeamShape(2, 3, lookup=3)
-    decoder = Decoder(model, greedy, drafter if with_drafter else None, shape, plan=CPU_PLAN)
-    decoder.warm_up()
+    drafter = drafter if with_drafter else None
+    verifier_for(model, drafter, CPU_PLAN).warm_up(decoding_of(drafter, shape))
     warmed, sizes = len(traces), set()
     for seed in range(4):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 8, size=5)]
-        for step in itertools.islice(decoder.speculative(decoder.new_cache(), prompt), 1, 40):
+        steps = run_steps(model, prompt, drafter, shape, plan=CPU_PLAN)
+        for step in itertools.islice(steps, 1, 40):
             sizes.add(verified_size(step.tree_size, CPU_PLAN.tree_sizes))
     assert len(sizes) >= 2
     assert sizes <= set(verified_sizes(shape, CPU_PLAN.tree_sizes, drafted=with_drafter))
@@ -211,21 +215,23 @@ def test_verified_sizes_count_lookup_beams():
 def test_timing_a_lookup_step_leaves_the_index_and_cache_as_they_were(small):
     model, drafter = small
     for beams in (drafter, None):
-        decoder = Decoder(model, greedy, beams, BeamShape(2, 4, lookup=3))
-        cache = decoder.new_cache()
-        steps = decoder.speculative(cache, [1, 2, 3])
+        decoding = decoding_of(beams, BeamShape(2, 4, lookup=3))
+        session = Session(verifier_for(model, beams), None, decoding, warm=False)
+        cache, steps = session.cache, session.steps([1, 2, 3])
         first, _ = take(steps, 12)
         before = (cache.offset, list(cache.ids))
-        assert min(decoder.time_steps(cache, reps=2)) > 0
+        assert min(time_steps(session, reps=2)) > 0
         assert (cache.offset, cache.ids) == before
         assert first + take(steps, 24)[0] == autoregressive(model, [1, 2, 3], 36)
 
 
 def test_without_drafter_or_lookup_there_is_nothing_to_speculate_with(small):
     model, _ = small
-    decoder = Decoder(model, greedy, None, BeamShape(2, 4))
+    verifier = verifier_for(model)
     with pytest.raises(ValueError, match="drafter or lookup"):
-        next(decoder.speculative(decoder.new_cache(), [1, 2]))
+        verifier.prefill(verifier.new_cache(), [1, 2], Decoding(Mode.LOOKUP, BeamShape(2, 4)))
+    with pytest.raises(ValueError, match="no drafter"):
+        Mode.choose(drafter=False, shape=BeamShape(2, 4))
 
 
 @pytest.mark.parametrize("temp,top_p,with_drafter", [(1.0, 0.0, True), (0.7, 0.8, False)])

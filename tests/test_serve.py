@@ -19,15 +19,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import toy_tokenizer
+from conftest import decoding_of, toy_tokenizer, verifier_for
 
 from redrafter_mlx.backend import blas
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ConfigError, ContextFull
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.service import Engine, GenerationService, QueueFull, Request
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +40,9 @@ def tiny_service(target, drafter=None, *, queue_size=4, max_context=None) -> Gen
     beams = None if drafter is None else BeamDrafter(drafter, target.model.embed_tokens)
 
     def setup() -> Engine:
-        decoder = Decoder(target, greedy, beams, shape, max_context)
-        return Engine(decoder, toy_tokenizer(), list, shape, shape, autoregressive=beams is None)
+        verifier = verifier_for(target, beams, max_context=max_context)
+        mode = Mode.REDRAFTER if beams is not None else Mode.AUTOREGRESSIVE
+        return Engine(verifier, toy_tokenizer(), list, mode, shape, shape)
 
     service = GenerationService(setup, queue_size=queue_size)
     service.start()
@@ -51,10 +51,8 @@ def tiny_service(target, drafter=None, *, queue_size=4, max_context=None) -> Gen
 
 def reference_tokens(target, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy autoregressive tokens from an empty cache."""
-    steps = stream_steps(
-        Decoder(target, greedy), toy_tokenizer(), prompt, max_tokens=max_tokens, autoregressive=True
-    )
-    return [t for step in steps for t in step.tokens]
+    session = Session(verifier_for(target), toy_tokenizer(), decoding_of(), warm=False)
+    return [t for step in session.generate(prompt, max_tokens=max_tokens) for t in step.tokens]
 
 
 def run(job) -> tuple[list[int], str | None]:
@@ -282,22 +280,15 @@ def reference():
     from redrafter_mlx.io import runtime as rt
 
     runtime = rt.load_runtime(None, None, need_drafter=False)
-    decoder = rt.make_decoder(runtime, BeamShape(1, 2))
+    plain = rt.decoding(runtime, BeamShape(1, 2), mode=Mode.AUTOREGRESSIVE)
 
     def answer(prompt, max_tokens: int) -> tuple[str, str]:
         if isinstance(prompt, str):
             ids = runtime.tokenizer.encode(prompt)
         else:
             ids = rt.encode_chat(runtime, prompt)
-        steps = list(
-            stream_steps(
-                decoder,
-                runtime.tokenizer,
-                ids,
-                max_tokens=max_tokens,
-                autoregressive=True,
-            )
-        )
+        session = Session(runtime.verifier, runtime.tokenizer, plain, warm=False)
+        steps = list(session.generate(ids, max_tokens=max_tokens))
         return "".join(s.text for s in steps), steps[-1].finish_reason
 
     return answer

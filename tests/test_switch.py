@@ -6,13 +6,12 @@ import os
 
 import numpy as np
 import pytest
-from conftest import tiny_llama
+from conftest import run_steps, tiny_llama
 
 from redrafter_mlx.backend import blas
+from redrafter_mlx.backend.fused import FusedForward
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, plan_for
 from redrafter_mlx.core import llm
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.shape import BeamShape
@@ -30,17 +29,17 @@ def calls(monkeypatch):
 
         return counting
 
-    monkeypatch.setattr(llm, "_llama_forward", counted("llama", llm._llama_forward))
-    monkeypatch.setattr(llm, "_model_forward", counted("generic", llm._model_forward))
+    monkeypatch.setattr(FusedForward, "run", counted("llama", FusedForward.run))
+    monkeypatch.setattr(llm.Forward, "run", counted("generic", llm.Forward.run))
     return counts
 
 
 def decode(plan, steps: int = 12):
     model = tiny_llama(seed=3, vocab=16)
     drafter = BeamDrafter(random_drafter(64, 16, seed=4), model.model.embed_tokens)
-    decoder = Decoder(model, greedy, drafter, BeamShape(3, 4, min_prob=0.05), plan=plan)
+    shape = BeamShape(3, 4, min_prob=0.05)
     out = []
-    for i, step in enumerate(decoder.speculative(decoder.new_cache(), [3, 5, 7, 2])):
+    for i, step in enumerate(run_steps(model, [3, 5, 7, 2], drafter, shape, plan=plan)):
         out.append(step)
         if i == steps:
             return out

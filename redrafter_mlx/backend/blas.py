@@ -149,13 +149,52 @@ def reexec_with_blas() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+_LOADED: list[str] = []  # libraries :func:`preload_in_process` loaded into this process
+
+TOO_LATE = (
+    "MLX was imported before redrafter_mlx, so its CPU backend runs without {missing}: import "
+    "redrafter_mlx first, or start Python with LD_PRELOAD={libraries}"
+)
+
+
+def preload_in_process() -> str | None:
+    """Load :func:`preload_env`'s libraries into this process (``RTLD_GLOBAL``, kernel first)
+    so that MLX, imported afterwards, multiplies with them: what the console script's re-exec
+    does, for a library import. None when done or nothing is missing; a one-line note with the
+    fix when MLX is already loaded (a process cannot change its BLAS after that)."""
+    env = preload_env(dict(os.environ))
+    if env is None:
+        return None
+    present = set(_preload_list(os.environ)) | set(_LOADED)
+    wanted = [p for p in _preload_list(env) if p not in present]
+    if not wanted:
+        return None
+    if "mlx" in sys.modules:
+        kernel_only = all("smallrows" in Path(p).name for p in wanted)
+        missing = "the small-row decode kernel" if kernel_only else "OpenBLAS (much slower)"
+        return TOO_LATE.format(missing=missing, libraries=":".join(_preload_list(env)))
+    # dlopen's RTLD_NEXT does not see libraries loaded after the kernel: tell it by name
+    # where to pass products on (it reads this on its first product)
+    after = [p for p in _preload_list(env) if "smallrows" not in Path(p).name]
+    if env.get(NEXT_ENV) or after:
+        os.environ[NEXT_ENV] = env.get(NEXT_ENV) or after[0]
+    for path in wanted:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            break  # keep what loaded: the kernel needs the BLAS after it, which comes next
+        _LOADED.append(path)
+    return None
+
+
 def _preload_list(env) -> list[str]:
     """``LD_PRELOAD``'s entries (ld.so splits it on spaces and colons)."""
     return [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
 
 
 def _preloaded(marker: str) -> str | None:
-    return next((p for p in _preload_list(os.environ) if marker in Path(p).name), None)
+    paths = _preload_list(os.environ) + _LOADED
+    return next((p for p in paths if marker in Path(p).name), None)
 
 
 def blas_in_use() -> str:

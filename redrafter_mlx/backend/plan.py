@@ -8,8 +8,13 @@ execute, testable on a machine without a GPU.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
+from redrafter_mlx.backend.fused import FusedForward, has_llama_layers
 from redrafter_mlx.backend.switches import cpu_tuning_enabled
+from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.llm import Forward
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
 
@@ -35,14 +40,31 @@ CPU_PLAN = Plan(
 GENERIC_PLAN = Plan()
 
 
-def default_shape() -> BeamShape:
-    """The beam shape where no autotune profile or flag gives one, for where MLX runs now."""
-    return plan_for().default_shape
-
-
 def plan_for(device: mx.Device | None = None) -> Plan:
     """The plan for ``device`` (default: where MLX runs now)."""
     device = mx.default_device() if device is None else device
     if device == mx.cpu and cpu_tuning_enabled():
         return CPU_PLAN
     return GENERIC_PLAN
+
+
+def make_forward(model: nn.Module, plan: Plan = GENERIC_PLAN) -> Forward:
+    """The target's verify forward as ``plan`` runs it, over a copy of ``model`` (``model``
+    itself is left as it was): the fused Llama forward where the plan asks for it and every
+    layer is a plain Llama/Qwen2 block, else the generic one."""
+    if plan.llama_layers and has_llama_layers(model):
+        return FusedForward(model, plan)
+    return Forward(model)
+
+
+def build_verifier(
+    model: nn.Module,
+    drafter: BeamDrafter | None = None,
+    *,
+    plan: Plan | None = None,
+    max_context: int | None = None,
+) -> Verifier:
+    """The :class:`Verifier` of ``model`` (and ``drafter``) with ``plan`` (default: the plan
+    for where MLX runs now), built once: its forward is prepared and compiled here."""
+    plan = plan_for() if plan is None else plan
+    return Verifier(make_forward(model, plan), drafter, plan, max_context)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core import atomic
@@ -239,7 +238,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
     """The grid from flags; without shape flags the short default grid plus the decoder's
     default shape and the autotuned one (each with every ``--lookup`` K given)."""
-    default = default_shape()
+    default = runtime.plan.default_shape
     lookups = args.lookup or [default.lookup]
     if args.beam_width or args.beam_length or args.min_prob or args.search_width:
         widths = args.beam_width or [default.width]

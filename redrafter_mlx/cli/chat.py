@@ -31,18 +31,14 @@ from rich.markup import escape
 from redrafter_mlx.cli import flags
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import write_text
-from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ConfigError, ContextFull
-from redrafter_mlx.core.generate import (
-    SOURCES,
-    GenerationStats,
-    StepResponse,
-    stream_steps,
-    tokens_per_step,
-)
+from redrafter_mlx.core.generate import SOURCES, GenerationStats, StepResponse, tokens_per_step
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text
+from redrafter_mlx.tuning.measure import time_steps
 from redrafter_mlx.tuning.profiles import resolve_shape
 
 EXAMPLES = """examples:
@@ -221,39 +217,40 @@ class Turn:
 
 
 class ChatSession:
-    """A conversation, its KV cache and the decoder; generation is a generator of responses."""
+    """A conversation's messages over a :class:`Session` (its cache, decoding and warm-up)."""
 
     def __init__(
         self,
-        decoder: Decoder,
-        tokenizer,
+        session: Session,
         encode: Encode,
         *,
         max_tokens: int = 256,
-        autoregressive: bool = False,
         system: str | None = None,
     ):
-        self.decoder = decoder
-        self.tokenizer = tokenizer
+        self.session = session
         self.encode = encode
         self.max_tokens = max_tokens
-        self.autoregressive = autoregressive
         self.system = system
         self.messages: list[dict] = []  # user / assistant turns, no system message
-        self.cache = decoder.new_cache()
         self.totals = Totals()
         self.last: Turn | None = None
-        self.warm_up()
 
-    def warm_up(self) -> None:
-        """Compile what answers will run now, so an answer never stops to compile (and lose a
-        Ctrl-C to g++): at the start, and whenever the beam shape or sampler changes."""
-        self.decoder.warm_up(autoregressive=self.autoregressive)
+    @property
+    def mode(self) -> Mode:
+        return self.session.decoding.mode
+
+    @property
+    def shape(self) -> BeamShape:
+        return self.session.decoding.shape
+
+    @property
+    def autoregressive(self) -> bool:
+        return not self.mode.speculative
 
     @property
     def lookup_only(self) -> bool:
         """Whether answers speculate with lookup beams alone (no drafter)."""
-        return not self.autoregressive and not self.decoder.drafted
+        return self.mode is Mode.LOOKUP
 
     def set_shape(self, shape: BeamShape) -> None:
         """Switch to ``shape`` (ValueError, and the shape unchanged, if the drafter can't or,
@@ -262,12 +259,13 @@ class ChatSession:
         if self.lookup_only and not shape.lookup:
             raise ValueError(
                 "no drafter: the lookup beams are all this session speculates with, so it keeps "
-                f"{self.decoder.shape.lookup} (K >= 1; for plain decoding restart with "
+                f"{self.shape.lookup} (K >= 1; for plain decoding restart with "
                 "--autoregressive)"
             )
-        self.decoder.check_shape(shape)
-        self.decoder.shape = shape
-        self.warm_up()
+        self.session.change(shape=shape)
+
+    def set_temperature(self, temp: float, top_p: float = 0.0, top_k: int = 0) -> None:
+        self.session.change(sampler=make_sampler(temp, top_p=top_p, top_k=top_k))
 
     def conversation(self) -> list[dict]:
         """The messages as the template sees them (system prompt first, when set)."""
@@ -277,55 +275,41 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation and the cache (the system prompt stays)."""
         self.messages = []
-        self.cache.rewind(0)
+        self.session.reset()
 
     def room(self) -> int | None:
         """Most tokens a templated conversation may have so that an answer still fits."""
-        context = self.decoder.max_context
+        context = self.session.verifier.max_context
         if context is None:
             return None
         # an answer's last steps verify shorter beams: it needs no more room than plain decoding
         return max(context - min(self.max_tokens, context // 2) - 1, 1)
 
     def prepare(self, user_text: str) -> tuple[list[int], Turn]:
-        """Append the user message (trimming old turns to fit), rewind the cache to the prefix it
-        shares with the new conversation; return the tokens to feed. ContextFull if it can't fit
-        (the conversation is then unchanged)."""
+        """Append the user message (trimming old turns to fit): the whole prompt's token ids and
+        the turn (how much of them the cache holds). ContextFull if it can't fit (the
+        conversation is then unchanged)."""
         asked = self.conversation() + [{"role": "user", "content": user_text}]
         kept, ids, dropped = fit_history(asked, self.encode, self.room())
         self.messages = [m for m in kept if m["role"] != "system"]
-        reused = self.cache.reuse_prefix(ids)
-        prompt = ids[reused:]
-        return prompt, Turn(len(prompt), reused, dropped)
+        fed = len(self.session.prepare(ids))
+        return ids, Turn(fed, len(ids) - fed, dropped)
 
     def reply(self, user_text: str) -> Iterator[StepResponse]:
         """Answer ``user_text``, streaming responses. Closing the generator early (Ctrl-C) keeps
         the partial answer in the conversation. ``self.last`` describes the turn."""
-        prompt, turn = self.prepare(user_text)
+        ids, turn = self.prepare(user_text)
         self.last = turn
         parts: list[str] = []
         try:
-            for response in stream_steps(
-                self.decoder,
-                self.tokenizer,
-                prompt,
-                max_tokens=self.max_tokens,
-                autoregressive=self.autoregressive,
-                cache=self.cache,
-            ):
+            for response in self.session.generate(ids, max_tokens=self.max_tokens):
                 parts.append(response.text)
                 turn.stats, turn.finish_reason = response.stats, response.finish_reason
                 yield response
         finally:
             self.messages.append({"role": "assistant", "content": "".join(parts)})
-            # An interrupt may land between a commit's two updates: keep ids and offset equal.
-            self.cache.rewind(len(self.cache.ids))
             if turn.stats is not None:
                 self.totals.add(turn.stats, turn.reused_tokens)
-
-    def set_temperature(self, temp: float, top_p: float = 0.0, top_k: int = 0) -> None:
-        self.decoder.sampler = make_sampler(temp, top_p=top_p, top_k=top_k)
-        self.warm_up()
 
 
 def save_conversation(path: Path, record: dict) -> None:
@@ -406,12 +390,11 @@ class ChatUI:
     def mode(self) -> str:
         if self.session.autoregressive:
             return "autoregressive (no drafter)"
-        kind = "lookup only" if self.session.lookup_only else "ReDrafter"
-        return f"{kind} {self.describe(self.session.decoder.shape)} ({self.source()})"
+        return f"{self.session.mode.describe(self.session.shape)} ({self.source()})"
 
     def lookup_on(self) -> bool:
         """Whether answers verify lookup beams now (then stats say where accepts came from)."""
-        return not self.session.autoregressive and self.session.decoder.shape.lookup > 0
+        return not self.session.autoregressive and self.session.shape.lookup > 0
 
     # -- main loop
 
@@ -511,7 +494,7 @@ class ChatUI:
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
         if self.lookup_on():  # what the lookup beams add, next to the drafter's share
-            drafted = self.session.decoder.drafted
+            drafted = self.session.mode.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
         self.note(line)
 
@@ -541,7 +524,7 @@ class ChatUI:
         self.note("conversation cleared")
 
     def cmd_beam(self, arg: str) -> None:
-        current = self.session.decoder.shape
+        current = self.session.shape
         shape = parse_beam(arg, current.min_prob, current.search_width)
         shape = replace(shape, lookup=current.lookup)  # /lookup sets K, /beam the rest
         self.session.set_shape(shape)
@@ -549,7 +532,7 @@ class ChatUI:
         self.note(f"beam shape {self.describe(shape)}{self.shape_note()}")
 
     def cmd_lookup(self, arg: str) -> None:
-        shape = replace(self.session.decoder.shape, lookup=parse_lookup(arg))
+        shape = replace(self.session.shape, lookup=parse_lookup(arg))
         self.session.set_shape(shape)  # a lookup-only session refuses K = 0
         self.lookup_by_command = True
         state = f"{shape.lookup} per step" if shape.lookup else "off"
@@ -569,7 +552,7 @@ class ChatUI:
         self.note(f"temperature {temp:g}" + (" (greedy)" if temp == 0 else ""))
         if self.shape_source != "/beam" and not self.session.autoregressive:
             # greedy and sampling may have their own autotune profiles
-            current = self.session.decoder.shape
+            current = self.session.shape
             shape, source = resolve_shape(
                 self.runtime, overrides=self.options.shape_overrides, sampling=temp > 0
             )
@@ -616,7 +599,7 @@ class ChatUI:
         ]
         counts = totals.accepted_from
         if self.lookup_on() or counts["lookup"] or counts["both"]:
-            sources = accepted_sources(counts, self.session.decoder.drafted)
+            sources = accepted_sources(counts, self.session.mode.drafted)
             lines.append(f"accepted drafted tokens by source: {sources}")
         lines.append(self.speedup_line(totals))
         for line in lines:
@@ -630,7 +613,7 @@ class ChatUI:
         if totals.steps == 0:
             return "speedup: no decode steps yet"
         try:
-            single, step = self.session.decoder.time_steps(self.session.cache)
+            single, step = time_steps(self.session.session)
         except ContextFull:
             return "speedup: not measured (the context is full)"
         ratio = step / single
@@ -686,15 +669,14 @@ def main(args: argparse.Namespace) -> None:
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=need_drafter)
     overrides = flags.shape_overrides(args)
     shape, source = resolve_shape(runtime, overrides=overrides, sampling=args.temp > 0)
-    decoder = rt.make_decoder(
-        runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    mode = runtime.mode(shape, autoregressive=args.autoregressive)
+    decoding = rt.decoding(
+        runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
     session = ChatSession(
-        decoder,
-        runtime.tokenizer,
+        Session(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed),
         encoder(runtime),
         max_tokens=args.max_tokens,
-        autoregressive=args.autoregressive,
         system=args.system and check_text(args.system, "--system"),
     )
     interactive = sys.stdin.isatty()

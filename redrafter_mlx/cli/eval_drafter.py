@@ -126,7 +126,9 @@ def main(args: argparse.Namespace) -> None:
         fail(f"{args.prompts}: no prompt of at most --max-prompt-tokens {args.max_prompt_tokens}")
     if not any(c is not None for c in categories):
         categories = None
-    job = ev.Evaluation(model, tokenizer, drafter, prompts, shapes, args.max_tokens, categories)
+    job = ev.Evaluation(
+        model, tokenizer, drafter, prompts, shapes, args.max_tokens, categories, runtime.verifier
+    )
     # the target's greedy paths depend on its weights (folder + files) and dtype
     target_id = f"{args.model} {fingerprint(args.model)} {llm.compute_dtype(model)}"
     try:

@@ -8,7 +8,9 @@ import sys
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
-from redrafter_mlx.core.generate import GenerationStats, stream_steps
+from redrafter_mlx.core.decode import PhaseTimer
+from redrafter_mlx.core.generate import GenerationStats
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text, read_stdin
 from redrafter_mlx.tuning.profiles import resolve_shape
@@ -88,16 +90,11 @@ def main(args: argparse.Namespace) -> None:
         runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
     )
     timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
-    decoder = rt.make_decoder(
-        runtime,
-        shape,
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        timing=timing,
+    mode = runtime.mode(shape, autoregressive=args.autoregressive)
+    decoding = rt.decoding(
+        runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
-    decoder.warm_up(autoregressive=args.autoregressive)  # compile now, not mid-stream
+    session = Session(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
     if args.raw:
         ids = runtime.tokenizer.encode(prompt)
     else:
@@ -105,41 +102,33 @@ def main(args: argparse.Namespace) -> None:
         ids = rt.encode_chat(runtime, messages + [{"role": "user", "content": prompt}])
     if runtime.max_context and len(ids) >= runtime.max_context:
         fail(f"prompt is {len(ids)} tokens; the model's context is {runtime.max_context}")
-    mode = "autoregressive" if args.autoregressive else "redrafter"
-    if not args.autoregressive and runtime.drafter is None:
-        mode = "lookup"  # lookup beams alone: this model has no drafter
     if not args.json:
-        described = shape.describe_lookup_only() if mode == "lookup" else shape.describe()
-        note = "" if args.autoregressive else f" {described} ({source})"
+        note = f" ({source})" if mode.speculative else ""
         if ignored := flags.ignored_when_autoregressive(args):
             note += f" (ignored: {', '.join(ignored)})"
         timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""
-        print(f"[{mode}{note}]{timing_on}", file=sys.stderr)
+        print(f"[{mode.describe(shape)}{note}]{timing_on}", file=sys.stderr)
     text, tokens = [], []
-    for response in stream_steps(
-        decoder,
-        runtime.tokenizer,
-        ids,
-        max_tokens=args.max_tokens,
-        autoregressive=args.autoregressive,
-        stop_strings=tuple(args.stop),
+    timer = PhaseTimer(timing)
+    for response in session.generate(
+        ids, max_tokens=args.max_tokens, stop_strings=tuple(args.stop), timer=timer
     ):
         text.append(response.text)
         tokens.extend(response.tokens)
         if not args.json:
             print(response.text, end="", flush=True)
     stats = response.stats
-    phases = decoder.timer.seconds if timing else None
+    phases = timer.seconds if timing else None
     result = {
         "text": "".join(text),
         "tokens": tokens,
-        "mode": mode,
+        "mode": mode.value,
         "finish_reason": response.finish_reason,
         **stats_dict(stats, phases),
     }
     if timing:
         result["timing_note"] = "phase timing evaluates at phase boundaries (extra syncs)"
-    if not args.autoregressive:
+    if mode.speculative:
         result |= {
             "beam_width": shape.width,
             "beam_length": shape.length,

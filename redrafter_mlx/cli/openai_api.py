@@ -333,7 +333,7 @@ def redrafter_usage(started: Started, stats: GenerationStats, shape_source: str 
     shape = started.shape
     histogram = stats.accept_histogram
     return {
-        "mode": "autoregressive" if shape is None else "redrafter",
+        "mode": started.mode.value,
         "beam_width": None if shape is None else shape.width,
         "beam_length": None if shape is None else shape.length,
         "min_prob": None if shape is None else shape.min_prob,

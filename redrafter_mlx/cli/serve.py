@@ -407,13 +407,12 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
         overrides = flags.shape_overrides(args)
         greedy, greedy_source = resolve_shape(runtime, overrides=overrides, sampling=False)
         sampled, sampled_source = resolve_shape(runtime, overrides=overrides, sampling=True)
-        decoder = rt.make_decoder(runtime, greedy, top_k=args.top_k)  # checks top-k and shape
-        rt.make_decoder(runtime, sampled)
+        mode = runtime.mode(greedy, autoregressive=args.autoregressive)
+        rt.decoding(runtime, greedy, top_k=args.top_k, mode=mode)  # checks top-k and shape
+        rt.decoding(runtime, sampled, mode=mode)
         loaded.runtime = runtime
         loaded.shape_sources = {False: greedy_source, True: sampled_source}
-        return Engine(
-            decoder, runtime.tokenizer, encoder(runtime), greedy, sampled, args.autoregressive
-        )
+        return Engine(runtime.verifier, runtime.tokenizer, encoder(runtime), mode, greedy, sampled)
 
     return setup
 
@@ -481,11 +480,12 @@ def main(args: argparse.Namespace) -> None:
 
 
 def mode(engine: Engine, loaded: Loaded) -> str:
-    """``ReDrafter W=1 L=2 (default), sampling W=1 L=2 (default)``, or autoregressive."""
-    if engine.autoregressive:
+    """``drafter D, greedy ReDrafter W=1 L=2 (default), sampling ... (default)``, lookup
+    beams alone the same way, or autoregressive."""
+    if not engine.mode.speculative:
         return "autoregressive (no drafter)"
-    sources = loaded.shape_sources
+    sources, describe = loaded.shape_sources, engine.mode.describe
     return (
-        f"drafter {loaded.runtime.drafter_id}, greedy {engine.greedy_shape.describe()} "
-        f"({sources[False]}), sampling {engine.sampling_shape.describe()} ({sources[True]})"
+        f"drafter {loaded.runtime.drafter_id or 'none'}, greedy {describe(engine.greedy_shape)} "
+        f"({sources[False]}), sampling {describe(engine.sampling_shape)} ({sources[True]})"
     )

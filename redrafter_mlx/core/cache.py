@@ -20,7 +20,9 @@ GROW_STEP = 256
 class KVCache:
     """K/V for every layer of one sequence; the caller owns it and passes it to ``llm.forward``.
 
-    ``ids`` mirrors the committed token ids on the host so a chat can reuse a shared prefix.
+    ``ids`` mirrors the committed token ids on the host so a chat can reuse a shared prefix;
+    ``offset`` is their count, so the two can never disagree (an interrupt between two updates
+    cannot leave them apart).
     """
 
     def __init__(self, num_layers: int, dtype: mx.Dtype):
@@ -28,8 +30,12 @@ class KVCache:
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.capacity = 0
-        self.offset = 0
         self.ids: list[int] = []
+
+    @property
+    def offset(self) -> int:
+        """Committed tokens: where the next forward writes its K/V."""
+        return len(self.ids)
 
     def reserve(self, num_new: int) -> None:
         """Make room for ``num_new`` tokens after ``offset`` (grows in steps of 256)."""
@@ -76,13 +82,11 @@ class KVCache:
 
     def commit(self, ids: list[int]) -> None:
         """Mark the next ``len(ids)`` written slots (token ids ``ids``) as part of the prefix."""
-        self.offset += len(ids)
-        self.ids.extend(ids)
+        self.ids.extend(ids)  # one update: offset follows
 
     def rewind(self, length: int) -> None:
-        """Drop everything after the first ``length`` committed tokens."""
-        self.offset = min(length, self.offset)
-        del self.ids[self.offset :]
+        """Cut back to the first ``length`` committed tokens: the one way to shorten the prefix."""
+        del self.ids[max(length, 0) :]
 
     def reuse_prefix(self, ids: list[int]) -> int:
         """Rewind to the longest prefix the cache shares with ``ids`` (the token ids of a whole

@@ -164,8 +164,7 @@ class BeamDrafter:
     """A drafter bound to its target's embedding, with beam search compiled per ``(W, L, S)``.
 
     Compiled functions capture the drafter's weights as constants: build a new ``BeamDrafter``
-    after changing them. ``syncs`` is the number of host reads the last call made (0 unless
-    it stopped early on ``min_prob``).
+    after changing them.
     """
 
     def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array]):
@@ -173,9 +172,13 @@ class BeamDrafter:
         self.embed = embed
         self._compiled: dict[tuple[int, int, int], Callable] = {}
         self._expanders: dict[int, Callable] = {}
-        self.syncs = 0
 
-    def __call__(
+    def __call__(self, context: mx.array, pending: mx.array, **options):
+        """:meth:`search`'s beams and log-probs (without its count of host reads)."""
+        beams, token_logprobs, _ = self.search(context, pending, **options)
+        return beams, token_logprobs
+
+    def search(
         self,
         context: mx.array,
         pending: mx.array,
@@ -184,15 +187,15 @@ class BeamDrafter:
         length: int,
         min_prob: float = 0.0,
         search_width: int = 0,
-    ):
+    ) -> tuple[mx.array, mx.array, int]:
         """``context (H,)``, ``pending ()`` -> ``beams (W, L)``, ``token_logprobs (W, L - 1)``,
-        searched with ``max(W, search_width)`` beams (:func:`beam_search`).
+        searched with ``max(W, search_width)`` beams (:func:`beam_search`), and the number of
+        host reads the search made (0 unless it stopped early on ``min_prob``).
 
         With ``min_prob`` > 0 the search stops at the first depth where no beam's path
         probability reaches it (a host read per depth): nothing deeper could reach it either,
         so those positions get token -1 and log-prob -inf instead of costing drafter passes.
         """
-        self.syncs = 0
         kept = max(width, search_width)
         if min_prob > 0:
             return self._search_until(context, pending, width, kept, length, math.log(min_prob))
@@ -211,7 +214,7 @@ class BeamDrafter:
         fn = self._compiled.get((width, length, kept))
         if fn is None:
             fn = self._compiled[(width, length, kept)] = mx.compile(search)
-        return fn(context, pending)
+        return (*fn(context, pending), 0)
 
     def warm_up(
         self,
@@ -226,17 +229,18 @@ class BeamDrafter:
         """Trace this shape's search to its full depth (a floored search may stop early)."""
         kept = max(width, search_width)
         if min_prob > 0:
-            mx.eval(*self._search_until(context, pending, width, kept, length, -math.inf))
+            mx.eval(*self._search_until(context, pending, width, kept, length, -math.inf)[:2])
         else:
             mx.eval(*self(context, pending, width=width, length=length, search_width=kept))
 
     def _search_until(self, context, pending, width: int, kept: int, length: int, floor: float):
         step = self._expander(kept)
         search = start(self.drafter, context, pending, kept)
+        syncs = 0
         for depth in range(1, length):
             search = step(context, *search)
             if depth < length - 1:
-                self.syncs += 1
+                syncs += 1
                 if search[1][0].item() < floor:  # host read: the best path's log-prob
                     break
         beams, _, token_logprobs, _ = search
@@ -247,7 +251,7 @@ class BeamDrafter:
             token_logprobs = mx.concatenate(
                 [token_logprobs, mx.full((rows, missing), -mx.inf, token_logprobs.dtype)], axis=1
             )
-        return narrow(beams, token_logprobs, width)
+        return (*narrow(beams, token_logprobs, width), syncs)
 
     def _expander(self, width: int) -> Callable:
         """One search depth (:func:`expand`), compiled per width (traced per input shape)."""

@@ -28,6 +28,10 @@ class EmbeddedModelError(ReDrafterError, RuntimeError):
     """The embedded default model is not available."""
 
 
+class Cancelled(ReDrafterError, RuntimeError):
+    """The caller asked a generation to stop (its client left) before it finished."""
+
+
 class ContextFull(ReDrafterError, RuntimeError):
     """The next step would not fit in the model's context window."""
 

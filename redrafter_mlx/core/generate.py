@@ -1,5 +1,5 @@
 """``stream_steps``: decode steps -> detokenized text, stop rules, timing and statistics, one
-response per step; ``stream_generate``: the same, one mlx-lm-style response per token.
+response per step; ``token_responses``: the same, one mlx-lm-style response per token.
 
 Stops on an EOS token (never emitting tokens drafted past it), a stop string, ``max_tokens`` or
 a full context. Library code: returns numbers, prints nothing.
@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
 from redrafter_mlx.core.cache import KVCache
-from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, Verifier
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.stops import first_stop
 
@@ -43,6 +43,16 @@ class GenerationStats:
     accepted_from: Counter = field(default_factory=Counter)
     syncs: int = 0
     peak_memory_gb: float = 0.0
+
+    def add_step(self, step: Step, seconds: float) -> None:
+        """Count one decode step; ``seconds``: the generation's time up to its end."""
+        self.steps += 1
+        self.syncs += step.syncs
+        self.tree_sizes.append(step.tree_size)
+        self.accept_histogram[len(step.tokens)] += 1
+        if step.accepted_from:
+            self.accepted_from[step.accepted_from] += len(step.tokens) - 1
+        self.generation_seconds = seconds
 
     @property
     def prompt_tps(self) -> float:
@@ -104,12 +114,10 @@ class GenerationResponse:
     stats: GenerationStats | None = None
 
 
-def stream_generate(
-    decoder: Decoder, tokenizer, prompt: list[int], **options
-) -> Iterator[GenerationResponse]:
-    """:func:`stream_steps` one token at a time (same options, same tokens and text)."""
+def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationResponse]:
+    """:func:`stream_steps`' responses one token at a time (same tokens and text)."""
     count = 0
-    for step in stream_steps(decoder, tokenizer, prompt, **options):
+    for step in steps:
         stats = step.stats
         last = len(step.tokens) - 1
         tokens = step.tokens or ([None] if step.finish_reason else [])
@@ -130,37 +138,56 @@ def stream_generate(
             )
 
 
+def decode_steps(
+    verifier: Verifier,
+    cache: KVCache,
+    prompt: list[int],
+    decoding: Decoding,
+    *,
+    timer: PhaseTimer | None = None,
+    cancelled=None,
+) -> Iterator[Step]:
+    """The decode loop: the prefill's first token, then one :class:`Step` per decode step,
+    until the context is full (ContextFull) or the caller stops iterating."""
+    state, first = verifier.prefill(cache, prompt, decoding, timer=timer, cancelled=cancelled)
+    if first is not None:
+        yield first
+    while True:
+        state, step = verifier.step(state)
+        yield step
+
+
 def stream_steps(
-    decoder: Decoder,
+    verifier: Verifier,
     tokenizer,
     prompt: list[int],
+    decoding: Decoding,
     *,
+    cache: KVCache,
     max_tokens: int = 256,
-    autoregressive: bool = False,
     stop_strings: tuple[str, ...] = (),
-    cache: KVCache | None = None,
+    timer: PhaseTimer | None = None,
+    cancelled=None,
 ) -> Iterator[StepResponse]:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids), one response per step.
 
     ``cache`` may already hold a prefix (a chat); ``prompt`` is then only the new tokens.
     Stop strings are looked for token by token and text that may begin one is held back, so
     the text and tokens returned do not depend on how tokens were grouped into steps: a
-    ReDrafter answer stops exactly where the autoregressive one does.
+    ReDrafter answer stops exactly where the autoregressive one does. ``cancelled`` is asked
+    between prompt chunks (Cancelled is raised when it says so).
 
     As mlx-lm's generation does, it raises Metal's wired memory limit to the recommended
     working set meanwhile (a no-op elsewhere), and returns MLX's cached buffers to the system
     every ``CLEAR_CACHE_EVERY`` steps (each cache growth leaves the old buffers there).
     """
-    with wired_limit(decoder.model):
-        yield from _stream_steps(
-            decoder, tokenizer, prompt, max_tokens, autoregressive, stop_strings, cache
-        )
+    steps = decode_steps(verifier, cache, prompt, decoding, timer=timer, cancelled=cancelled)
+    with wired_limit(verifier.model):
+        yield from _stream_steps(steps, tokenizer, len(prompt), max_tokens, stop_strings)
 
 
-def _stream_steps(decoder, tokenizer, prompt, max_tokens, autoregressive, stop_strings, cache):
-    cache = decoder.new_cache() if cache is None else cache
-    steps = (decoder.autoregressive if autoregressive else decoder.speculative)(cache, prompt)
-    stats = GenerationStats(prompt_tokens=len(prompt))
+def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
+    stats = GenerationStats(prompt_tokens=prompt_tokens)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -178,16 +205,10 @@ def _stream_steps(decoder, tokenizer, prompt, max_tokens, autoregressive, stop_s
         if first:
             stats.prompt_seconds, tic, first = now - tic, now, False
         else:
-            stats.steps += 1
-            stats.syncs += step.syncs
-            stats.tree_sizes.append(step.tree_size)
-            stats.accept_histogram[len(step.tokens)] += 1
-            if step.accepted_from:
-                stats.accepted_from[step.accepted_from] += len(step.tokens) - 1
-            stats.generation_seconds = now - tic
+            stats.add_step(step, now - tic)
             if stats.steps % CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()
-        emitted, reason = _apply_stops(step.tokens, eos, max_tokens - stats.generation_tokens)
+        emitted, reason = apply_stops(step.tokens, eos, max_tokens - stats.generation_tokens)
         emitted, cut = _add_until_stop_string(detokenizer, emitted, stop_strings)
         stats.generation_tokens += len(emitted)
         if cut is None and reason is not None:
@@ -207,8 +228,9 @@ def _stream_steps(decoder, tokenizer, prompt, max_tokens, autoregressive, stop_s
             return
 
 
-def _apply_stops(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], str | None]:
-    """Cut a step's tokens at the first EOS (excluded) and at the token budget."""
+def apply_stops(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], str | None]:
+    """Cut a step's tokens at the first EOS (excluded) and at the token budget ``room``: the
+    loop's stop rule, with the reason ("stop", "length") when it stopped."""
     stop = first_stop(tokens[:room], eos)
     if stop is not None:
         return tokens[:stop], "stop"

@@ -1,11 +1,13 @@
 """One generation at a time for many callers: a worker thread that owns the model, a bounded
-queue of requests in arrival order, and one KV cache reused by each request that extends the
-previous one (a chat client resending its conversation plus a new message).
+queue of requests in arrival order, and one :class:`Session` (one KV cache) reused by each
+request that extends the previous one (a chat client resending its conversation plus a new
+message).
 
 A caller ``submit``s a :class:`Request` and reads its :class:`Job`: :meth:`Job.start` gives the
 prompt's token counts (or raises what was wrong with it), :meth:`Job.steps` one
 :class:`StepResponse` per decode step, the last with a finish reason. A job whose caller has
-gone (its ``client_gone`` says so, or :meth:`Job.cancel` was called) stops before its next step.
+gone (its ``client_gone`` says so, or :meth:`Job.cancel` was called) stops before its next step
+or prompt chunk.
 
 Everything MLX does runs on the worker thread, loading and warm-up included (``setup``): MLX
 streams belong to the thread that made them (mlx >= 0.31.2), so a graph built on one thread
@@ -23,9 +25,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from redrafter_mlx.core.accept import make_sampler
-from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.decode import Decoding, Verifier
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
-from redrafter_mlx.core.generate import StepResponse, stream_steps
+from redrafter_mlx.core.generate import StepResponse
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
 Prompt = list[dict] | str | list[int]  # chat messages, raw text or token ids
@@ -52,31 +56,36 @@ class Request:
 @dataclass
 class Engine:
     """What the worker generates with (built on its thread by the service's ``setup``): the
-    decoder, its tokenizer, ``encode`` (a :data:`Prompt` -> token ids) and the beam shape for
-    greedy and for sampled requests (``autoregressive``: no drafter, one token per step)."""
+    verifier, its tokenizer, ``encode`` (a :data:`Prompt` -> token ids), the decoding mode and
+    the beam shape for greedy and for sampled requests."""
 
-    decoder: Decoder
+    verifier: Verifier
     tokenizer: object
     encode: Callable[[Prompt], list[int]]
+    mode: Mode
     greedy_shape: BeamShape
     sampling_shape: BeamShape
-    autoregressive: bool = False
 
     def shape_for(self, sampling: Sampling) -> BeamShape | None:
         """The shape a request runs at (None when autoregressive)."""
-        if self.autoregressive:
+        if not self.mode.speculative:
             return None
         return self.sampling_shape if sampling.temp > 0 else self.greedy_shape
 
-    def warm_up(self) -> None:
-        """Compile what requests will run, so that answers do not stop to compile: the greedy
-        shape with the greedy sampler, the sampling shape with a sampler at temperature 1 (a
-        request at another temperature may still compile its sampler once)."""
-        self.decoder.seed = None  # each request seeds (or not) for itself
-        for shape, temp in ((self.greedy_shape, 0.0), (self.sampling_shape, 1.0)):
-            self.decoder.shape = shape
-            self.decoder.sampler = make_sampler(temp)
-            self.decoder.warm_up(autoregressive=self.autoregressive)
+    def decoding_for(self, sampling: Sampling) -> Decoding:
+        """A request's decoding: the mode, its shape, its sampler."""
+        shape = self.sampling_shape if sampling.temp > 0 else self.greedy_shape
+        sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
+        return Decoding(self.mode, shape, sampler)
+
+    def new_session(self) -> Session:
+        """The worker's session, warmed up for what requests will run, so that answers do not
+        stop to compile: the greedy shape with the greedy sampler, the sampling shape with a
+        sampler at temperature 1 (a request at another temperature may still compile its
+        sampler once)."""
+        session = Session(self.verifier, self.tokenizer, self.decoding_for(Sampling(1.0)))
+        session.set_decoding(self.decoding_for(Sampling()))
+        return session
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,7 @@ class Started:
     prompt_tokens: int  # tokens of the whole prompt
     cached_tokens: int  # of them, already in the KV cache (not fed again)
     shape: BeamShape | None  # the beam shape it runs at; None: autoregressive
+    mode: Mode = Mode.AUTOREGRESSIVE
 
 
 class QueueFull(RuntimeError):
@@ -157,7 +167,7 @@ class GenerationService:
         self._thread = threading.Thread(target=self._run, name="redrafter-worker", daemon=True)
         self._running: Job | None = None
         self.engine: Engine | None = None
-        self.cache = None  # the KV cache every request reuses (the worker's)
+        self.session: Session | None = None  # the worker's: its KV cache every request reuses
 
     # -- the caller's side
 
@@ -209,8 +219,7 @@ class GenerationService:
     def _run(self) -> None:
         try:
             self.engine = self._setup()
-            self.engine.warm_up()
-            self.cache = self.engine.decoder.new_cache()
+            self.session = self.engine.new_session()
         except BaseException as e:  # reported by start(), on the caller's thread
             self._setup_error = e
             return
@@ -236,7 +245,7 @@ class GenerationService:
             return
         except Exception as e:  # a bug: say so to the caller, keep serving from a clean cache
             job.outcome = "failed"
-            self.cache.rewind(0)
+            self.session.reset()
             job._put(e)
             return
         if job.outcome == "cancelled":
@@ -246,31 +255,29 @@ class GenerationService:
         """Run ``job`` to its end; "finished" or "cancelled"."""
         engine, request = self.engine, job.request
         ids = self._encode(request.prompt)
-        reused = self.cache.reuse_prefix(ids)
-        shape = engine.shape_for(request.sampling)
-        self._configure(shape, request.sampling)
-        job._put(Started(len(ids), reused, shape))
-        steps = stream_steps(
-            engine.decoder,
-            engine.tokenizer,
-            ids[reused:],
+        if request.sampling.seed is not None:
+            mx.random.seed(request.sampling.seed)
+        steps = self.session.generate(
+            ids,
             max_tokens=request.max_tokens,
-            autoregressive=engine.autoregressive,
             stop_strings=request.stop_strings,
-            cache=self.cache,
+            decoding=engine.decoding_for(request.sampling),
+            cancelled=job.cancelled,
         )
+        started = False
         try:
             for step in steps:
+                if not started:  # the prompt is in the cache: say how much was reused
+                    job._put(self._started(ids, request))
+                    started = True
                 job._put(step)
                 if step.finish_reason is not None:
                     return "finished"
                 if job.cancelled():  # checked before each step: the next one is not run
                     return "cancelled"
-            return "finished"
+            return "cancelled" if job.cancelled() else "finished"
         finally:
             steps.close()
-            # an answer stopped mid-step may leave ids and offset apart: keep them equal
-            self.cache.rewind(len(self.cache.ids))
 
     def _encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt``; ConfigError when it is empty, cannot be templated, or
@@ -283,7 +290,7 @@ class GenerationService:
             raise ConfigError(f"the prompt cannot be encoded: {e}") from None
         if not ids:
             raise ConfigError("the prompt encodes to no tokens")
-        context = self.engine.decoder.max_context
+        context = self.engine.verifier.max_context
         if context is not None and len(ids) + 1 > context:
             raise ContextFull(
                 f"the prompt is {len(ids)} tokens; the model's context is {context} "
@@ -291,11 +298,6 @@ class GenerationService:
             )
         return ids
 
-    def _configure(self, shape: BeamShape | None, sampling: Sampling) -> None:
-        """Set the decoder's shape and sampler for one request, and seed it if asked."""
-        decoder = self.engine.decoder
-        if shape is not None:
-            decoder.shape = shape
-        decoder.sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
+    def _started(self, ids: list[int], request: Request) -> Started:
+        shape = self.engine.shape_for(request.sampling)
+        return Started(len(ids), self.session.reused, shape, self.engine.mode)

@@ -1,4 +1,5 @@
-"""A loaded target and drafter (:class:`Runtime`), and the :class:`Decoder` built from them.
+"""A loaded target and drafter (:class:`Runtime`) with the verifier built from them once, and
+the :class:`Decoding` (mode, shape, sampler) a command asks of it.
 
 Library code: failures raise :mod:`redrafter_mlx.core.errors` exceptions with one-line messages.
 """
@@ -8,16 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
+import mlx.nn as nn
 
-from redrafter_mlx.backend.plan import plan_for
+from redrafter_mlx.backend.plan import build_verifier, plan_for
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
-from redrafter_mlx.core.decode import Decoder, PhaseTimer
+from redrafter_mlx.core.decode import Decoding, Verifier
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
 from redrafter_mlx.core.llm import compute_dtype
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.embedded import default_drafter_path, default_model_path, is_embedded_model
 from redrafter_mlx.io.load import load_target
@@ -26,16 +29,32 @@ from redrafter_mlx.io.templates import apply_chat_template
 
 @dataclass
 class Runtime:
-    model: object
+    """What a command loaded: the target (``model``, as the verifier runs it: a prepared copy
+    of the loaded model, which mlx-lm's own generation runs as it is), its tokenizer and
+    config, the drafter (or None), and the :class:`Verifier` built once from them with the
+    device ``plan`` chosen at load time."""
+
+    model: nn.Module
     tokenizer: object
     config: dict
     drafter: BeamDrafter | None
     model_id: str
     drafter_id: str | None
+    verifier: Verifier
 
     @property
     def max_context(self) -> int | None:
         return self.config.get("max_position_embeddings")
+
+    @property
+    def plan(self) -> Plan:
+        return self.verifier.plan
+
+    def mode(self, shape: BeamShape, *, autoregressive: bool = False) -> Mode:
+        """The decoding mode of a run at ``shape`` (:meth:`Mode.choose`)."""
+        return Mode.choose(
+            drafter=self.drafter is not None, shape=shape, autoregressive=autoregressive
+        )
 
 
 def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
@@ -44,6 +63,7 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
     for flag, value in (("--model", model), ("--drafter", drafter)):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag}: an empty path (leave the flag out for the default)")
+    plan = plan_for()  # chosen once: every command takes it from the runtime
     try:
         model_path = model or str(default_model_path())
         target, tokenizer, config = load_target(model_path)
@@ -51,7 +71,7 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         drafter_path = drafter or (default_drafter_path() if embedded else None)
         beam_drafter = None
         if drafter_path is not None:
-            dtype = None if plan_for().drafter_float32 else compute_dtype(target)
+            dtype = None if plan.drafter_float32 else compute_dtype(target)
             loaded = load_drafter(drafter_path, target, dtype)
             beam_drafter = BeamDrafter(loaded, target.model.embed_tokens)
     except ReDrafterError:
@@ -62,50 +82,41 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         raise ConfigError(
             "no drafter for this model: pass --drafter DIR (make one with `redrafter-mlx train`)"
         )
+    max_context = config.get("max_position_embeddings")
+    verifier = build_verifier(target, beam_drafter, plan=plan, max_context=max_context)
     return Runtime(
-        target,
+        verifier.model,  # the loaded model is dropped: the verifier's copy shares its weights
         tokenizer,
         config,
         beam_drafter,
         str(model_path),
         None if drafter_path is None else str(drafter_path),
+        verifier,
     )
 
 
-def make_decoder(
+def decoding(
     runtime: Runtime,
     shape: BeamShape,
     *,
     temp: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
-    seed: int | None = None,
-    timing: bool = False,
-    use_drafter: bool = True,
-) -> Decoder:
-    """A decoder for ``runtime`` at ``shape`` with this device's plan (without ``use_drafter``
-    it verifies the shape's lookup beams alone); ConfigError for a sampler or shape the model
-    or drafter cannot run."""
+    mode: Mode | None = None,
+) -> Decoding:
+    """What a run at ``shape`` with this sampler decodes with (``mode``: the runtime's
+    :meth:`Runtime.mode` unless given); ConfigError for a sampler or shape the model or
+    drafter cannot run."""
     vocab = runtime.config.get("vocab_size")
     if top_k and vocab and top_k >= vocab:
         raise ConfigError(f"--top-k {top_k}: the vocabulary has {vocab} tokens (0 turns top-k off)")
-    if seed is not None:
-        mx.random.seed(seed)
-    decoder = Decoder(
-        runtime.model,
-        make_sampler(temp, top_p=top_p, top_k=top_k),
-        runtime.drafter if use_drafter else None,
-        shape,
-        runtime.max_context,
-        PhaseTimer(timing),
-        plan=plan_for(),
-        seed=seed,
-    )
+    mode = runtime.mode(shape) if mode is None else mode
+    result = Decoding(mode, shape, make_sampler(temp, top_p=top_p, top_k=top_k))
     try:
-        decoder.check_shape(shape)
+        runtime.verifier.check(result)
     except ValueError as e:
         raise ConfigError(f"{shape.describe()}: {e}") from None
-    return decoder
+    return result
 
 
 def encode_chat(runtime: Runtime, messages: list[dict]) -> list[int]:

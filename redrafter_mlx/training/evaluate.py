@@ -33,15 +33,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.backend.plan import plan_for
+from redrafter_mlx.backend.plan import build_verifier
 from redrafter_mlx.core import atomic, llm
 from redrafter_mlx.core.accept import accepted_lengths, greedy
-from redrafter_mlx.core.decode import Decoder, Step, _source
+from redrafter_mlx.core.decode import Decoding, Step, Verifier, accepted_source
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
 from redrafter_mlx.core.drafter import Drafter
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.generate import SOURCES
 from redrafter_mlx.core.lookup import NgramIndex
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.stops import through_stop
 from redrafter_mlx.io.load import eos_ids
@@ -59,6 +61,12 @@ class Evaluation:
     ``tokenizer``, ``drafter``'s beams at each of ``shapes``, ``max_tokens`` new tokens each;
     ``categories`` (one per prompt, None for a prompt without one) adds per-category rows."""
 
+    def built_verifier(self) -> Verifier:
+        """The given verifier, or one built for ``model`` and ``drafter`` now."""
+        if self.verifier is not None:
+            return self.verifier
+        return build_verifier(self.model, BeamDrafter(self.drafter, self.model.model.embed_tokens))
+
     model: Any
     tokenizer: Any
     drafter: Drafter
@@ -66,6 +74,7 @@ class Evaluation:
     shapes: list[BeamShape]
     max_tokens: int
     categories: list[str | None] | None = None
+    verifier: Verifier | None = None  # of model and drafter, when the caller has one built
 
     def __post_init__(self):
         if self.categories is not None and len(self.categories) != len(self.prompts):
@@ -95,23 +104,24 @@ def evaluate(job: Evaluation, progress: Progress | None = None) -> list[dict]:
     (:func:`summarize`)."""
     eos = eos_ids(job.tokenizer)
     encoded = [user_prompt_ids(job.tokenizer, p) for p in job.prompts]
-    beams = BeamDrafter(job.drafter, embed=job.model.model.embed_tokens)
+    verifier = job.built_verifier()
     rows = []
     for shape in job.shapes:
-        dec = Decoder(job.model, greedy, drafter=beams, shape=shape)
+        session = Session(verifier, job.tokenizer, Decoding(Mode.REDRAFTER, shape), warm=False)
         runs = []
         for ids in encoded:
-            runs.append(decode_one(dec, ids, job.max_tokens, eos))
+            runs.append(decode_one(session, ids, job.max_tokens, eos))
             if progress:
                 progress(1)
         rows.append(summarize(shape, runs, job.categories))
     return rows
 
 
-def decode_one(decoder: Decoder, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
+def decode_one(session: Session, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
     """Greedy ReDrafter decode of one prompt -> ``{"tokens", "steps", "ids", "accepted_from"}``
     (first token from the prefill excluded from tokens and steps, included in ids)."""
-    steps = decoder.speculative(decoder.new_cache(), prompt_ids)
+    session.reset()  # each prompt on its own, as a fresh answer
+    steps = session.steps(prompt_ids)
     return _counts(list(_emitted(steps, eos, max_tokens)), max_tokens)
 
 
@@ -197,15 +207,13 @@ def simulate_grid(
     that shape also carries the real loop's own count (``real_tokens_per_step``) when the paths
     were decoded with this drafter in this call. ``target_id`` names the target in the cache
     keys (paths of another model are not reused)."""
-    embed = job.model.model.embed_tokens
     longest = max(shape.length for shape in job.shapes)
     paths = load_paths(
-        job.model,
+        job.built_verifier(),
         job.tokenizer,
         job.prompts,
         job.max_tokens + longest,
         paths_file,
-        BeamDrafter(job.drafter, embed=embed),
         count_until=job.max_tokens,
         target_id=target_id,
     )
@@ -320,7 +328,7 @@ def simulate(
         r = t - n_prompt
         num_accepted = int(most[r])
         if num_accepted:
-            sources[_source(beams_at[r], width, int(best[r]), num_accepted)] += num_accepted
+            sources[accepted_source(beams_at[r], width, int(best[r]), num_accepted)] += num_accepted
         tokens, steps, t = tokens + num_accepted + 1, steps + 1, t + num_accepted + 1
     return {"tokens": tokens, "steps": steps, "ids": ids[n_prompt:], "accepted_from": sources}
 
@@ -340,47 +348,42 @@ def _accepted_along(beams_at, ids: list[int], n_prompt: int, length: int) -> np.
 
 
 def greedy_path(
-    model,
+    verifier: Verifier,
     prompt_ids: list[int],
     max_tokens: int,
     eos: set[int],
-    drafter: BeamDrafter | None = None,
     count_until: int | None = None,
 ):
     """The target's greedy continuation of ``prompt_ids`` (``max_tokens`` new tokens or up to
     and with end of sequence) -> ``(ids (N,) prompt + continuation, hidden (N, H), real)`` where
     ``hidden[j]`` is the teacher-forced final-norm hidden state after ``ids[: j + 1]``.
 
-    With a :class:`BeamDrafter` the path is decoded by the real speculative loop at
+    With the verifier's drafter the path is decoded by the real speculative loop at
     :data:`PATH_SHAPE` (same tokens, fewer passes) and ``real`` holds that loop's own
     ``{"tokens", "steps"}`` counted like :func:`decode_one` up to ``count_until`` new tokens;
     otherwise ``real`` is None.
     """
-    dec = Decoder(model, greedy, drafter=drafter, shape=BeamShape(*PATH_SHAPE))
-    steps = (dec.speculative if drafter else dec.autoregressive)(dec.new_cache(), prompt_ids)
+    drafted = verifier.drafter is not None
+    mode = Mode.REDRAFTER if drafted else Mode.AUTOREGRESSIVE
+    decoding = Decoding(mode, BeamShape(*PATH_SHAPE), greedy)
+    session = Session(verifier, None, decoding, warm=False)
+    steps = session.steps(prompt_ids)
     chunks = list(_emitted(steps, eos, max_tokens))
     ids = [*prompt_ids, *(t for chunk in chunks for t in chunk.tokens)]
     ids = ids[: len(prompt_ids) + max_tokens]
     real = None
-    if drafter:
+    if drafted:
         counted = _counts(chunks, count_until or max_tokens)
         real = {"tokens": counted["tokens"], "steps": counted["steps"]}
-    return ids, path_hidden(model, ids), real
+    return ids, path_hidden(verifier.forward, ids), real
 
 
-def path_hidden(model, ids: list[int]) -> mx.array:
-    """The target's final-norm hidden (n, H) over a whole path of n token ids, one forward on
-    mlx-lm's modules (path lengths vary: nothing to compile)."""
-    n = len(ids)
-    return llm.forward(
-        model,
-        mx.array(ids),
-        mx.arange(n),
-        llm.chain_mask(0, n),
-        llm.make_cache(model),
-        compiled=False,
-        plan=plan_for(),
-    )
+def path_hidden(forward: llm.Forward, ids: list[int]) -> mx.array:
+    """The target's final-norm hidden (n, H) over a whole path of n token ids, one uncompiled
+    forward (path lengths vary: nothing to compile)."""
+    n, cache = len(ids), llm.make_cache(forward.model)
+    mask = llm.chain_mask(0, n)
+    return forward(mx.array(ids), mx.arange(n), mask, cache, compiled=False)
 
 
 # ----------------------------------------------------------------------------- paths cache
@@ -405,12 +408,11 @@ def _read_paths(path: Path) -> dict:
 
 
 def load_paths(
-    model,
+    verifier: Verifier,
     tokenizer,
     prompts: list[str],
     max_tokens: int,
     paths_file: Path | str | None,
-    drafter: BeamDrafter | None = None,
     count_until: int | None = None,
     target_id: str = "",
 ) -> list[tuple[list[int], mx.array, int, dict | None]]:
@@ -425,11 +427,9 @@ def load_paths(
         key = hashlib.sha1(json.dumps([target_id, p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None
-            hidden = path_hidden(model, ids)
+            hidden = path_hidden(verifier.forward, ids)
         else:
-            ids, hidden, real = greedy_path(
-                model, prompt_ids, max_tokens, eos, drafter, count_until
-            )
+            ids, hidden, real = greedy_path(verifier, prompt_ids, max_tokens, eos, count_until)
             stored[key] = ids
             if paths_file:
                 atomic.write_text(paths_file, json.dumps(stored))

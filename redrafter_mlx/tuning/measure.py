@@ -21,20 +21,22 @@ import platform
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_off
-from redrafter_mlx.backend.plan import default_shape, plan_for
 from redrafter_mlx.core import llm
-from redrafter_mlx.core.decode import PHASES
-from redrafter_mlx.core.generate import SOURCES, stream_steps, tokens_per_step
+from redrafter_mlx.core.decode import PHASES, Decoding, PhaseTimer, Verifier
+from redrafter_mlx.core.generate import SOURCES, tokens_per_step
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.tree import verified_size
-from redrafter_mlx.io.runtime import Runtime, encode_chat, make_decoder
+from redrafter_mlx.io.runtime import Runtime, decoding, encode_chat
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
 
 MLX_LM, AUTOREGRESSIVE, REDRAFTER = "mlx-lm", "autoregressive", "redrafter"
@@ -144,15 +146,13 @@ def run_decoder(
     temp: float,
     timing: bool = False,
 ) -> Run:
-    """This project's decode loop: autoregressive, or ReDrafter at ``method.shape``."""
-    decoder = _decoder(runtime, method, temp=temp, timing=timing)
-    stream = stream_steps(
-        decoder,
-        runtime.tokenizer,
-        prompt,
-        max_tokens=max_tokens,
-        autoregressive=method.kind == AUTOREGRESSIVE,
+    """This project's decode loop: autoregressive, or ReDrafter at ``method.shape``, in a
+    fresh :class:`Session` (warmed up beforehand by :func:`warm_up`)."""
+    session = Session(
+        runtime.verifier, runtime.tokenizer, _decoding(runtime, method, temp=temp), warm=False
     )
+    timer = PhaseTimer(timing)
+    stream = session.generate(prompt, max_tokens=max_tokens, timer=timer)
     events, last = _timed_stream(stream)
     stats = last.stats
     tps, lat = _tps_and_latencies([e for e in events if e[1]])
@@ -168,16 +168,18 @@ def run_decoder(
         list(stats.tree_sizes),
         stats.syncs,
         stats.peak_memory_gb,
-        dict(decoder.timer.seconds) if timing else None,
+        dict(timer.seconds) if timing else None,
         dict(stats.accepted_from),
     )
 
 
-def _decoder(runtime: Runtime, method: Method, *, temp: float, timing: bool = False):
-    """The decoder ``method`` runs: without the drafter for lookup beams alone."""
-    shape = method.shape or default_shape()
-    drafter = method.kind != LOOKUP
-    return make_decoder(runtime, shape, temp=temp, timing=timing, use_drafter=drafter)
+METHOD_MODES = {AUTOREGRESSIVE: Mode.AUTOREGRESSIVE, LOOKUP: Mode.LOOKUP, REDRAFTER: Mode.REDRAFTER}
+
+
+def _decoding(runtime: Runtime, method: Method, *, temp: float) -> Decoding:
+    """What ``method`` decodes with: lookup beams alone without the drafter."""
+    shape = method.shape or runtime.plan.default_shape
+    return decoding(runtime, shape, temp=temp, mode=METHOD_MODES[method.kind])
 
 
 def measure(
@@ -246,12 +248,11 @@ def bench_case(
 def warm_up(
     runtime: Runtime, methods: list[Method], prompt: list[int], *, temp: float = 0.0
 ) -> None:
-    """Compile every tree size and beam search each method can run (:meth:`Decoder.warm_up`),
+    """Compile every tree size and beam search each method can run (:meth:`Verifier.warm_up`),
     then page everything in with a short generation, so no timed run pays for either."""
     for method in methods:
         if method.kind not in (MLX_LM, MLX_LM_STOCK):
-            decoder = _decoder(runtime, method, temp=temp)
-            decoder.warm_up(autoregressive=method.kind == AUTOREGRESSIVE)
+            runtime.verifier.warm_up(_decoding(runtime, method, temp=temp))
         measure(runtime, method, prompt, max_tokens=8, temp=temp)
 
 
@@ -287,28 +288,31 @@ def timed_runs(
     return totals
 
 
-def _forward_seconds(model, cache, count: int, *, compiled: bool = True) -> float:
+def forward_seconds(forward: llm.Forward, cache, count: int, *, compiled: bool = True) -> float:
     """Wall time of one target forward + LM head over ``count`` new tokens after the cache."""
     tokens = mx.zeros((count,), mx.int32)
     positions = mx.arange(cache.offset, cache.offset + count)
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
     tic = time.perf_counter()
-    hidden = llm.forward(model, tokens, positions, mask, cache, compiled=compiled, plan=plan_for())
-    mx.eval(llm.lm_head(model, hidden))
+    hidden = forward(tokens, positions, mask, cache, compiled=compiled)
+    mx.eval(forward.lm_head(hidden))
     return time.perf_counter() - tic
 
 
-def forward_cost_ratio(model, count: int, *, context: int = 128, repetitions: int = 7) -> float:
+def forward_cost_ratio(
+    verifier: Verifier, count: int, *, context: int = 128, repetitions: int = 7
+) -> float:
     """Time of a forward over ``count`` tokens / a one-token forward, medians of interleaved
     runs after ``context`` cached tokens. Speedup is bounded by tokens/step / this ratio."""
-    cache = llm.make_cache(model)
+    forward = verifier.forward
+    cache = verifier.new_cache()
     tokens = mx.arange(context) % 100 + 10
     prefix = llm.chain_mask(0, context)
-    mx.eval(llm.forward(model, tokens, mx.arange(context), prefix, cache, plan=plan_for()))
+    mx.eval(forward(tokens, mx.arange(context), prefix, cache))
     cache.commit(list(range(context)))
     one, many = [], []
     for rep in range(repetitions + 1):
-        pair = (_forward_seconds(model, cache, 1), _forward_seconds(model, cache, count))
+        pair = (forward_seconds(forward, cache, 1), forward_seconds(forward, cache, count))
         if rep:  # the first pair is warm-up
             one.append(pair[0])
             many.append(pair[1])
@@ -318,8 +322,8 @@ def forward_cost_ratio(model, count: int, *, context: int = 128, repetitions: in
 def draft_cost_ratio(runtime: Runtime, shape: BeamShape, *, repetitions: int = 7) -> float:
     """Time of one beam search at ``shape`` / a one-token target forward (both medians). The
     search runs to full depth: where a ``min_prob`` floor stops it depends on the step."""
-    model, drafter = runtime.model, runtime.drafter
-    cache = llm.make_cache(model)
+    model, drafter, forward = runtime.model, runtime.drafter, runtime.verifier.forward
+    cache = runtime.verifier.new_cache()
     context = mx.zeros((llm.target_dims(model)[0],), llm.compute_dtype(model))
     pending = mx.array(10)
     drafts, forwards = [], []
@@ -327,8 +331,61 @@ def draft_cost_ratio(runtime: Runtime, shape: BeamShape, *, repetitions: int = 7
         tic = time.perf_counter()
         mx.eval(drafter(context, pending, **replace(shape, min_prob=0.0).search_options()))
         drafts.append(time.perf_counter() - tic)
-        forwards.append(_forward_seconds(model, cache, 1))
+        forwards.append(forward_seconds(forward, cache, 1))
     return statistics.median(drafts[1:]) / statistics.median(forwards[1:])
+
+
+def time_steps(session: Session, reps: int = 4) -> tuple[float, float]:
+    """Seconds of a one-token step and of a step of the session's speculative decoding at the
+    cache's length, timed alike: interleaved, each warmed up, each ending in its host read.
+
+    Both write only scratch K/V after ``cache.offset`` and the cache is rewound after each
+    step, so the conversation is intact; MLX's random stream comes out where it was. The
+    drafted beams come from the last cached token's hidden state, so the tree's size is the
+    one this shape verifies there.
+    """
+    verifier, cache, decoding = session.verifier, session.cache, session.decoding
+    if not decoding.mode.speculative:
+        raise ValueError("timing a speculative step needs a drafter or lookup beams")
+    verifier.check_room(cache, decoding.shape.length + 1)
+    with _same_random_stream():  # sampled answers after the timing stay as without it
+        return _time_steps(verifier, cache, decoding, reps)
+
+
+def _time_steps(verifier: Verifier, cache, decoding: Decoding, reps: int) -> tuple[float, float]:
+    offset = cache.offset
+    state = verifier.probe(cache, decoding)
+    token = mx.array([cache.ids[-1] if cache.ids else 0])
+
+    def one_token() -> None:
+        choice, _ = verifier.one_token(cache, token, decoding.sampler)
+        np.array(choice)  # host read: a step ends when its token is on the host
+
+    def speculative() -> None:
+        verifier.step(state)
+        cache.rewind(offset)
+        if state.index is not None:
+            state.index.rewind(offset)
+
+    seconds = {one_token: 0.0, speculative: 0.0}
+    for rep in range(reps + 1):  # the first round warms up
+        for run in seconds:
+            tic = time.perf_counter()
+            run()
+            if rep:
+                seconds[run] += time.perf_counter() - tic
+    return seconds[one_token] / reps, seconds[speculative] / reps
+
+
+@contextmanager
+def _same_random_stream() -> Iterator[None]:
+    """Restore MLX's global random key on exit: draws made inside do not shift later ones."""
+    key = mx.array(mx.random.state[0])
+    mx.eval(key)
+    try:
+        yield
+    finally:
+        mx.random.state[0][...] = key  # in place: the state holds this array
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -613,8 +670,8 @@ def cost_fields(runtime: Runtime, shape: BeamShape, row: dict, *, drafted: bool 
     """Verify-cost ratio at the mean tree size (padded as the decoder pads it), draft cost
     (with a ``drafted`` tree), and the speedup bound they imply."""
     size = max(1, round(row["mean_tree_size"] or shape.width * shape.length))
-    size = verified_size(size, plan_for().tree_sizes)
-    verify = forward_cost_ratio(runtime.model, size)
+    size = verified_size(size, runtime.plan.tree_sizes)
+    verify = forward_cost_ratio(runtime.verifier, size)
     draft = draft_cost_ratio(runtime, shape) if drafted else 0.0
     return {
         "verify_tokens": size,

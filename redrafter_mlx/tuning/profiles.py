@@ -12,7 +12,6 @@ import sys
 from dataclasses import astuple
 from pathlib import Path
 
-from redrafter_mlx.backend.plan import default_shape
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.draft import check_width
 from redrafter_mlx.core.errors import ConfigError
@@ -165,12 +164,12 @@ def resolve_shape(
         found = lookup_profile(runtime, sampling=sampling)
         if found and not _searchable(runtime, found[0]):
             found = None
-        base, source = found or (default_shape(), "default")
+        base, source = found or (runtime.plan.default_shape, "default")
         if not given:
             return base, source
         source = f"flags + {source}"
     else:  # every field given: no profile read (nor its warnings)
-        base, source = default_shape(), "flags"
+        base, source = runtime.plan.default_shape, "flags"
     fields = dict(zip(SHAPE_FIELDS, astuple(base), strict=True)) | given
     try:
         return BeamShape(**fields), source

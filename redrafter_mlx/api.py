@@ -1,0 +1,193 @@
+"""The Python API, in mlx-lm's call shapes: code written against ``from mlx_lm import load,
+generate, stream_generate`` switches by changing the import.
+
+    from redrafter_mlx import load, generate
+    model, tokenizer = load()                       # the embedded model and its drafter
+    text = generate(model, tokenizer, "Hello", max_tokens=32, verbose=True)
+
+``load`` returns a :class:`Model`: the target, its drafter (found as chat finds it, or given)
+and the verifier built once from them. ``stream_generate`` and ``generate`` also take a plain
+mlx-lm model (no drafter: prompt-lookup beams where the shape has them, else plain decoding).
+The beam shape comes from keywords, else this chip's autotune profile, else the device plan's
+default: the same rule as the command line's.
+
+Imported before MLX, this module loads the CPU backend's fast BLAS into the process (the console
+script's re-exec does the same for the command line); imported after, it warns once with the fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+from redrafter_mlx.backend.blas import preload_in_process
+
+_TOO_LATE = preload_in_process()  # before MLX is imported: the BLAS it will multiply with
+if _TOO_LATE:
+    warnings.warn(_TOO_LATE, RuntimeWarning, stacklevel=2)
+
+from collections.abc import Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
+
+from redrafter_mlx.backend.plan import build_verifier, plan_for  # noqa: E402
+from redrafter_mlx.core.accept import Sampler, greedy  # noqa: E402
+from redrafter_mlx.core.decode import Decoding, Verifier  # noqa: E402
+from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
+from redrafter_mlx.core.generate import GenerationResponse, token_responses  # noqa: E402
+from redrafter_mlx.core.mode import Mode  # noqa: E402
+from redrafter_mlx.core.session import Session  # noqa: E402
+from redrafter_mlx.core.shape import BeamShape  # noqa: E402
+from redrafter_mlx.io import runtime as rt  # noqa: E402
+from redrafter_mlx.tuning.profiles import resolve_shape  # noqa: E402
+
+__all__ = ["GenerationResponse", "Model", "generate", "load", "stream_generate"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """What :func:`load` returns as its model: the loaded :class:`~redrafter_mlx.io.runtime.
+    Runtime` (target, drafter, config, ids) and its verifier. Calling it runs the target as
+    an mlx-lm model (``model(inputs, cache=...)``)."""
+
+    runtime: rt.Runtime
+
+    @property
+    def target(self) -> nn.Module:
+        return self.runtime.model
+
+    @property
+    def verifier(self) -> Verifier:
+        return self.runtime.verifier
+
+    def __call__(self, *args, **kwargs):
+        return self.target(*args, **kwargs)
+
+
+def load(
+    path_or_hf_repo: str | None = None, *, drafter: str | None = None
+) -> tuple[Model, TokenizerWrapper]:
+    """Load a target (a folder, a Hugging Face id or a ``.gguf`` file; None: the embedded
+    SmolLM2-135M-Instruct) and its drafter (``drafter``: a folder; the embedded model's own
+    when None) -> ``(model, tokenizer)``, parameters evaluated."""
+    runtime = rt.load_runtime(path_or_hf_repo, drafter, need_drafter=False)
+    return Model(runtime), runtime.tokenizer
+
+
+_PLAIN: dict[tuple[int, int], Verifier] = {}  # plain models' verifiers, while each lives
+
+
+def _verifier(model: Model | nn.Module, drafter: BeamDrafter | None) -> Verifier:
+    """The verifier of ``model``: a loaded one's, or built on a plain model's first call with
+    ``drafter`` (or none)."""
+    if isinstance(model, Model):
+        if drafter is not None:
+            raise ValueError("drafter=: a loaded model has its drafter (load(..., drafter=DIR))")
+        return model.verifier
+    key = (id(model), id(drafter))
+    if key not in _PLAIN:
+        context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        _PLAIN[key] = build_verifier(model, drafter, max_context=context)
+        weakref.finalize(model, _PLAIN.pop, key, None)  # the copy holds arrays, not the model
+    return _PLAIN[key]
+
+
+def _shape(model: Model | nn.Module, overrides: dict, sampling: bool) -> BeamShape:
+    """The keywords' shape fields over this chip's profile (a loaded model) or the plan's
+    default: the command line's rule."""
+    if isinstance(model, Model):
+        return resolve_shape(model.runtime, overrides=overrides, sampling=sampling)[0]
+    given = {k: v for k, v in overrides.items() if v is not None}
+    default = plan_for().default_shape
+    return BeamShape(**{**default.__dict__, **given})
+
+
+def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
+    """Token ids of ``prompt`` (text, encoded as mlx-lm encodes it, or ids)."""
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        add_special_tokens = bos is None or not prompt.startswith(bos)
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    return [int(t) for t in prompt]
+
+
+def stream_generate(
+    model: Model | nn.Module,
+    tokenizer,
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    beam_width: int | None = None,
+    beam_length: int | None = None,
+    min_prob: float | None = None,
+    search_width: int | None = None,
+    lookup: int | None = None,
+    autoregressive: bool = False,
+    stop_strings: tuple[str, ...] = (),
+    seed: int | None = None,
+    drafter: BeamDrafter | None = None,
+) -> Iterator[GenerationResponse]:
+    """mlx-lm's ``stream_generate``: one :class:`GenerationResponse` per token, with mlx-lm's
+    fields plus ``stats`` (tokens/step, accepted drafts, tree sizes, host reads).
+
+    ``sampler``: e.g. ``mlx_lm.sample_utils.make_sampler(0.7)`` (None: greedy). The beam shape
+    keywords override this chip's autotune profile or the default; ``autoregressive`` decodes
+    one token per step. ``drafter``: a plain mlx-lm model's drafter (as mlx-lm's
+    ``draft_model``), bound to its embedding (``BeamDrafter(drafter, model.model.embed_tokens)``).
+    The output is the target's own: greedy token for token, sampled from the same distribution.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    verifier = _verifier(model, drafter)
+    overrides = {
+        "width": beam_width,
+        "length": beam_length,
+        "min_prob": min_prob,
+        "search_width": search_width,
+        "lookup": lookup,
+    }
+    shape = _shape(model, overrides, sampling=sampler is not None and sampler is not greedy)
+    mode = Mode.choose(
+        drafter=verifier.drafter is not None,
+        shape=shape,
+        autoregressive=autoregressive or (verifier.drafter is None and not shape.lookup),
+    )
+    session = Session(verifier, tokenizer, Decoding(mode, shape, sampler or greedy), seed=seed)
+    steps = session.generate(
+        _prompt_ids(tokenizer, prompt), max_tokens=max_tokens, stop_strings=stop_strings
+    )
+    yield from token_responses(steps)
+
+
+def generate(
+    model: Model | nn.Module, tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs
+) -> str:
+    """The whole answer of :func:`stream_generate` (same keywords); ``verbose`` prints the text
+    as it comes and the timings, as mlx-lm's ``generate`` does."""
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        if not text or response is None:
+            print("No text generated for this prompt")
+            return text
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.3f} tokens-per-sec"
+        )
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+        stats = response.stats
+        if stats is not None and stats.steps:
+            print(f"ReDrafter: {stats.tokens_per_step:.2f} tokens/step")
+    return text

@@ -1,0 +1,248 @@
+"""The CPU plan's verify forward: plain Llama/Qwen2 blocks as compiled halves around attention,
+with fused projections, RoPE from shared cos/sin tables and grouped attention. Numerically it
+is the generic forward (:class:`redrafter_mlx.core.llm.Forward`); only how it runs differs.
+
+Legend: T new tokens, S cached tokens, H hidden size, D head dim.
+
+:class:`FusedForward` works on its own structural copy of the target (the caller's model is
+never changed): the copy's q/k/v and gate/up Linears hold views of one stacked matrix each, so
+each decode step runs one product instead of several, and the copy's compiled halves are
+traced once per number of tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen2
+
+from redrafter_mlx.core.cache import KVCache
+from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype
+from redrafter_mlx.core.plan import Plan
+
+GENERIC = Plan()
+
+
+def _matmul(weight: mx.array, x: mx.array, transposed: bool) -> mx.array:
+    """x (1, T, in) @ weight (out, in).T -> (1, T, out), as ``weight @ x.T`` when ``transposed``."""
+    return (weight @ x[0].T).T[None] if transposed else x @ weight.T
+
+
+def _project(linear: nn.Module, x: mx.array, transposed: bool) -> mx.array:
+    """x (1, T, in) -> (1, T, out); as ``W @ x.T`` when ``transposed`` and ``linear`` is a plain
+    (unquantized) Linear."""
+    if not transposed or type(linear) is not nn.Linear:
+        return linear(x)
+    y = _matmul(linear.weight, x, True)
+    return y + linear.bias if "bias" in linear else y
+
+
+def _fuse(linears: list[nn.Module]) -> mx.array | None:
+    """Stack plain bias-free Linears' weights (out_i, in) into one (sum of out_i, in) matrix.
+
+    Each module's weight becomes its rows of the stack (a view: the weights are not held
+    twice). One matmul instead of several costs less per decode step (fewer BLAS calls).
+    None, and nothing changed, when any of them is quantized or has a bias.
+    """
+    if any(type(x) is not nn.Linear or "bias" in x for x in linears):
+        return None
+    stacked = mx.concatenate([x.weight for x in linears])
+    mx.eval(stacked)
+    start = 0
+    for x in linears:
+        rows = x.weight.shape[0]
+        x.weight = stacked[start : start + rows]
+        start += rows
+    mx.eval([x.weight for x in linears])
+    return stacked
+
+
+def _split_rows(linears: list[nn.Module]) -> list[int]:
+    """Where ``_fuse``'s stacked output splits back into each Linear's output."""
+    ends = [x.weight.shape[0] for x in linears]
+    return [sum(ends[: i + 1]) for i in range(len(ends) - 1)]
+
+
+def _mlp(mlp: nn.Module, gate_up: mx.array | None, x: mx.array, transposed: bool) -> mx.array:
+    """The layer's MLP; mlx-lm's Llama MLP (SiLU-gated) runs its own projections here when
+    they are fused (gate and up as one ``gate_up`` matmul) or transposed."""
+    if not isinstance(mlp, llama.MLP) or (gate_up is None and not transposed):
+        return mlp(x)
+    if gate_up is None:
+        gate, up = _project(mlp.gate_proj, x, transposed), _project(mlp.up_proj, x, transposed)
+    else:
+        gate, up = mx.split(_matmul(gate_up, x, transposed), 2, axis=-1)
+    return _project(mlp.down_proj, nn.silu(gate) * up, transposed)
+
+
+def rope_tables(attn, positions: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array] | None:
+    """RoPE's cos and sin at ``positions (T,)``, each (1, T, 1, D / 2), for every layer to share.
+
+    On the CPU backend ``mx.fast.rope`` with per-token offsets runs as a graph that recomputes
+    the angles for every call (two per layer); a forward computes them once. The tables come
+    from the layer's own RoPE module applied to ``[1, .., 1, 0, .., 0]``, which returns exactly
+    the cos and sin it rotates with (any base, scaling or frequencies). None for RoPE that is
+    traditional (interleaved) or partial, or not an ``nn.RoPE``-like module.
+    """
+    rope, d = attn.rope, attn.k_proj.weight.shape[0] // attn.n_kv_heads
+    rope = rope.inner if isinstance(rope, TokenRope) else rope
+    if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != d:
+        return None
+    t, half = positions.shape[0], d // 2
+    basis = mx.concatenate([mx.ones((half,)), mx.zeros((half,))]).astype(dtype)
+    rotated = rope(mx.broadcast_to(basis, (t, 1, 1, d)), offset=positions).reshape(1, t, 1, d)
+    return rotated[..., :half], rotated[..., half:]
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x (1, T, heads, D) rotated as ``mx.fast.rope`` rotates (halves, not interleaved)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _before_attention(layer, plan: Plan, qkv: mx.array | None, h: mx.array, *rope_args):
+    """h (1, T, H) -> queries (1, heads, T, D), keys and values (1, kv_heads, T, D).
+
+    ``qkv`` is the layer's fused q/k/v weight (``_fuse``), or None to run the three Linears.
+    ``rope_args``: ``(cos, sin)`` from :func:`rope_tables`, or ``(positions,)`` for the layer's
+    own RoPE module.
+    """
+    attn, t = layer.self_attn, h.shape[1]
+    transposed = t in plan.transposed_rows
+    x = layer.input_layernorm(h)
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if qkv is None:
+        queries, keys, values = (_project(p, x, transposed) for p in linears)
+    else:
+        queries, keys, values = mx.split(_matmul(qkv, x, transposed), _split_rows(linears), -1)
+    values = values.reshape(1, t, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if len(rope_args) == 2:
+        queries = _rotate(queries.reshape(1, t, attn.n_heads, -1), *rope_args)
+        keys = _rotate(keys.reshape(1, t, attn.n_kv_heads, -1), *rope_args)
+        return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values
+    (positions,) = rope_args
+    # (T, heads, 1, D): tokens on the batch axis so RoPE applies one offset per token.
+    queries = attn.rope(queries.reshape(t, attn.n_heads, 1, -1), offset=positions)
+    keys = attn.rope(keys.reshape(t, attn.n_kv_heads, 1, -1), offset=positions)
+    return queries.transpose(2, 1, 0, 3), keys.transpose(2, 1, 0, 3), values
+
+
+def _after_attention(
+    layer, plan: Plan, gate_up: mx.array | None, h: mx.array, out: mx.array
+) -> mx.array:
+    """Residual stream h (1, T, H) and attention output (1, heads, T, D) -> the layer's output."""
+    attn, t = layer.self_attn, h.shape[1]
+    transposed = t in plan.transposed_rows
+    h = h + _project(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(1, t, -1), transposed)
+    return h + _mlp(layer.mlp, gate_up, layer.post_attention_layernorm(h), transposed)
+
+
+def attention(queries, keys, values, scale: float, mask: mx.array | None, grouped: bool):
+    """Queries (1, heads, T, D), keys/values (1, kv_heads, S, D), mask (T, S) -> (1, heads, T, D).
+
+    ``grouped``: each K/V head's query group runs as one matmul (heads grouped as rows), which
+    costs less than ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend;
+    otherwise that fused kernel.
+    """
+    if not grouped:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    _, heads, t, d = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = (queries * scale).reshape(1, kv_heads, heads // kv_heads * t, d)
+    scores = grouped @ keys.swapaxes(-1, -2)  # (1, kv_heads, group * T, S)
+    if mask is not None:
+        scores = scores.reshape(1, kv_heads, heads // kv_heads, t, -1)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        scores = scores.reshape(1, kv_heads, heads // kv_heads * t, -1)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ values).reshape(1, heads, t, d)
+
+
+class _CompiledLayers:
+    """Each layer's halves around attention, compiled (mlx traces them once per input shape),
+    with q/k/v and gate/up fused into one matmul each where the layers allow (``_fuse``).
+
+    The traces capture the layer's weights: a model changed after its first small forward (new
+    weights, quantized in place) would keep computing with the old ones.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan):
+        self.before, self.after = [], []
+        self.qkv, self.gate_up = [], []  # per layer: the stacked weights, or None
+        for x in model.model.layers:
+            attn, mlp = x.self_attn, x.mlp
+            self.qkv.append(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+            llama_mlp = isinstance(mlp, llama.MLP)
+            self.gate_up.append(_fuse([mlp.gate_proj, mlp.up_proj]) if llama_mlp else None)
+            self.before.append(mx.compile(partial(_before_attention, x, plan, self.qkv[-1])))
+            self.after.append(mx.compile(partial(_after_attention, x, plan, self.gate_up[-1])))
+
+
+class FusedForward(Forward):
+    """The specialised forward (``plan.llama_layers``) over plain Llama/Qwen2 blocks: the
+    generic one for prompts (any length, uncompiled) and forwards of more than
+    ``plan.compiled_max_rows`` tokens, compiled fused halves for the rest."""
+
+    def __init__(self, model: nn.Module, plan: Plan):
+        super().__init__(model)
+        self.plan = plan
+        self.layers = _CompiledLayers(self.model, plan)  # re-points the copy's weights
+        self.eager = (
+            [partial(_before_attention, x, GENERIC, None) for x in self.model.model.layers],
+            [partial(_after_attention, x, GENERIC, None) for x in self.model.model.layers],
+        )
+        layers = self.model.model.layers
+        self.shared_rope = plan.rope_tables and _one_rope(layers)
+        self.dtype = compute_dtype(self.model)
+
+    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool) -> mx.array:
+        plan, model = self.plan, self.model
+        if isinstance(mask, str):
+            mask = chain_mask(cache.offset, tokens.shape[0])
+        h = model.model.embed_tokens(tokens)[None]
+        small = compiled and tokens.shape[0] <= plan.compiled_max_rows
+        before, after = (self.layers.before, self.layers.after) if small else self.eager
+        layers = model.model.layers
+        tables = None
+        if self.shared_rope:
+            tables = rope_tables(layers[0].self_attn, positions, self.dtype)
+        rope_args = tables or (positions,)
+        every = plan.async_layers
+        for i, layer in enumerate(layers):
+            queries, keys, values = before[i](h, *rope_args)
+            keys, values = cache.write(i, keys, values)
+            scale = layer.self_attn.scale
+            out = attention(queries, keys, values, scale, mask, plan.grouped_attention)
+            h = after[i](h, out)
+            if every and (i + 1) % every == 0 and i + 1 < len(layers):
+                mx.async_eval(h)  # start computing while Python builds the next layers
+        return model.model.norm(h)[0]
+
+
+def _rope_key(rope: nn.Module) -> tuple:
+    """What tells RoPE modules apart: their type and plain settings (dims, base, scaling)."""
+    rope = rope.inner if isinstance(rope, TokenRope) else rope
+    plain = (int, float, bool, str, type(None))
+    return type(rope), sorted((k, v) for k, v in vars(rope).items() if isinstance(v, plain))
+
+
+def _one_rope(layers) -> bool:
+    """Whether every layer rotates alike (SmolLM3 leaves every few layers unrotated), so one
+    pair of RoPE tables serves them all."""
+    first = _rope_key(layers[0].self_attn.rope)
+    return all(_rope_key(x.self_attn.rope) == first for x in layers[1:])
+
+
+LLAMA_BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
+
+
+def has_llama_layers(model: nn.Module) -> bool:
+    """Whether every layer is a plain full-attention Llama or Qwen2 block (mistral loads as
+    llama): what the specialised path computes exactly."""
+    layers = model.model.layers
+    return bool(layers) and all(
+        type(x) in LLAMA_BLOCKS and not getattr(x, "use_sliding", False) for x in layers
+    )

@@ -1,0 +1,117 @@
+"""A :class:`Session` is one conversation with a :class:`~redrafter_mlx.core.decode.Verifier`:
+the KV cache of its tokens, the decoding it runs now (mode, beam shape, sampler), warmed up
+whenever that changes, and generation that reuses the longest cached prefix of each prompt.
+
+Chat, the server, bench, autotune's measurement, eval-drafter's real loop and the Python API
+all generate through it. Stopping early (closing the generator, Ctrl-C, a client gone) leaves
+the conversation intact: the cache holds what was committed, token ids and K/V together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import mlx.core as mx
+
+from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, Verifier
+from redrafter_mlx.core.errors import Cancelled
+from redrafter_mlx.core.generate import StepResponse, decode_steps, stream_steps
+
+
+class Session:
+    """A conversation's cache and decoding over one verifier.
+
+    ``seed`` re-seeds MLX's generator after each warm-up (whose draws would otherwise shift
+    the answers); ``warm``: warm the first decoding up now (False where the caller has
+    already, e.g. a benchmark that warms every method once).
+    """
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        tokenizer,
+        decoding: Decoding,
+        *,
+        seed: int | None = None,
+        warm: bool = True,
+    ):
+        verifier.check(decoding)
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.cache = verifier.new_cache()
+        self._decoding = decoding
+        self.reused = 0  # prompt tokens the last generation found in the cache
+        if warm:
+            self.warm_up()
+        elif seed is not None:
+            mx.random.seed(seed)
+
+    @property
+    def decoding(self) -> Decoding:
+        return self._decoding
+
+    def set_decoding(self, decoding: Decoding) -> None:
+        """Run ``decoding`` from now on, warmed up (ValueError, and nothing changed, if the
+        verifier cannot run it)."""
+        self.verifier.check(decoding)
+        self._decoding = decoding
+        self.warm_up()
+
+    def change(self, **fields) -> None:
+        """:meth:`set_decoding` with some of :class:`Decoding`'s fields replaced."""
+        self.set_decoding(replace(self._decoding, **fields))
+
+    def warm_up(self) -> None:
+        """Compile what the current decoding runs (:meth:`Verifier.warm_up`), then re-seed."""
+        self.verifier.warm_up(self._decoding)
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+
+    def reset(self) -> None:
+        """Forget the conversation's tokens."""
+        self.cache.rewind(0)
+
+    def prepare(self, ids: list[int]) -> list[int]:
+        """Rewind the cache to the longest prefix it shares with ``ids`` (a whole prompt) and
+        return the tokens still to feed (at least one: its hidden state predicts the answer)."""
+        self.reused = self.cache.reuse_prefix(ids)
+        return ids[self.reused :]
+
+    def generate(
+        self,
+        ids: list[int],
+        *,
+        max_tokens: int = 256,
+        stop_strings: tuple[str, ...] = (),
+        decoding: Decoding | None = None,
+        timer: PhaseTimer | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Iterator[StepResponse]:
+        """Answer the prompt ``ids`` (the whole conversation's token ids), one response per
+        step, after reusing its cached prefix. ``decoding``: this answer's own (already warmed
+        up, e.g. a request's sampler), else the session's. ``cancelled`` is asked between
+        prompt chunks: when it says so the generator ends with no response."""
+        new = self.prepare(ids)
+        steps = stream_steps(
+            self.verifier,
+            self.tokenizer,
+            new,
+            decoding or self._decoding,
+            cache=self.cache,
+            max_tokens=max_tokens,
+            stop_strings=stop_strings,
+            timer=timer,
+            cancelled=cancelled,
+        )
+        try:
+            yield from steps
+        except Cancelled:
+            return
+
+    def steps(self, ids: list[int], *, decoding: Decoding | None = None) -> Iterator[Step]:
+        """The raw decode loop after ``ids`` (prefix reused): the prefill's first token, then
+        one :class:`Step` per decode step, no stop rule (eval-drafter counts them itself)."""
+        new = self.prepare(ids)
+        return decode_steps(self.verifier, self.cache, new, decoding or self._decoding)
