@@ -48,8 +48,12 @@ class SyntheticDrafter:
         wrong = np.nonzero(draws >= self.p * self.decay**beam)[0]
         return int(wrong[0]) if len(wrong) else length - 1
 
-    def __call__(self, context, pending, *, width: int, length: int):
-        beams, logprobs = self.real(context, pending, width=width, length=length)
+    def search(self, context, pending, *, width: int, length: int, **options):
+        """The real search (its cost and host reads), its beams replaced (the verifier's
+        drafter call: ``BeamDrafter.search``)."""
+        beams, logprobs, syncs = self.real.search(
+            context, pending, width=width, length=length, **options
+        )
         ref = [
             self.reference[i] if i < len(self.reference) else 0
             for i in range(self.pos, self.pos + length)
@@ -60,7 +64,14 @@ class SyntheticDrafter:
             best = max(best, right)
             rows.append(ref[: right + 1] + [(t + 1 + b) % self.vocab for t in ref[right + 1 :]])
         self.pos += best + 1
-        return mx.array(rows, dtype=mx.int32) + 0 * beams, logprobs
+        return mx.array(rows, dtype=mx.int32) + 0 * beams, logprobs, syncs
+
+    def __call__(self, context, pending, **options):
+        beams, logprobs, _ = self.search(context, pending, **options)
+        return beams, logprobs
+
+    def warm_up(self, context, pending, **options) -> None:
+        self.real.warm_up(context, pending, **options)
 
 
 def synthetic_measure(runtime, prompts, references, p: float, max_tokens: int):
@@ -69,7 +80,8 @@ def synthetic_measure(runtime, prompts, references, p: float, max_tokens: int):
 
     def measure(shape, prompt):
         drafter = SyntheticDrafter(runtime.drafter, references[prompt], p, vocab)
-        fresh = dataclasses.replace(runtime, drafter=drafter)
+        verifier = dataclasses.replace(runtime.verifier, drafter=drafter)  # the same forward
+        fresh = dataclasses.replace(runtime, drafter=drafter, verifier=verifier)
         return search.make_measure(fresh, prompts, max_tokens=max_tokens)(shape, prompt)
 
     return measure

@@ -48,7 +48,7 @@ from redrafter_mlx.training.cache import Cache  # noqa: E402
 from redrafter_mlx.training.data import read_conversations, split_conversations  # noqa: E402
 from redrafter_mlx.training.examples import Examples, frequent_tokens  # noqa: E402
 from redrafter_mlx.training.extract import extract  # noqa: E402
-from redrafter_mlx.training.loop import _batch_rows  # noqa: E402
+from redrafter_mlx.training.loop import batch_rows  # noqa: E402
 from redrafter_mlx.training.ranks import Ranks  # noqa: E402
 from redrafter_mlx.training.trainer import build_trainer  # noqa: E402
 
@@ -84,12 +84,12 @@ def timed_training(model, cache: Cache, args, ranks: Ranks) -> dict:
     examples = Examples.build(data, opts.positions)
     trainer = build_trainer(model, frequent_tokens(data, opts.draft_vocab), opts, 10**6)
     for step in range(2):
-        trainer.step(examples, _batch_rows(examples, step, opts), ranks)
+        trainer.step(examples, batch_rows(examples, step, opts), ranks)
     trainer.comm_seconds = 0.0
     ranks.sum(np.zeros(1, np.int64))
     start = time.perf_counter()
     for step in range(2, 2 + args.steps):
-        trainer.step(examples, _batch_rows(examples, step, opts), ranks)
+        trainer.step(examples, batch_rows(examples, step, opts), ranks)
     seconds = time.perf_counter() - start
     positions = args.steps * opts.batch_size
     params = sum(v.size for _, v in tree_flatten(trainer.drafter.trainable_parameters()))

@@ -21,12 +21,12 @@ import mlx.core as mx
 
 from redrafter_mlx.core import llm
 from redrafter_mlx.io import runtime as rt
-from redrafter_mlx.tuning.measure import _forward_seconds, environment
+from redrafter_mlx.tuning.measure import environment, forward_seconds
 
 
-def _timed(model, cache, count: int, compiled: bool) -> float:
+def _timed(forward, cache, count: int, compiled: bool) -> float:
     """One forward + LM head over ``count`` tokens, compiled or through the modules."""
-    return _forward_seconds(model, cache, count, compiled=compiled)
+    return forward_seconds(forward, cache, count, compiled=compiled)
 
 
 def main() -> None:
@@ -38,11 +38,11 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/forward_ab.json")
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, None, need_drafter=False)
-    model = runtime.model
-    cache = llm.make_cache(model)
+    forward = runtime.verifier.forward  # the device plan's forward (compiled halves on the CPU)
+    cache = runtime.verifier.new_cache()
     tokens = mx.arange(args.context) % 100 + 10
     prefix = llm.chain_mask(0, args.context)
-    mx.eval(llm.forward(model, tokens, mx.arange(args.context), prefix, cache))
+    mx.eval(llm.forward(runtime.model, tokens, mx.arange(args.context), prefix, cache))
     cache.commit(list(range(args.context)))
     rows = {}
     for size in (int(s) for s in args.sizes.split(",")):
@@ -50,7 +50,7 @@ def main() -> None:
         for rep in range(args.repetitions + 1):
             pairs = [("modules_1", 1, False), ("modules", size, False), ("compiled", size, True)]
             for name, count, compiled in pairs[rep % 3 :] + pairs[: rep % 3]:
-                seconds = _timed(model, cache, count, compiled)
+                seconds = _timed(forward, cache, count, compiled)
                 if rep:  # the first round is warm-up (and traces the compiled blocks)
                     runs[name].append(seconds)
         base = statistics.median(runs["modules_1"])

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_verifier
 from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.decode import Decoding, Verifier
+from redrafter_mlx.core.generate import decode_steps
+from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH, load_prompts
@@ -35,10 +37,8 @@ from redrafter_mlx.tuning.measure import environment
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
-def tokens(decoder: Decoder, prompt: list[int], n: int, autoregressive: bool) -> list[int]:
-    steps = (decoder.autoregressive if autoregressive else decoder.speculative)(
-        decoder.new_cache(), prompt
-    )
+def tokens(verifier: Verifier, decoding: Decoding, prompt: list[int], n: int) -> list[int]:
+    steps = decode_steps(verifier, verifier.new_cache(), prompt, decoding)
     out: list[int] = []
     for step in steps:
         out += step.tokens
@@ -75,14 +75,16 @@ def main() -> None:
     mx.eval(runtime.model.parameters(), runtime.drafter.drafter.parameters())
     plan = CPU_PLAN if args.plan == "cpu" else GENERIC_PLAN
     shape = BeamShape(args.beam_width, args.beam_length)
-    plain = Decoder(runtime.model, greedy, plan=plan)
-    fast = Decoder(runtime.model, greedy, runtime.drafter, shape, plan=plan)
+    # built after the cast: a forward's compiled layers hold the weights they were built with
+    verifier = build_verifier(runtime.model, runtime.drafter, plan=plan)
+    plain = Decoding(Mode.AUTOREGRESSIVE, shape, greedy)
+    fast = Decoding(Mode.REDRAFTER, shape, greedy)
     rows = []
     prompts = [turns[0] for turns in load_prompts(args.prompts, args.num_prompts, 1)]
     for i, text in enumerate(prompts):
         ids = rt.encode_chat(runtime, [{"role": "user", "content": text}])
-        want = tokens(plain, ids, args.max_tokens, autoregressive=True)
-        got = tokens(fast, ids, args.max_tokens, autoregressive=False)
+        want = tokens(verifier, plain, ids, args.max_tokens)
+        got = tokens(verifier, fast, ids, args.max_tokens)
         first = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
         row = {"prompt": i, "tokens": len(want), "first_divergence": first}
         if first is not None:

@@ -24,7 +24,7 @@ reexec_with_blas()  # before MLX loads: the BLAS the console script runs with
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, plan_for  # noqa: E402
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, make_forward, plan_for  # noqa: E402
 from redrafter_mlx.core import llm  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
@@ -32,13 +32,13 @@ from redrafter_mlx.tuning.measure import environment  # noqa: E402
 PATHS = {"generic": GENERIC_PLAN, "llama": CPU_PLAN}
 
 
-def _seconds(model, cache, count: int, plan) -> float:
+def _seconds(forward, cache, count: int) -> float:
     tokens = mx.zeros((count,), mx.int32)
     positions = mx.arange(cache.offset, cache.offset + count)
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
     tic = time.perf_counter()
-    hidden = llm.forward(model, tokens, positions, mask, cache, plan=plan)
-    mx.eval(llm.lm_head(model, hidden))
+    hidden = forward(tokens, positions, mask, cache)
+    mx.eval(forward.lm_head(hidden))
     return time.perf_counter() - tic
 
 
@@ -54,19 +54,24 @@ def main() -> None:
         p.error("this compares the CPU plan's specialisation: run it on the CPU backend")
     runtime = rt.load_runtime(args.model, None, need_drafter=False)
     model = runtime.model
+    # each path's forward, built once (the runtime's own is the CPU plan's: no second copy)
+    forwards = {
+        name: runtime.verifier.forward if plan is runtime.plan else make_forward(model, plan)
+        for name, plan in PATHS.items()
+    }
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         cache = llm.make_cache(model)
         tokens = mx.arange(context) % 100 + 10
         mask = llm.chain_mask(0, context)
-        mx.eval(llm.forward(model, tokens, mx.arange(context), mask, cache, compiled=False))
+        mx.eval(llm.forward(model, tokens, mx.arange(context), mask, cache))
         cache.commit(list(range(context)))
         for size in (int(s) for s in args.sizes.split(",")):
             runs = {name: [] for name in PATHS}
             names = list(PATHS)
             for rep in range(args.repetitions + 1):
                 for name in names[rep % 2 :] + names[: rep % 2]:
-                    seconds = _seconds(model, cache, size, PATHS[name])
+                    seconds = _seconds(forwards[name], cache, size)
                     if rep:
                         runs[name].append(seconds)
             ms = {k: statistics.median(v) * 1e3 for k, v in runs.items()}

@@ -21,10 +21,20 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.cli import bench
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
-from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, MLX_LM, REDRAFTER, Method, Record
+from redrafter_mlx.io.prompts import load_prompts
+from redrafter_mlx.tuning.measure import (
+    AUTOREGRESSIVE,
+    MLX_LM,
+    REDRAFTER,
+    Method,
+    Record,
+    environment,
+    measure,
+    per_case_median,
+    speedups,
+)
 
 CONFIGS = ((2, 1), (3, 2), (4, 0), (4, 1), (4, 2), (4, 3), (5, 2), (5, 4), (6, 5))  # (L, k)
 
@@ -40,14 +50,25 @@ class OracleDrafter:
     def _token(self, i: int) -> int:
         return self.reference[i] if i < len(self.reference) else 0
 
-    def __call__(self, context, pending, *, width: int, length: int):
-        beams, logprobs = self.real(context, pending, width=width, length=length)
+    def search(self, context, pending, *, width: int, length: int, **options):
+        """The real search (its cost and host reads), its beams replaced (the verifier's
+        drafter call: ``BeamDrafter.search``)."""
+        beams, logprobs, syncs = self.real.search(
+            context, pending, width=width, length=length, **options
+        )
         k = min(self.correct, length - 1)
         row = [self._token(self.pos + i) for i in range(length)]
         row[k + 1 :] = [(t + 1) % self.vocab for t in row[k + 1 :]]  # wrong on purpose
         self.pos += k + 1
         oracle = mx.array([row] * width, dtype=mx.int32)
-        return oracle + 0 * beams, logprobs  # keeps the real search in the graph
+        return oracle + 0 * beams, logprobs, syncs  # keeps the real search in the graph
+
+    def __call__(self, context, pending, **options):
+        beams, logprobs, _ = self.search(context, pending, **options)
+        return beams, logprobs
+
+    def warm_up(self, context, pending, **options) -> None:
+        self.real.warm_up(context, pending, **options)
 
 
 def name(length: int, correct: int) -> str:
@@ -61,15 +82,16 @@ def run_case(runtime, prompt, case, rep, reference, args) -> list[Record]:
     records = []
     for job in jobs[k:] + jobs[:k]:
         if isinstance(job, str):
-            run = bench.measure(runtime, Method(job), prompt, max_tokens=args.max_tokens)
+            run = measure(runtime, Method(job), prompt, max_tokens=args.max_tokens)
             records.append(Record(job, case, rep, run))
             continue
         length, correct = job
         vocab = runtime.model.args.vocab_size
         oracle = OracleDrafter(runtime.drafter, reference, correct, vocab)
-        rt_oracle = dataclasses.replace(runtime, drafter=oracle)
+        verifier = dataclasses.replace(runtime.verifier, drafter=oracle)  # the same forward
+        rt_oracle = dataclasses.replace(runtime, drafter=oracle, verifier=verifier)
         method = Method(REDRAFTER, BeamShape(1, length))
-        run = bench.measure(rt_oracle, method, prompt, max_tokens=args.max_tokens)
+        run = measure(rt_oracle, method, prompt, max_tokens=args.max_tokens)
         records.append(Record(name(length, correct), case, rep, run))
     return records
 
@@ -80,14 +102,14 @@ def summary(records: list[Record], references: dict[int, list[int]]) -> list[dic
         mine = [r for r in records if r.method == method]
         steps = sum(r.run.steps for r in mine)
         emitted = sum(sum(k * v for k, v in r.run.accept_histogram.items()) for r in mine)
-        tps = list(bench.per_case_median(records, method).values())
+        tps = list(per_case_median(records, method).values())
         rows.append(
             {
                 "method": method,
                 "generation_tps": statistics.median(tps),
                 "tokens_per_step": emitted / max(steps, 1),
-                "speedup_vs_mlx-lm": bench.speedups(records, method, MLX_LM)["ratio_of_medians"],
-                "speedup_vs_autoregressive": bench.speedups(records, method, AUTOREGRESSIVE)[
+                "speedup_vs_mlx-lm": speedups(records, method, MLX_LM)["ratio_of_medians"],
+                "speedup_vs_autoregressive": speedups(records, method, AUTOREGRESSIVE)[
                     "ratio_of_medians"
                 ],
                 "exact": all(r.run.tokens == references[r.case] for r in mine),
@@ -106,13 +128,13 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/oracle_ceiling.json")
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
-    convs = bench.load_prompts(None, args.num_prompts, 1)
+    convs = load_prompts(None, args.num_prompts, 1)
     prompts = [rt.encode_chat(runtime, [{"role": "user", "content": c[0]}]) for c in convs]
     references = {}
     for case, prompt in enumerate(prompts):  # the reference doubles as a warm-up
-        ar = bench.measure(runtime, Method(AUTOREGRESSIVE), prompt, max_tokens=args.max_tokens)
+        ar = measure(runtime, Method(AUTOREGRESSIVE), prompt, max_tokens=args.max_tokens)
         references[case] = ar.tokens
-    bench.measure(runtime, Method(MLX_LM), prompts[0], max_tokens=8)
+    measure(runtime, Method(MLX_LM), prompts[0], max_tokens=8)
     records = []
     for rep in range(args.repetitions):
         for case, prompt in enumerate(prompts):
@@ -125,7 +147,7 @@ def main() -> None:
             f"{row['tokens_per_step']:.2f} tok/step  x mlx-lm {row['speedup_vs_mlx-lm']:.2f}  "
             f"x AR {row['speedup_vs_autoregressive']:.2f}  exact {row['exact']}"
         )
-    report = {"environment": bench.environment(runtime), "settings": vars(args), "rows": rows}
+    report = {"environment": environment(runtime), "settings": vars(args), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
 

@@ -53,7 +53,7 @@ def main() -> None:
         for case, prompt in enumerate(prompts):
             order = ("new", "old") if (rep + case) % 2 == 0 else ("old", "new")
             for variant in order:
-                rt.make_sampler = samplers[variant]  # what rt.make_decoder builds with
+                rt.make_sampler = samplers[variant]  # what rt.decoding builds with
                 for m in METHODS:
                     run = measure(
                         runtime, m, prompt, max_tokens=args.max_tokens, temp=args.temp, seed=case

@@ -1,7 +1,7 @@
 """Tokens/s through `redrafter-mlx serve` against the library in one run: the HTTP overhead
 per token.
 
-This process loads the model and decodes each prompt with the library (``stream_steps``, one
+This process loads the model and decodes each prompt with the library (a ``Session``, one
 KV cache reused from request to request as the server's is); a server started from the same
 checkout at the same beam shape answers the same prompts, whole (one JSON response) and
 streamed (server-sent events). Each prompt goes twice through each side, in the same order
@@ -34,7 +34,7 @@ from redrafter_mlx.backend.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads: the BLAS the console script (and so the server) runs with
 
-from redrafter_mlx.core.generate import stream_steps  # noqa: E402
+from redrafter_mlx.core.session import Session  # noqa: E402
 from redrafter_mlx.core.shape import SHAPE_FIELDS  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
@@ -42,21 +42,17 @@ from redrafter_mlx.tuning.measure import environment  # noqa: E402
 from redrafter_mlx.tuning.profiles import resolve_shape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE_FLAGS = ("--beam-width", "--beam-length", "--min-prob", "--search-width")
+SHAPE_FLAGS = ("--beam-width", "--beam-length", "--min-prob", "--search-width", "--lookup")
 
 
-def library_run(runtime, decoder, cache, messages: list[dict], max_tokens: int) -> dict:
+def library_run(runtime, session: Session, messages: list[dict], max_tokens: int) -> dict:
     """One greedy answer through the library, the cache reused as the server reuses its own."""
     tic = time.perf_counter()
     ids = rt.encode_chat(runtime, messages)
-    reused = cache.reuse_prefix(ids)
     parts, stamps = [], []
-    for step in stream_steps(
-        decoder, runtime.tokenizer, ids[reused:], max_tokens=max_tokens, cache=cache
-    ):
+    for step in session.generate(ids, max_tokens=max_tokens):
         parts.append(step.text)
         stamps += [time.perf_counter()] * len(step.tokens)
-    cache.rewind(len(cache.ids))
     return timing("".join(parts), step.stats.generation_tokens, tic, stamps)
 
 
@@ -182,9 +178,7 @@ def main() -> None:
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     shape, source = resolve_shape(runtime)  # the server gets it as flags: the very same shape
-    decoder = rt.make_decoder(runtime, shape)
-    decoder.warm_up()
-    cache = decoder.new_cache()
+    session = Session(runtime.verifier, runtime.tokenizer, rt.decoding(runtime, shape))  # warmed
     conversations = load_prompts(args.prompts, args.num_prompts, 1)
     process, port, log = start_server(args, shape)
     pairs = []
@@ -198,9 +192,7 @@ def main() -> None:
                     sides = ("server", "library") if server_first else ("library", "server")
                     for side in sides:
                         if side == "library":
-                            pair[side] = library_run(
-                                runtime, decoder, cache, messages, args.max_tokens
-                            )
+                            pair[side] = library_run(runtime, session, messages, args.max_tokens)
                         else:
                             stream = kind == "stream"
                             pair[side] = server_run(port, messages, args.max_tokens, stream=stream)

@@ -31,6 +31,7 @@ if __name__ == "__main__":
 
 import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloaded BLAS)
 
+from redrafter_mlx.backend.fused import attention  # noqa: E402
 from redrafter_mlx.backend.plan import CPU_PLAN  # noqa: E402
 from redrafter_mlx.core import llm  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
@@ -43,21 +44,33 @@ def _seconds(fn) -> float:
     return time.perf_counter() - tic
 
 
-def _forward(model, cache, count: int):
+def _forward(forward, cache, count: int):
     """The decode forward + LM head over ``count`` tokens after the cache (lazy)."""
     positions = mx.arange(cache.offset, cache.offset + count)
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
-    hidden = llm.forward(model, mx.zeros((count,), mx.int32), positions, mask, cache)
-    return llm.lm_head(model, hidden)
+    hidden = forward(mx.zeros((count,), mx.int32), positions, mask, cache)
+    return forward.lm_head(hidden)
 
 
-def _weights(model) -> list[mx.array]:
-    """The matrices a decode forward multiplies by (stacked where the forward stacks them)."""
-    blocks = model._redrafter_compiled  # set by the first compiled forward
+def _weights(forward) -> list[mx.array]:
+    """The matrices a decode forward multiplies by (stacked where the forward stacks them:
+    the fused forward's ``layers.qkv`` / ``layers.gate_up``, else each projection's own)."""
+    layers = forward.model.model.layers
+    fused = getattr(forward, "layers", None)  # a FusedForward's compiled, stacked layers
+    qkvs = fused.qkv if fused is not None else [None] * len(layers)
+    gate_ups = fused.gate_up if fused is not None else [None] * len(layers)
     matrices = []
-    for layer, qkv, gate_up in zip(model.model.layers, blocks.qkv, blocks.gate_up, strict=True):
-        matrices += [qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight]
-    return [*matrices, model.model.embed_tokens.weight]
+    for layer, qkv, gate_up in zip(layers, qkvs, gate_ups, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        matrices += (
+            [qkv]
+            if qkv is not None
+            else [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        )
+        matrices.append(attn.o_proj.weight)
+        matrices += [gate_up] if gate_up is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
+        matrices.append(mlp.down_proj.weight)
+    return [*matrices, forward.model.model.embed_tokens.weight]
 
 
 def _products(matrices: list[mx.array], count: int) -> list[mx.array]:
@@ -72,13 +85,13 @@ def _products(matrices: list[mx.array], count: int) -> list[mx.array]:
 def _attention(model, cache, count: int) -> list[mx.array]:
     """Every layer's attention for ``count`` new tokens over the cache (lazy)."""
     attn = model.model.layers[0].self_attn
-    d = cache.shape[-1]
+    d = cache.keys[0].shape[-1]
     queries = mx.ones((1, attn.n_heads, count, d))
     end = cache.offset + count
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
     cpu = mx.default_device() == mx.cpu
     return [
-        llm._attention(queries, k[..., :end, :], v[..., :end, :], attn.scale, mask, cpu)
+        attention(queries, k[..., :end, :], v[..., :end, :], attn.scale, mask, cpu)
         for k, v in zip(cache.keys, cache.values, strict=True)
     ]
 
@@ -93,27 +106,28 @@ def main() -> None:
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     model, drafter = runtime.model, runtime.drafter
-    cache = llm.make_cache(model)
+    forward = runtime.verifier.forward  # the device plan's decode forward
+    cache = runtime.verifier.new_cache()
     tokens = mx.arange(args.context) % 100 + 10
     prefix = llm.chain_mask(0, args.context)
-    mx.eval(llm.forward(model, tokens, mx.arange(args.context), prefix, cache, compiled=False))
+    mx.eval(forward(tokens, mx.arange(args.context), prefix, cache, compiled=False))
     cache.commit(tokens.tolist())
     for count in (1, 2):
-        mx.eval(_forward(model, cache, count))  # trace the compiled blocks
-    matrices = _weights(model)
+        mx.eval(_forward(forward, cache, count))  # trace the compiled blocks
+    matrices = _weights(forward)
     megabytes = sum(w.nbytes for w in matrices) / 1e6
     context = mx.zeros((model.args.hidden_size,), llm.compute_dtype(model))
 
     def build(count: int) -> float:
         tic = time.perf_counter()
-        logits = _forward(model, cache, count)
+        logits = _forward(forward, cache, count)
         seconds = time.perf_counter() - tic
         mx.eval(logits)
         return seconds
 
     parts = {"draft": lambda: mx.eval(drafter(context, mx.array(10), width=1, length=2))}
     for count in (1, 2):
-        parts[f"forward_{count}"] = lambda c=count: mx.eval(_forward(model, cache, c))
+        parts[f"forward_{count}"] = lambda c=count: mx.eval(_forward(forward, cache, c))
         parts[f"build_{count}"] = lambda c=count: build(c)
         parts[f"weights_{count}"] = lambda c=count: mx.eval(_products(matrices, c))
         parts[f"attention_{count}"] = lambda c=count: mx.eval(_attention(model, cache, c))

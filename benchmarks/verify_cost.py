@@ -1,7 +1,7 @@
 """Verify-cost sweep: one target forward over T tokens relative to a one-token forward.
 
 ReDrafter's speedup is bounded by tokens/step divided by this ratio (at the step's tree size).
-Interleaved medians from ``bench.forward_cost_ratio``; run once with and once without OpenBLAS:
+Interleaved medians from ``measure.forward_cost_ratio``; run once with and once without OpenBLAS:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python benchmarks/verify_cost.py --out benchmarks/results/verify_cost.json
@@ -30,7 +30,7 @@ def main() -> None:
     ratios = {}
     for size in (int(s) for s in args.sizes.split(",")):
         ratios[size] = forward_cost_ratio(
-            runtime.model, size, context=args.context, repetitions=args.repetitions
+            runtime.verifier, size, context=args.context, repetitions=args.repetitions
         )
         print(f"T={size:3d}: {ratios[size]:.2f}x a one-token forward", flush=True)
     report = {

@@ -25,6 +25,7 @@ from redrafter_mlx.backend import blas
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ConfigError, ContextFull
 from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.service import Engine, GenerationService, QueueFull, Request
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
@@ -34,13 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------- the service, tiny models
 
 
-def tiny_service(target, drafter=None, *, queue_size=4, max_context=None) -> GenerationService:
+def tiny_service(
+    target, drafter=None, *, queue_size=4, max_context=None, plan=None
+) -> GenerationService:
     """A started service over the tiny target; prompts are token ids."""
     shape = BeamShape(2, 3)
     beams = None if drafter is None else BeamDrafter(drafter, target.model.embed_tokens)
 
     def setup() -> Engine:
-        verifier = verifier_for(target, beams, max_context=max_context)
+        verifier = verifier_for(target, beams, plan, max_context)
         mode = Mode.REDRAFTER if beams is not None else Mode.AUTOREGRESSIVE
         return Engine(verifier, toy_tokenizer(), list, mode, shape, shape)
 
@@ -128,6 +131,27 @@ def test_a_client_that_leaves_stops_its_generation_before_the_next_step(target, 
     queued = service.submit(Request([5], max_tokens=8))
     queued.cancel()
     assert queued.start() is None and queued.outcome == "cancelled"
+    service.close()
+
+
+def test_a_client_that_leaves_during_the_prompt_stops_it_between_chunks(target, drafter):
+    """A long prompt is fed in chunks; a client gone meanwhile stops it before the next chunk
+    (it used to run the whole prefill, minutes for a long prompt), the chunks fed stay a
+    prefix the next request reuses, and the service goes on."""
+    calls = []
+
+    def client_gone() -> bool:  # before the job starts, then between prompt chunks
+        calls.append(1)
+        return len(calls) > 2
+
+    service = tiny_service(target, drafter, plan=Plan(prefill_chunk=8))
+    prompt = [5 + i % 50 for i in range(80)]  # 10 chunks
+    job = service.submit(Request(prompt, max_tokens=8), client_gone)
+    assert job.start() is None and job.outcome == "cancelled"
+    assert service.session.cache.offset == 16  # two chunks fed, stopped before the third
+    again = service.submit(Request(prompt, max_tokens=8))
+    assert again.start().cached_tokens == 16
+    assert [t for s in again.steps() for t in s.tokens] == reference_tokens(target, prompt, 8)
     service.close()
 
 

@@ -45,7 +45,7 @@ from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
-from redrafter_mlx.core.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
+from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask, verified_size
 
 PHASES = ("draft", "pack", "verify", "accept", "compact")
 
@@ -253,9 +253,42 @@ class Verifier:
 
     def _speculative_step(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """pack -> verify -> accept -> compact -> draft from ``state``'s pending token, its
-        drafted beams and, with an index, its lookup beams."""
-        cache, timer, shape = state.cache, state.timer, state.decoding.shape
+        drafted beams and, with an index, its lookup beams; then the step's one host read."""
+        cache, timer, decoding = state.cache, state.timer, state.decoding
         timer.start()
+        beams, tree, size = self._pack(state)
+        hidden, result = self._verify(state, beams, tree)
+        if not tree.paths_in_place:
+            cache.compact(result.path)
+        timer.mark("compact", *cache.state())
+        drafted, draft_syncs = self._draft(decoding, hidden[result.last_node], result.next_token)
+        chosen = mx.stack([result.best, result.num_accepted, result.next_token])
+        read, next_logprobs = self._read(decoding, chosen, drafted)
+        timer.mark("draft")
+        best, num_accepted, next_token = (int(x) for x in read[:3])
+        root_and_accepted = beams[best, : num_accepted + 1].tolist()
+        cache.commit(root_and_accepted)
+        if state.index is not None:
+            state.index.extend(root_and_accepted)
+        step = Step(
+            root_and_accepted[1:] + [next_token],
+            tree_size=size,
+            syncs=1 + draft_syncs,
+            accepted_from=accepted_source(beams, len(state.beams), best, num_accepted),
+        )
+        new = replace(
+            state,
+            pending=next_token,
+            beams=self._beams(decoding, read[3:]),
+            logprobs=next_logprobs,
+            steps=state.steps + 1,
+        )
+        return new, step
+
+    def _pack(self, state: DecodeState) -> tuple[np.ndarray, Tree, int]:
+        """The step's beams ``(W + k, L)`` (cut short near the context's end), their packed,
+        pruned and padded tree, and its size before padding."""
+        cache, shape = state.cache, state.decoding.shape
         beams, logprobs = self._with_lookup(state)
         self.check_room(cache, 1)  # the root's position
         room = None if self.max_context is None else self.max_context - cache.offset
@@ -266,7 +299,12 @@ class Verifier:
         if logprobs is not None:
             tree = prune(tree, logprobs, shape.min_prob, self.plan.tree_sizes)
         size = tree.size
-        tree = pad_tree(tree, verified_size(size, self.plan.tree_sizes))
+        return beams, pad_tree(tree, verified_size(size, self.plan.tree_sizes)), size
+
+    def _verify(self, state: DecodeState, beams: np.ndarray, tree: Tree):
+        """One target forward over ``tree`` (K/V into the cache's scratch) and the acceptance
+        of ``beams``, lazily -> ``(hidden (T, H), Acceptance)``."""
+        cache, timer = state.cache, state.timer
         mask = tree_mask(tree, cache.offset)
         positions = mx.array(cache.offset + tree.depths)
         timer.mark("pack", mask)
@@ -284,37 +322,7 @@ class Verifier:
             state.decoding.sampler,
         )
         timer.mark("accept", result.num_accepted, result.next_token)
-        if not tree.paths_in_place:
-            cache.compact(result.path)
-        timer.mark("compact", *cache.state())
-        drafted, draft_syncs = self._draft(
-            state.decoding, hidden[result.last_node], result.next_token
-        )
-        read, next_logprobs = self._read(
-            state.decoding, mx.stack([result.best, result.num_accepted, result.next_token]), drafted
-        )
-        timer.mark("draft")
-        best, num_accepted, next_token = (int(x) for x in read[:3])
-        root_and_accepted = beams[best, : num_accepted + 1].tolist()
-        cache.commit(root_and_accepted)
-        if state.index is not None:
-            state.index.extend(root_and_accepted)
-        drafted_beams = 0 if state.beams is None else len(state.beams)
-        step = Step(
-            root_and_accepted[1:] + [next_token],
-            tree_size=size,
-            syncs=1 + draft_syncs,
-            accepted_from=accepted_source(beams, drafted_beams, best, num_accepted),
-        )
-        next_beams = self._beams(state.decoding, read[3:])
-        new = replace(
-            state,
-            pending=next_token,
-            beams=next_beams,
-            logprobs=next_logprobs,
-            steps=state.steps + 1,
-        )
-        return new, step
+        return hidden, result
 
     # -- drafting and the host read
 

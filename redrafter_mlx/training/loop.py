@@ -156,7 +156,7 @@ def run_loop(
     with Progress(*_train_columns(), disable=opts.quiet) as bar:
         task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="")
         while state["step"] < total:
-            rows = _batch_rows(examples, state["step"], opts)
+            rows = batch_rows(examples, state["step"], opts)
             losses.append(trainer.step(examples, rows, ranks))
             state["step"] = step = state["step"] + 1
             elapsed = _clock(start, opts, ranks)
@@ -232,7 +232,7 @@ def _train_columns() -> tuple:
     )
 
 
-def _batch_rows(examples: Examples, step: int, opts: TrainOptions) -> np.ndarray:
+def batch_rows(examples: Examples, step: int, opts: TrainOptions) -> np.ndarray:
     """The example positions ``(B,)`` of optimizer step ``step``: each epoch is its own
     permutation (seeded by ``seed + epoch``), so a resumed run draws the same batches."""
     per_epoch = max(len(examples.starts) // opts.batch_size, 1)

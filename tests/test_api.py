@@ -1,0 +1,59 @@
+"""The Python API: the README's example runs as written, and importing it loads the fast BLAS."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from redrafter_mlx.backend.blas import OPENBLAS
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_python_example() -> str:
+    """The first ``python`` block of the README's "Python API" section."""
+    section = README.read_text().split("## Python API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_runs_as_written():
+    done = subprocess.run(
+        [sys.executable, "-c", readme_python_example()], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout and "tokens/step" in done.stdout
+    assert "Prompt:" in done.stdout and "Generation:" in done.stdout  # verbose, as mlx-lm's
+
+
+@pytest.mark.skipif(not Path(OPENBLAS).exists(), reason="no Debian OpenBLAS on this machine")
+def test_importing_the_api_before_mlx_loads_openblas_in_process():
+    """Without LD_PRELOAD, ``import redrafter_mlx.api`` (first) makes MLX multiply with
+    OpenBLAS; importing MLX first leaves it too late, said in one warning with the fix."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.pop("REDRAFTER_SMALLROWS_NEXT", None)
+    first = "import redrafter_mlx.api; from redrafter_mlx.backend.blas import blas_in_use; "
+    first += "print(blas_in_use())"
+    done = subprocess.run([sys.executable, "-c", first], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("OpenBLAS") and "MLX was imported" not in done.stderr
+    late = "import mlx.core; import warnings; warnings.simplefilter('always'); "
+    late += "import redrafter_mlx.api"
+    done = subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "MLX was imported before redrafter_mlx" in done.stderr
+    assert "LD_PRELOAD=" in done.stderr
+
+
+def test_the_package_exports_the_api_lazily():
+    """``import redrafter_mlx`` (what the console script does first) must not import MLX."""
+    code = "import sys, redrafter_mlx; print('mlx' in sys.modules); "
+    code += "print(callable(redrafter_mlx.stream_generate), 'mlx' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True"]
