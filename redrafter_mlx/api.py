@@ -129,6 +129,7 @@ def stream_generate(
     stop_strings: tuple[str, ...] = (),
     seed: int | None = None,
     drafter: BeamDrafter | None = None,
+    logprobs: bool = False,
 ) -> Iterator[GenerationResponse]:
     """mlx-lm's ``stream_generate``: one :class:`GenerationResponse` per token, with mlx-lm's
     fields plus ``stats`` (tokens/step, accepted drafts, tree sizes, host reads).
@@ -137,7 +138,9 @@ def stream_generate(
     keywords override this chip's autotune profile or the default; ``autoregressive`` decodes
     one token per step. ``drafter``: a plain mlx-lm model's drafter (as mlx-lm's
     ``draft_model``), bound to its embedding (``BeamDrafter(drafter, model.model.embed_tokens)``).
-    The output is the target's own: greedy token for token, sampled from the same distribution.
+    ``logprobs``: each response carries the target's log-probs ``(V,)`` its token was chosen
+    from, as mlx-lm's do (off by default: a log-softmax per token). The output is the
+    target's own: greedy token for token, sampled from the same distribution.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -155,7 +158,8 @@ def stream_generate(
         shape=shape,
         autoregressive=autoregressive or (verifier.drafter is None and not shape.lookup),
     )
-    session = Session(verifier, tokenizer, Decoding(mode, shape, sampler or greedy), seed=seed)
+    decoding = Decoding(mode, shape, sampler or greedy, logprobs=logprobs)
+    session = Session(verifier, tokenizer, decoding, seed=seed)
     steps = session.generate(
         _prompt_ids(tokenizer, prompt), max_tokens=max_tokens, stop_strings=stop_strings
     )

@@ -155,7 +155,7 @@ def test_oracle_drafter_gets_full_beams(target, width, length, plan):
 def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
     reads = []
     real = decode._host_read
-    monkeypatch.setattr(decode, "_host_read", lambda *x: reads.append(1) or real(*x))
+    monkeypatch.setattr(decode, "_host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
     _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4)
     assert len(reads) == steps + 1  # one per step, plus the one after prefill
 

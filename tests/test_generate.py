@@ -133,3 +133,43 @@ def test_stream_generate_on_a_plain_mlx_lm_model_equals_mlx_lm(model, lookup):
     assert ours[-1].prompt_tokens == theirs[-1].prompt_tokens
     text = redrafter_mlx.generate(model, tokenizer, prompt, lookup=lookup, **options)
     assert text == "".join(r.text for r in theirs)
+
+
+@pytest.mark.parametrize("shape", [None, BeamShape(1, 3), BeamShape(3, 4, lookup=2)])
+def test_logprobs_equal_mlx_lm_s_token_by_token(model, shape, monkeypatch):
+    """With ``logprobs=True`` every response carries the target's log-probs its token was
+    chosen from: in float32 those of mlx-lm's own stream (plain decoding, or rows of the
+    verified tree), at no extra host read."""
+    import mlx_lm
+
+    import redrafter_mlx
+    from redrafter_mlx.core import decode
+
+    tokenizer = toy_tokenizer()
+    theirs = list(mlx_lm.stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=20))
+    drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
+    options = (
+        {"autoregressive": True}
+        if shape is None
+        else {
+            "drafter": drafter,
+            "beam_width": shape.width,
+            "beam_length": shape.length,
+            "lookup": shape.lookup,
+        }
+    )
+    reads, real = [], decode._host_read
+    monkeypatch.setattr(decode, "_host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    ours = list(
+        redrafter_mlx.stream_generate(
+            model, tokenizer, PROMPT, max_tokens=20, logprobs=True, **options
+        )
+    )
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    for mine, want in zip(ours, theirs, strict=True):
+        assert mine.logprobs.shape == want.logprobs.shape == (64,)
+        np.testing.assert_allclose(mine.logprobs, want.logprobs, atol=1e-4)
+    if shape is not None:
+        assert len(reads) == ours[-1].stats.steps + 1  # one per step, plus the prefill's
+    plain = list(redrafter_mlx.stream_generate(model, tokenizer, PROMPT, max_tokens=4))
+    assert all(r.logprobs is None for r in plain)  # off by default

@@ -173,7 +173,7 @@ def test_one_host_read_per_step_with_lookup_beams(small, with_drafter, monkeypat
     model, drafter = small
     reads = []
     real = decode._host_read
-    monkeypatch.setattr(decode, "_host_read", lambda *x: reads.append(1) or real(*x))
+    monkeypatch.setattr(decode, "_host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
     shape = BeamShape(2, 4, lookup=3)
     _, steps, _ = decode_with(model, drafter if with_drafter else None, [1, 2, 3], 40, shape)
     assert len(reads) == steps + 1  # one per step, plus the one after prefill

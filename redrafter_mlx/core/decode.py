@@ -57,6 +57,9 @@ class Decoding:
     mode: Mode
     shape: BeamShape
     sampler: Sampler = greedy
+    # Steps also return the target's log-probs of each emitted token (evaluated with the
+    # step's one read: no extra host read, a log-softmax per emitted token more).
+    logprobs: bool = False
 
 
 @dataclass
@@ -69,6 +72,9 @@ class Step:
     # Where the accepted drafts came from: "drafter", "lookup", "both" (a beam of each source
     # held them) or None (none accepted).
     accepted_from: str | None = None
+    # (len(tokens), V): row i the target's log-probs the i-th token was chosen from (with
+    # ``Decoding.logprobs``, else None)
+    logprobs: mx.array | None = None
 
 
 class PhaseTimer:
@@ -112,6 +118,7 @@ class DecodeState:
     index: NgramIndex | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     steps: int = 0  # decode steps taken since the prefill
+    pending_logprobs: mx.array | None = None  # (1, V) autoregressive, with Decoding.logprobs
 
 
 @dataclass(frozen=True)
@@ -162,14 +169,19 @@ class Verifier:
         the chunks fed so far stay committed, a prefix the next prompt can reuse)."""
         self.check(decoding)
         timer = timer or PhaseTimer()
-        pending, context = self._feed(cache, prompt, decoding.sampler, cancelled)
+        pending, context, logits = self._feed(cache, prompt, decoding.sampler, cancelled)
+        token_logprobs = log_softmax(logits) if decoding.logprobs else None
         if not decoding.mode.speculative:
-            state = DecodeState(cache, decoding, pending[None], timer=timer)
+            mx.async_eval(pending, *([] if token_logprobs is None else [token_logprobs]))
+            state = DecodeState(
+                cache, decoding, pending[None], timer=timer, pending_logprobs=token_logprobs
+            )
             return state, None  # the first token is emitted by the first step (pipelined)
-        read, beams, logprobs = self._first_draft(decoding, context, pending)
+        keep = () if token_logprobs is None else (token_logprobs,)
+        read, beams, logprobs = self._first_draft(decoding, context, pending, keep)
         index = NgramIndex(cache.ids) if decoding.shape.lookup else None
         state = DecodeState(cache, decoding, int(read[0]), beams, logprobs, index, timer)
-        return state, Step([int(read[0])])
+        return state, Step([int(read[0])], logprobs=token_logprobs)
 
     def probe(self, cache: KVCache, decoding: Decoding) -> DecodeState:
         """A speculative state after the cached tokens, as if the last of them were fed again:
@@ -177,7 +189,7 @@ class Verifier:
         length; rewind the cache to its offset after each step)."""
         cache.reserve(1)
         token = mx.array([cache.ids[-1] if cache.ids else 0])
-        choice, hidden = self.one_token(cache, token, decoding.sampler)
+        choice, hidden, _ = self._next_token(cache, token, decoding.sampler)
         pending = _host_read(choice)
         read, beams, logprobs = self._first_draft(
             decoding, hidden[-1], mx.array(int(pending[0]), mx.int32)
@@ -197,8 +209,14 @@ class Verifier:
     ) -> tuple[mx.array, mx.array]:
         """Feed ``token (1,)`` at ``cache.offset`` (not committed) -> the sampler's next token
         ``(1,)`` and the hidden state ``(1, H)``, lazily."""
+        choice, hidden, _ = self._next_token(cache, token, sampler)
+        return choice, hidden
+
+    def _next_token(self, cache: KVCache, token: mx.array, sampler: Sampler):
+        """:meth:`one_token`, and the logits ``(1, V)`` the choice was made from."""
         hidden = self.forward(token, mx.array([cache.offset]), None, cache)
-        return choose(self.forward.lm_head(hidden), sampler), hidden
+        logits = self.forward.lm_head(hidden)
+        return choose(logits, sampler), hidden, logits
 
     def has_room(self, cache: KVCache, needed: int) -> bool:
         return self.max_context is None or cache.offset + needed <= self.max_context
@@ -211,7 +229,8 @@ class Verifier:
             )
 
     def _feed(self, cache: KVCache, prompt: list[int], sampler: Sampler, cancelled):
-        """Feed ``prompt`` in chunks -> the next token ``()`` and its context (H,)."""
+        """Feed ``prompt`` in chunks -> the next token ``()``, its context (H,) and the logits
+        ``(1, V)`` it was chosen from."""
         if not prompt:
             raise ValueError("empty prompt: nothing to condition on")
         self.check_room(cache, len(prompt) + 1)
@@ -228,7 +247,7 @@ class Verifier:
             cache.commit(chunk)
         logits = self.forward.lm_head(hidden[-1:])
         token = choose(logits, sampler)[0]
-        return token.astype(mx.int32), hidden[-1]
+        return token.astype(mx.int32), hidden[-1], logits
 
     def _autoregressive_step(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """Plain decoding with the same forward: one target pass, one token, one sync.
@@ -239,17 +258,22 @@ class Verifier:
         emitted token is in the cache (its K/V written, committed) when the step returns, but
         for the last one a full context has no room for.
         """
-        cache, token = state.cache, state.pending
+        cache, token, emitted_logprobs = state.cache, state.pending, state.pending_logprobs
         if not self.has_room(cache, 1):
             if token is None:  # the context's last token was emitted by the previous step
                 self.check_room(cache, 1)  # raises ContextFull
             value = token.item()  # the context's last token: no K/V needed
-            return replace(state, pending=None, steps=state.steps + 1), Step([value])
-        choice, _ = self.one_token(cache, token, state.decoding.sampler)  # this token's K/V
-        mx.async_eval(choice)
+            last = Step([value], logprobs=emitted_logprobs)
+            return replace(state, pending=None, steps=state.steps + 1), last
+        choice, _, logits = self._next_token(cache, token, state.decoding.sampler)  # its K/V
+        choice_logprobs = log_softmax(logits) if state.decoding.logprobs else None
+        mx.async_eval(choice, *([] if choice_logprobs is None else [choice_logprobs]))
         value = token.item()  # host read: this token (the next one is computing)
         cache.commit([value])
-        return replace(state, pending=choice, steps=state.steps + 1), Step([value])
+        new = replace(
+            state, pending=choice, steps=state.steps + 1, pending_logprobs=choice_logprobs
+        )
+        return new, Step([value], logprobs=emitted_logprobs)
 
     def _speculative_step(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """pack -> verify -> accept -> compact -> draft from ``state``'s pending token, its
@@ -257,13 +281,16 @@ class Verifier:
         cache, timer, decoding = state.cache, state.timer, state.decoding
         timer.start()
         beams, tree, size = self._pack(state)
-        hidden, result = self._verify(state, beams, tree)
+        hidden, logits, result = self._verify(state, beams, tree)
+        # the log-probs along the accepted beam: row i is what its i-th emitted token came from
+        path_logprobs = log_softmax(logits[result.path]) if decoding.logprobs else None
         if not tree.paths_in_place:
             cache.compact(result.path)
         timer.mark("compact", *cache.state())
         drafted, draft_syncs = self._draft(decoding, hidden[result.last_node], result.next_token)
         chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-        read, next_logprobs = self._read(decoding, chosen, drafted)
+        keep = () if path_logprobs is None else (path_logprobs,)
+        read, next_logprobs = self._read(decoding, chosen, drafted, keep)
         timer.mark("draft")
         best, num_accepted, next_token = (int(x) for x in read[:3])
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
@@ -275,6 +302,7 @@ class Verifier:
             tree_size=size,
             syncs=1 + draft_syncs,
             accepted_from=accepted_source(beams, len(state.beams), best, num_accepted),
+            logprobs=None if path_logprobs is None else path_logprobs[: num_accepted + 1],
         )
         new = replace(
             state,
@@ -303,7 +331,7 @@ class Verifier:
 
     def _verify(self, state: DecodeState, beams: np.ndarray, tree: Tree):
         """One target forward over ``tree`` (K/V into the cache's scratch) and the acceptance
-        of ``beams``, lazily -> ``(hidden (T, H), Acceptance)``."""
+        of ``beams``, lazily -> ``(hidden (T, H), logits (T, V), Acceptance)``."""
         cache, timer = state.cache, state.timer
         mask = tree_mask(tree, cache.offset)
         positions = mx.array(cache.offset + tree.depths)
@@ -322,7 +350,7 @@ class Verifier:
             state.decoding.sampler,
         )
         timer.mark("accept", result.num_accepted, result.next_token)
-        return hidden, result
+        return hidden, logits, result
 
     # -- drafting and the host read
 
@@ -346,27 +374,28 @@ class Verifier:
             options["min_prob"] = 0.0
         return options
 
-    def _first_draft(self, decoding: Decoding, context: mx.array, pending: mx.array):
-        """Draft from the prompt's (or any) state: one host read -> ``(read, beams,
-        logprobs)``, where ``read[0]`` is ``pending``."""
+    def _first_draft(self, decoding: Decoding, context: mx.array, pending: mx.array, keep=()):
+        """Draft from the prompt's (or any) state: one host read (``keep``'s arrays evaluated
+        with it) -> ``(read, beams, logprobs)``, where ``read[0]`` is ``pending``."""
         drafted, _ = self._draft(decoding, context, pending)
-        read, logprobs = self._read(decoding, pending[None], drafted)
+        read, logprobs = self._read(decoding, pending[None], drafted, keep)
         return read, self._beams(decoding, read[1:]), logprobs
 
     def _beams(self, decoding: Decoding, values: np.ndarray) -> np.ndarray:
         """The drafted beams ``(W, L)`` of a read (``(0, L)`` without a drafter)."""
         return values.reshape(-1, decoding.shape.length)
 
-    def _read(self, decoding: Decoding, values: mx.array, drafted: tuple):
+    def _read(self, decoding: Decoding, values: mx.array, drafted: tuple, keep=()):
         """The step's one host read: ``values`` then the drafted beams flattened (int), plus
-        the drafted tokens' log-probs when the tree is pruned by them (None otherwise)."""
+        the drafted tokens' log-probs when the tree is pruned by them (None otherwise);
+        ``keep``'s arrays are evaluated with it and stay on the device."""
         beams, logprobs = drafted
         ints = values.astype(mx.int32)
         if beams is not None:
             ints = mx.concatenate([ints, beams.reshape(-1)])
         if beams is None or not decoding.shape.min_prob:
-            return _host_read(ints), None
-        return _host_read(ints, logprobs)
+            return _host_read(ints, keep=keep), None
+        return _host_read(ints, logprobs, keep=keep)
 
     def _with_lookup(self, state: DecodeState):
         """The drafted beams ``(W, L)`` followed by the lookup beams of the pending token
@@ -439,8 +468,14 @@ def accepted_source(beams: np.ndarray, drafted: int, best: int, num_accepted: in
     return "both" if from_drafter and from_lookup else "drafter" if from_drafter else "lookup"
 
 
-def _host_read(*values: mx.array) -> np.ndarray | tuple[np.ndarray, ...]:
-    """The one place a decode step reads device values back to the host (one evaluation)."""
-    mx.eval(*values)
+def log_softmax(logits: mx.array) -> mx.array:
+    """Logits ``(..., V)`` -> log-probs ``(..., V)`` (what mlx-lm's responses carry)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _host_read(*values: mx.array, keep=()) -> np.ndarray | tuple[np.ndarray, ...]:
+    """The one place a decode step reads device values back to the host (one evaluation, of
+    ``keep``'s arrays too, which stay on the device)."""
+    mx.eval(*values, *keep)
     arrays = tuple(np.array(v) for v in values)
     return arrays[0] if len(arrays) == 1 else arrays

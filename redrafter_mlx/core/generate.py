@@ -86,6 +86,9 @@ class StepResponse:
     tokens: list[int]  # tokens emitted by this step (after stop rules)
     stats: GenerationStats
     finish_reason: str | None = None  # "stop", "length", "context" or None while running
+    # (len(tokens), V): the target's log-probs each token was chosen from (None unless the
+    # decoding asked for them, ``Decoding.logprobs``)
+    logprobs: mx.array | None = None
 
 
 @dataclass
@@ -95,15 +98,16 @@ class GenerationResponse:
 
     ``from_draft``: an accepted drafted token (the last token of each step is the target's own
     choice). ``text`` is the new text since the previous response; a step's text arrives with
-    its last token (its other tokens have ``""``). ``logprobs`` is None: the target's log-probs
-    stay on the device (reading them back would cost a host transfer per token). ``token`` is
-    None only on a last response that adds no token (an EOS or a full context ended the answer
-    after the previous one). ``stats``: the running :class:`GenerationStats`.
+    its last token (its other tokens have ``""``). ``logprobs`` ``(V,)``: the target's
+    log-probs the token was chosen from, as mlx-lm's (None unless asked for: they cost a
+    log-softmax per token). ``token`` is None only on a last response that adds no token (an
+    EOS or a full context ended the answer after the previous one). ``stats``: the running
+    :class:`GenerationStats`.
     """
 
     text: str
     token: int | None
-    logprobs: None
+    logprobs: mx.array | None
     from_draft: bool
     prompt_tokens: int
     prompt_tps: float
@@ -126,7 +130,7 @@ def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationRespons
             yield GenerationResponse(
                 text=step.text if i >= last else "",
                 token=token,
-                logprobs=None,
+                logprobs=None if step.logprobs is None or token is None else step.logprobs[i],
                 from_draft=i < last and stats.steps > 0,
                 prompt_tokens=stats.prompt_tokens,
                 prompt_tps=stats.prompt_tps,
@@ -222,7 +226,8 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
             end = len(detokenizer.text) - _stop_string_start(detokenizer.text, stop_strings)
         text, shown = detokenizer.text[shown:end], max(shown, end)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        yield StepResponse(text, emitted, stats, reason)
+        logprobs = None if step.logprobs is None else step.logprobs[: len(emitted)]
+        yield StepResponse(text, emitted, stats, reason, logprobs)
         if reason is not None:
             steps.close()
             return
