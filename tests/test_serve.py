@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_service(
-    target, drafter=None, *, queue_size=4, max_context=None, plan=None
+    target, drafter=None, *, queue_size=4, max_context=None, plan=None, **cache_bounds
 ) -> GenerationService:
     """A started service over the tiny target; prompts are token ids."""
     shape = BeamShape(2, 3)
@@ -47,7 +47,7 @@ def tiny_service(
         mode = Mode.REDRAFTER if beams is not None else Mode.AUTOREGRESSIVE
         return Engine(verifier, toy_tokenizer(), list, mode, shape, shape)
 
-    service = GenerationService(setup, queue_size=queue_size)
+    service = GenerationService(setup, queue_size=queue_size, **cache_bounds)
     service.start()
     return service
 
@@ -80,6 +80,48 @@ def test_answers_equal_plain_decoding_and_an_extending_prompt_reuses_the_cache(t
     assert [t for s in steps for t in s.tokens] == reference_tokens(target, extended, 12)
     other, _ = run(service.submit(Request([9, 8, 7], max_tokens=12)))  # shares nothing
     assert other == reference_tokens(target, [9, 8, 7], 12)
+    service.close()
+
+
+def conversation_turns(service, target, prompts: dict) -> dict:
+    """Two turns of each conversation in ``prompts``, interleaved (a1 b1 a2 b2): the cached
+    tokens each second turn found, after checking every answer against plain decoding."""
+    histories, cached = dict(prompts), {}
+    for turn in range(2):
+        for name, history in histories.items():
+            job = service.submit(Request(history, max_tokens=6))
+            started = job.start()
+            tokens = [t for s in job.steps() for t in s.tokens]
+            assert tokens == reference_tokens(target, history, 6)
+            histories[name] = history + tokens + [10, 11]  # the next user message
+            if turn:
+                cached[name] = started.cached_tokens
+    return cached
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_interleaved_conversations_each_keep_their_cache(target, drafter, size):
+    """An agent and its sub-agent alternating: with room for two conversations each second
+    turn reuses its whole history; with one, every switch re-reads it."""
+    service = tiny_service(target, drafter, prompt_cache_size=size)
+    prompts = {"agent": [5, 6, 7, 8, 9, 12, 13], "sub": [40, 41, 42, 43, 44, 45]}
+    cached = conversation_turns(service, target, prompts)
+    for name, prompt in prompts.items():
+        if size == 2:  # the first turn's prompt and answer (but its pending last token)
+            assert cached[name] >= len(prompt) + 6 - 1
+        else:
+            assert cached[name] == 0
+    assert len(service.prompt_cache.sessions) == size
+    service.close()
+
+
+def test_the_prompt_cache_drops_least_recently_used_conversations_beyond_its_bytes(target):
+    """A byte bound smaller than two caches keeps only the conversation in use."""
+    service = tiny_service(target, prompt_cache_size=4, prompt_cache_bytes=1)
+    conversation_turns(service, target, {"a": [5, 6, 7], "b": [40, 41, 42]})
+    assert len(service.prompt_cache.sessions) == 1
+    with pytest.raises(ValueError, match="prompt cache size 0"):
+        tiny_service(target, prompt_cache_size=0)
     service.close()
 
 

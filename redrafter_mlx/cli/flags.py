@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,17 @@ def non_negative(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """``2GB`` -> 2_000_000_000 (K, M, G, T, with or without B; a bare number is bytes)."""
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([KMGT]?)B?", text.strip().upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes such as 512MB or 2GB")
+    return int(float(match[1]) * BYTE_UNITS[match[2]])
 
 
 def probability(text: str) -> float:

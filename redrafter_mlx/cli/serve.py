@@ -10,8 +10,9 @@ connection), the one mlx-lm's server is built on; its request handler is tied to
 generator, so this module has its own. Generation runs on one worker thread
 (:class:`~redrafter_mlx.core.service.GenerationService`): requests are answered one at a
 time in arrival order, at most ``--queue-size`` wait (more get 503 with ``Retry-After``), a
-client that leaves stops its generation before the next step, and the KV cache is reused by a
-request that extends the previous conversation.
+client that leaves stops its generation before the next step or prompt chunk, and the KV
+caches of up to ``--prompt-cache-size`` conversations are kept, each reused by a request that
+extends it.
 """
 
 from __future__ import annotations
@@ -363,6 +364,20 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="requests that may wait behind the running one; more get 503 (default: 8)",
     )
     parser.add_argument(
+        "--prompt-cache-size",
+        type=flags.at_least(1),
+        default=4,
+        help="conversations whose KV caches are kept between requests, least recently used "
+        "dropped first (default: 4)",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=flags.byte_size,
+        default=None,
+        help="most bytes those KV caches may hold, e.g. 2GB or 512MB (default: no bound; the "
+        "conversation in use is always kept)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=flags.at_least(1),
         default=MAX_BODY_BYTES,
@@ -458,7 +473,12 @@ def main(args: argparse.Namespace) -> None:
         )
     server = listen(args.host, args.port)  # first: a taken port fails before the model loads
     loaded = Loaded()
-    service = GenerationService(engine_setup(args, loaded), queue_size=args.queue_size)
+    service = GenerationService(
+        engine_setup(args, loaded),
+        queue_size=args.queue_size,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+    )
     engine = service.start()
     server.app = App(
         service,

@@ -1,7 +1,7 @@
 """One generation at a time for many callers: a worker thread that owns the model, a bounded
-queue of requests in arrival order, and one :class:`Session` (one KV cache) reused by each
-request that extends the previous one (a chat client resending its conversation plus a new
-message).
+queue of requests in arrival order, and a :class:`PromptCache` of sessions (one KV cache per
+conversation, least recently used dropped first) so that a request extending any of the
+conversations held (a client resending its history plus a new message) reuses its cache.
 
 A caller ``submit``s a :class:`Request` and reads its :class:`Job`: :meth:`Job.start` gives the
 prompt's token counts (or raises what was wrong with it), :meth:`Job.steps` one
@@ -29,6 +29,7 @@ from redrafter_mlx.core.decode import Decoding, Verifier
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.prompt_cache import PromptCache, check_bounds
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
@@ -78,14 +79,16 @@ class Engine:
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
         return Decoding(self.mode, shape, sampler)
 
+    def warm_up(self) -> None:
+        """Compile what requests will run, so that answers do not stop to compile: the greedy
+        shape with the greedy sampler, the sampling shape with a sampler at temperature 1 (a
+        request at another temperature may still compile its sampler once)."""
+        for sampling in (Sampling(1.0), Sampling()):
+            self.verifier.warm_up(self.decoding_for(sampling))
+
     def new_session(self) -> Session:
-        """The worker's session, warmed up for what requests will run, so that answers do not
-        stop to compile: the greedy shape with the greedy sampler, the sampling shape with a
-        sampler at temperature 1 (a request at another temperature may still compile its
-        sampler once)."""
-        session = Session(self.verifier, self.tokenizer, self.decoding_for(Sampling(1.0)))
-        session.set_decoding(self.decoding_for(Sampling()))
-        return session
+        """A conversation's session (each request brings its own decoding)."""
+        return Session(self.verifier, self.tokenizer, self.decoding_for(Sampling()), warm=False)
 
 
 @dataclass(frozen=True)
@@ -154,12 +157,23 @@ class GenerationService:
     """Serves :class:`Request`\\ s one at a time, in arrival order, on one worker thread.
 
     ``setup`` builds the :class:`Engine` on the worker (load the model there); at most
-    ``queue_size`` requests wait behind the running one, more raise :class:`QueueFull`.
+    ``queue_size`` requests wait behind the running one, more raise :class:`QueueFull`; the
+    KV caches of at most ``prompt_cache_size`` conversations (and ``prompt_cache_bytes``) are
+    kept between requests.
     """
 
-    def __init__(self, setup: Callable[[], Engine], *, queue_size: int = 8):
+    def __init__(
+        self,
+        setup: Callable[[], Engine],
+        *,
+        queue_size: int = 8,
+        prompt_cache_size: int = 4,
+        prompt_cache_bytes: int | None = None,
+    ):
         if queue_size < 1:
             raise ValueError(f"queue size {queue_size}: need at least 1")
+        self._cache_bounds = {"max_sessions": prompt_cache_size, "max_bytes": prompt_cache_bytes}
+        check_bounds(prompt_cache_size, prompt_cache_bytes)  # here, not on the worker
         self._setup = setup
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._ready = threading.Event()
@@ -167,7 +181,8 @@ class GenerationService:
         self._thread = threading.Thread(target=self._run, name="redrafter-worker", daemon=True)
         self._running: Job | None = None
         self.engine: Engine | None = None
-        self.session: Session | None = None  # the worker's: its KV cache every request reuses
+        self.prompt_cache: PromptCache | None = None  # the worker's conversations
+        self.session: Session | None = None  # the last request's (its conversation's cache)
 
     # -- the caller's side
 
@@ -219,7 +234,8 @@ class GenerationService:
     def _run(self) -> None:
         try:
             self.engine = self._setup()
-            self.session = self.engine.new_session()
+            self.engine.warm_up()
+            self.prompt_cache = PromptCache(self.engine.new_session, **self._cache_bounds)
         except BaseException as e:  # reported by start(), on the caller's thread
             self._setup_error = e
             return
@@ -245,7 +261,8 @@ class GenerationService:
             return
         except Exception as e:  # a bug: say so to the caller, keep serving from a clean cache
             job.outcome = "failed"
-            self.session.reset()
+            if self.session is not None:
+                self.session.reset()
             job._put(e)
             return
         if job.outcome == "cancelled":
@@ -255,6 +272,7 @@ class GenerationService:
         """Run ``job`` to its end; "finished" or "cancelled"."""
         engine, request = self.engine, job.request
         ids = self._encode(request.prompt)
+        self.session = self.prompt_cache.take(ids)
         if request.sampling.seed is not None:
             mx.random.seed(request.sampling.seed)
         steps = self.session.generate(
@@ -278,6 +296,7 @@ class GenerationService:
             return "cancelled" if job.cancelled() else "finished"
         finally:
             steps.close()
+            self.prompt_cache.trim()
 
     def _encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt``; ConfigError when it is empty, cannot be templated, or

@@ -1,0 +1,92 @@
+"""Several conversations' KV caches for one server: a :class:`Session` per conversation, kept
+in least-recently-used order and bounded by count and bytes, each request answered by the
+session whose cached tokens it extends.
+
+Agents and chat front ends interleave conversations (an agent and its sub-agent, two tabs);
+with one cache every switch re-read the whole history. A request *extends* a session when it
+begins with all of that session's cached tokens but for a few at the end (a chat template may
+end the previous answer differently from how it was generated). A request that extends none
+gets a fresh session while there is room, else the least recently used one's cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from redrafter_mlx.core.cache import common_prefix
+from redrafter_mlx.core.session import Session
+
+TAIL = 8  # cached tokens at a conversation's end a resent history may spell differently
+
+
+class PromptCache:
+    """Sessions by recency (most recent last), at most ``max_sessions`` and, after each
+    request, at most ``max_bytes`` of KV cache (None: no byte bound; the session in use is
+    never dropped)."""
+
+    def __init__(
+        self,
+        new_session: Callable[[], Session],
+        *,
+        max_sessions: int = 4,
+        max_bytes: int | None = None,
+    ):
+        check_bounds(max_sessions, max_bytes)
+        self._new_session = new_session
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.sessions: list[Session] = []
+
+    def take(self, ids: list[int]) -> Session:
+        """The session to answer the prompt ``ids`` with (now the most recently used)."""
+        session = self._extended(ids)
+        if session is None and len(self.sessions) < self.max_sessions:
+            session = self._new_session()
+        elif session is None:
+            session = self._best(ids) or self.sessions[0]
+        if session in self.sessions:
+            self.sessions.remove(session)
+        self.sessions.append(session)
+        return session
+
+    def trim(self) -> None:
+        """Drop least recently used sessions until the caches fit ``max_bytes`` (the most
+        recent one stays, whatever its size)."""
+        while self.max_bytes is not None and len(self.sessions) > 1:
+            if self.cached_bytes <= self.max_bytes:
+                return
+            self.sessions.pop(0)
+
+    def _extended(self, ids: list[int]) -> Session | None:
+        """The most recent session whose cached tokens ``ids`` begins with (but for the
+        last :data:`TAIL`), the one sharing most first."""
+        found, most = None, 0
+        for session in self.sessions:
+            cached = session.cache.ids
+            shared = common_prefix(cached, ids)
+            if cached and shared >= len(cached) - TAIL and shared >= most:
+                found, most = session, shared
+        return found
+
+    def _best(self, ids: list[int]) -> Session | None:
+        """The session sharing the longest prefix with ``ids`` (None when none shares any)."""
+        shared = [(common_prefix(s.cache.ids, ids), i) for i, s in enumerate(self.sessions)]
+        most, index = max(shared)
+        return self.sessions[index] if most else None
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(session_bytes(s) for s in self.sessions)
+
+
+def check_bounds(max_sessions: int, max_bytes: int | None) -> None:
+    """ValueError for bounds no cache can keep."""
+    if max_sessions < 1:
+        raise ValueError(f"prompt cache size {max_sessions}: need at least 1")
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"prompt cache bytes {max_bytes}: need at least 0")
+
+
+def session_bytes(session: Session) -> int:
+    """Bytes of a session's KV cache (its allocated capacity)."""
+    return sum(a.nbytes for a in session.cache.state())
