@@ -36,7 +36,8 @@ def test_importing_the_api_before_mlx_loads_openblas_in_process():
     """Without LD_PRELOAD, ``import redrafter_mlx.api`` (first) makes MLX multiply with
     OpenBLAS; importing MLX first leaves it too late, said in one warning with the fix."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env.pop("REDRAFTER_SMALLROWS_NEXT", None)
+    for name in ("REDRAFTER_SMALLROWS_NEXT", "REDRAFTER_CPU_TUNING", "REDRAFTER_NO_OPENBLAS"):
+        env.pop(name, None)  # as a user starts Python (the generic plan's pass sets one)
     first = "import redrafter_mlx.api; from redrafter_mlx.backend.blas import blas_in_use; "
     first += "print(blas_in_use())"
     done = subprocess.run([sys.executable, "-c", first], env=env, capture_output=True, text=True)
