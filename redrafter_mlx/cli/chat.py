@@ -684,6 +684,7 @@ def main(args: argparse.Namespace) -> None:
     # with lookup beams a model without a drafter still speculates: with those beams alone
     need_drafter = not args.autoregressive and not args.lookup
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=need_drafter)
+    flags.say_drafter(runtime, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = resolve_shape(runtime, overrides=overrides, sampling=args.temp > 0)
     decoder = rt.make_decoder(

@@ -82,9 +82,27 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help="MLX model folder or hub id (default: embedded SmolLM2-135M)"
     )
-    parser.add_argument(
-        "--drafter", help="drafter folder (default: the shipped drafter of the embedded model)"
-    )
+    parser.add_argument("--drafter", help=DRAFTER_HELP)
+
+
+DRAFTER_HELP = (
+    "drafter folder, Hub id (USER/NAME, cached for offline use) or none (default: the one "
+    "found for the model: trained here, shipped in its redrafter/ folder, or none)"
+)
+
+
+def say_drafter(runtime, *, json_mode: bool = False, autoregressive: bool = False) -> None:
+    """Say on stderr which drafter the command uses and why, in one line (not with --json,
+    whose output carries :func:`drafter_json`; nor when no drafter runs)."""
+    choice = getattr(runtime, "drafter_choice", None)
+    if choice is not None and not (json_mode or autoregressive):
+        print(choice.describe(), file=sys.stderr)
+
+
+def drafter_json(runtime) -> dict | None:
+    """``{"path": ..., "reason": ...}``: the drafter and why, for a command's --json output."""
+    choice = getattr(runtime, "drafter_choice", None)
+    return None if choice is None else choice.as_json()
 
 
 def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:

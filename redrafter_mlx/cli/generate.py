@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> None:
     runtime = rt.load_runtime(
         args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
     )
+    flags.say_drafter(runtime, json_mode=args.json, autoregressive=args.autoregressive)
     shape, source = resolve_shape(
         runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
     )
@@ -147,6 +148,7 @@ def main(args: argparse.Namespace) -> None:
             "search_width": shape.searched,
             "lookup": shape.lookup,
             "shape_source": source,
+            "drafter": flags.drafter_json(runtime),
         }
     if args.json:
         print(json.dumps(result))

@@ -486,6 +486,12 @@ def mode(engine: Engine, loaded: Loaded) -> str:
         return "autoregressive (no drafter)"
     sources = loaded.shape_sources
     return (
-        f"drafter {loaded.runtime.drafter_id}, greedy {engine.greedy_shape.describe()} "
+        f"{_drafter_line(loaded.runtime)}, greedy {engine.greedy_shape.describe()} "
         f"({sources[False]}), sampling {engine.sampling_shape.describe()} ({sources[True]})"
     )
+
+
+def _drafter_line(runtime) -> str:
+    """``drafter: PATH (why)``; a runtime without a choice (a test's) by its path alone."""
+    choice = getattr(runtime, "drafter_choice", None)
+    return choice.describe() if choice is not None else f"drafter {runtime.drafter_id}"
