@@ -156,3 +156,89 @@ def test_a_broken_registry_is_ignored(tmp_path, target, tokenizer):
     drafters.registry_path().parent.mkdir(parents=True)
     drafters.registry_path().write_text("{not json")
     assert find(None, target=target, tokenizer=tokenizer, model=str(tmp_path)).path is None
+
+
+FACTS = {
+    "data": "self-distilled: the target's answers to 40 ShareGPT prompts",
+    "heldout_agreement": [0.61, 0.42],
+    "tokens_per_step": 1.87,
+    "measured_with": "redrafter-mlx eval-drafter --model m --drafter d --num-prompts 5",
+    "license": "apache-2.0",
+}
+
+
+def trained_folder(tmp_path: Path, target, tokenizer, model: str = "someone/tiny") -> Path:
+    """A drafter folder as ``train`` leaves it: weights, target.json with card facts, a
+    checkpoint that is not shared."""
+    from redrafter_mlx.io.card import record_card_facts
+
+    folder = drafter_folder(tmp_path / "mine")
+    drafters.record_trained(folder, drafters.ModelIdentity.of(target, CONFIG, tokenizer), model)
+    record_card_facts(folder, FACTS)
+    (folder / "checkpoint").mkdir()
+    (folder / "checkpoint" / "state.json").write_text("{}")
+    return folder
+
+
+def test_the_card_says_target_data_agreement_speed_license_and_how_to_load(
+    tmp_path, target, tokenizer
+):
+    from redrafter_mlx.io.card import write_card
+
+    folder = trained_folder(tmp_path, target, tokenizer)
+    card = write_card(folder).read_text()
+    assert "base_model: someone/tiny" in card and "license: apache-2.0" in card
+    assert "**Target**: someone/tiny" in card
+    assert f"**Data**: {FACTS['data']}" in card
+    assert "0.610 / 0.420" in card
+    assert f"1.87 tokens/step, measured with `{FACTS['measured_with']}`" in card
+    assert f"--model someone/tiny --drafter {folder} " in card
+    # the card's facts do not disturb the identity discovery matches on
+    assert find(None, target=target, tokenizer=tokenizer, model="x").path == folder.resolve()
+
+
+def test_upload_dry_run_writes_the_card_and_lists_the_files_without_the_network(
+    tmp_path, monkeypatch, capsys, target, tokenizer
+):
+    import huggingface_hub
+
+    from redrafter_mlx.cli import main
+
+    folder = trained_folder(tmp_path, target, tokenizer)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
+    main(["upload", "--drafter", str(folder), "--repo", "you/tiny-redrafter", "--dry-run"])
+    out, err = capsys.readouterr()
+    listed = [line.split("\t")[0] for line in out.splitlines()]
+    assert listed == ["config.json", "model.safetensors", "target.json", "README.md"]
+    assert "would upload these 4 files" in err
+    assert "--drafter you/tiny-redrafter" in (folder / "README.md").read_text()
+
+
+def test_upload_creates_the_repo_and_sends_the_shared_files_only(
+    tmp_path, monkeypatch, capsys, target, tokenizer
+):
+    import huggingface_hub
+
+    from redrafter_mlx.cli import main
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo, **kwargs):
+            calls.append(("create", repo, kwargs["private"]))
+            return f"https://huggingface.co/{repo}"
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload", kwargs["repo_id"], sorted(kwargs["allow_patterns"])))
+
+    folder = trained_folder(tmp_path, target, tokenizer)
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    main(["upload", "--drafter", str(folder), "--repo", "you/tiny-redrafter"])
+    shared = sorted(["config.json", "model.safetensors", "target.json", "README.md"])
+    assert calls == [
+        ("create", "you/tiny-redrafter", False),
+        ("upload", "you/tiny-redrafter", shared),
+    ]
+    with pytest.raises(SystemExit):
+        main(["upload", "--drafter", str(tmp_path), "--repo", "you/x", "--dry-run"])
+    assert "no config.json or model.safetensors (not a drafter folder)" in capsys.readouterr().err
