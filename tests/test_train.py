@@ -676,3 +676,65 @@ def test_skip_prompts_leaves_out_the_first_training_prompts_only(tmp_path):
     every, skipped = recorded(0), recorded(10)
     assert every["train"] == set(turns) and skipped["train"] == set(turns[10:])
     assert skipped["heldout"] == every["heldout"]
+
+
+class VocabCharTokenizer(CharTokenizer):
+    """CharTokenizer with the token table discovery fingerprints."""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"c{i}": i for i in range(VOCAB)}
+
+
+def test_train_ends_by_measuring_recording_and_writing_the_card(trained, tmp_path, monkeypatch):
+    """After training: tokens/step with the command the card quotes, the card, and a record
+    with which commands find the drafter for this model without --drafter."""
+    from redrafter_mlx.io import drafters
+    from redrafter_mlx.training.finish import TrainedTarget, finish
+
+    model, args, cache, _, _, best = trained
+    assert best["stopped"] == f"finished the planned {planned_steps(args, cache)} steps"
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "drafter"
+    shutil.copytree(args.out, out)
+    config = {"model_type": "llama", "hidden_size": 64, "vocab_size": VOCAB}
+    target = TrainedTarget(model, VocabCharTokenizer(), config, "tiny")
+    facts = finish(target, out, best, data="tiny chats", license_="mit", prompts=2)
+    assert facts["tokens_per_step"] > 1.2  # a drafter at > 0.8 agreement is accepted
+    assert facts["measured_with"].startswith(
+        f"redrafter-mlx eval-drafter --model tiny --drafter {out}"
+    )
+    card = (out / "README.md").read_text()
+    assert f"{facts['tokens_per_step']:.2f} tokens/step, measured with" in card
+    assert "**Data**: tiny chats" in card and "license: mit" in card
+    found = drafters.find_drafter(
+        None,
+        model="tiny",
+        target=model,
+        config=config,
+        tokenizer=VocabCharTokenizer(),
+        embedded=False,
+    )
+    assert found.path == out.resolve() and found.reason.startswith("trained here")
+
+
+def test_an_early_stop_says_why_and_the_eta_is_the_mean_pace():
+    opts = dataclasses.replace(T.train_options(T.setup_arg_parser().parse_args([])), patience=3)
+    state = {"bad": 3, "best_eval": {"step": 400}}
+    assert "did not improve in 3 evaluations (--patience)" in loop._stop_reason(state, opts, False)
+    assert "step 400" in loop._stop_reason(state, opts, False)
+    timed = dataclasses.replace(opts, max_minutes=2.5)
+    assert loop._stop_reason({"bad": 0}, timed, True).startswith("--max-minutes 2.5 reached")
+    assert loop._stop_reason({"bad": 0}, opts, False) is None
+    assert loop._eta(60.0, 10, 15) == "ETA 1:30"
+
+
+def test_progress_to_a_file_is_a_plain_line_every_few_seconds(monkeypatch, capsys):
+    lines = loop.PlainLines(quiet=False)  # capsys: stderr is no terminal
+    fields = {"loss": "2.100", "agree": "0.50/0.30", "rate": "900 pos/s", "eta": "ETA 1:00"}
+    task = argparse.Namespace(fields=fields)
+    lines.show(task, 10, 100)
+    assert capsys.readouterr().err == ""  # not yet PLAIN_EVERY seconds
+    monkeypatch.setattr(loop, "PLAIN_EVERY", 0.0)
+    lines.show(task, 20, 100)
+    err = capsys.readouterr().err
+    assert err == "train step 20/100 (20%), loss 2.100, agree 0.50/0.30, 900 pos/s, ETA 1:00\n"

@@ -32,6 +32,7 @@ from redrafter_mlx.training.trainer import Trainer, build_trainer
 
 FIT_AFTER = 50  # max_minutes: steps timed before the first fit of the schedule to the time
 TIME_MARGIN = 0.95  # ... and the share of the time left that the fit plans to use
+PLAIN_EVERY = 15.0  # seconds between plain progress lines when stderr is no terminal (a log)
 
 
 def train(
@@ -153,15 +154,20 @@ def run_loop(
     before = state.get("seconds", 0.0)  # trained before a resume
     best, total = state.get("best_eval", {}), total_steps
     marks = {"step": seen0, "comm": 0.0}  # at the last evaluation: its exchange time per step
+    lines, stopped = PlainLines(opts.quiet), None
     with Progress(*_train_columns(), disable=opts.quiet) as bar:
-        task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="")
+        task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="", eta="")
         while state["step"] < total:
             rows = _batch_rows(examples, state["step"], opts)
             losses.append(trainer.step(examples, rows, ranks))
             state["step"] = step = state["step"] + 1
             elapsed = _clock(start, opts, ranks)
             rate = _rate(trainer, step - seen0, elapsed, opts, ranks)
-            bar.update(task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=rate)
+            eta = _eta(elapsed, step - seen0, total - step)
+            bar.update(
+                task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=rate, eta=eta
+            )
+            lines.show(bar.tasks[0], step, total)  # the bar's only task
             timed_out = opts.max_minutes and before + elapsed > opts.max_minutes * 60
             if opts.max_minutes and step - seen0 == FIT_AFTER:
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
@@ -174,13 +180,56 @@ def run_loop(
             state.update(seconds=before + elapsed, total_steps=total)
             best = _keep(trainer, ev, out, state, ranks.lead) or best
             bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
-            if state["bad"] >= opts.patience or timed_out:
+            if stopped := _stop_reason(state, opts, timed_out):
                 break
             if opts.max_minutes:
                 elapsed = _clock(start, opts, ranks)  # evaluation included
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
                 bar.update(task, total=total)
-    return best
+    if stopped and not opts.quiet:
+        print(f"stopped early at step {state['step']} of {total}: {stopped}", file=sys.stderr)
+    return {**best, "stopped": stopped or f"finished the planned {total} steps"}
+
+
+def _stop_reason(state: dict, opts: TrainOptions, timed_out: bool) -> str | None:
+    """Why training stops after this evaluation, in words; None to go on."""
+    if state["bad"] >= opts.patience:
+        return (
+            f"held-out agreement did not improve in {opts.patience} evaluations (--patience); "
+            f"the best one (step {state.get('best_eval', {}).get('step')}) is kept"
+        )
+    if timed_out:
+        return f"--max-minutes {opts.max_minutes:g} reached (the schedule was fitted to end here)"
+    return None
+
+
+def _eta(seconds: float, steps: int, left: int) -> str:
+    """Time left at the mean pace since the start, evaluations included: a short window
+    swings with every evaluation; the whole run's mean does not."""
+    left_s = int(seconds / max(steps, 1) * left)
+    return f"ETA {left_s // 60}:{left_s % 60:02d}"
+
+
+class PlainLines:
+    """Rich draws no bar into a file: then a plain progress line every :data:`PLAIN_EVERY`
+    seconds, so a log shows the run is alive and where it is."""
+
+    def __init__(self, quiet: bool):
+        self.on = not quiet and not sys.stderr.isatty()
+        self.last = time.perf_counter()
+
+    def show(self, task, step: int, total: int) -> None:
+        now = time.perf_counter()
+        if not self.on or now - self.last < PLAIN_EVERY:
+            return
+        self.last = now
+        f = task.fields
+        print(
+            f"train step {step}/{total} ({100 * step / max(total, 1):.0f}%), loss {f['loss']}, "
+            f"agree {f['agree']}, {f['rate']}, {f['eta']}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _clock(start: float, opts: TrainOptions, ranks: Ranks) -> float:
@@ -229,6 +278,7 @@ def _train_columns() -> tuple:
             "{task.fields[rate]}"
         ),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[eta]}"),
     )
 
 
