@@ -242,3 +242,39 @@ def test_upload_creates_the_repo_and_sends_the_shared_files_only(
     with pytest.raises(SystemExit):
         main(["upload", "--drafter", str(tmp_path), "--repo", "you/x", "--dry-run"])
     assert "no config.json or model.safetensors (not a drafter folder)" in capsys.readouterr().err
+
+
+def model_folder(out: Path, *, bits: int | None = None) -> Path:
+    """The tiny Llama as an mlx-lm folder with the toy tokenizer; ``bits``: quantized as
+    ``mlx_lm.convert -q`` leaves it (quantized layers, ``quantization`` in config.json)."""
+    import mlx.nn as nn
+    from families import save
+
+    model = tiny_llama()
+    cfg = {**dict(vars(model.args)), "architectures": ["LlamaForCausalLM"]}
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+        cfg["quantization"] = {"group_size": 32, "bits": bits}
+    save(model, cfg, out)
+    toy_tokenizer()._tokenizer.save_pretrained(str(out))
+    return out
+
+
+def test_the_4bit_variant_of_a_model_loads_the_drafter_trained_for_it(tmp_path):
+    """End to end through load_runtime: a drafter recorded for the 16-bit folder is found for
+    its 4-bit conversion (another folder, another name), and `none` turns that off."""
+    from redrafter_mlx.io import runtime as rt
+    from redrafter_mlx.io.load import load_target
+
+    full, four = model_folder(tmp_path / "m16"), model_folder(tmp_path / "m4", bits=4)
+    target, tok, config = load_target(full)
+    folder = drafter_folder(tmp_path / "mine")
+    drafters.record_trained(folder, drafters.ModelIdentity.of(target, config, tok), str(full))
+    assert "quantization" in load_target(four, tokenizer=False)[2]  # another config.json
+    runtime = rt.load_runtime(str(four), None, need_drafter=True)
+    assert runtime.drafter is not None and runtime.drafter_id == str(folder.resolve())
+    assert runtime.drafter_choice.reason.startswith("trained here for this model")
+    off = rt.load_runtime(str(four), "none", need_drafter=False)
+    assert off.drafter is None and off.drafter_choice.describe().endswith("lookup beams only")
+    with pytest.raises(ReDrafterError, match=r"no drafter for this model \(--drafter none"):
+        rt.load_runtime(str(four), "none", need_drafter=True)
