@@ -206,12 +206,15 @@ def test_upload_dry_run_writes_the_card_and_lists_the_files_without_the_network(
 
     folder = trained_folder(tmp_path, target, tokenizer)
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
-    main(["upload", "--drafter", str(folder), "--repo", "you/tiny-redrafter", "--dry-run"])
+    repo = ["--repo", "you/tiny-redrafter", "--model", "org/tiny-4bit"]
+    main(["upload", "--drafter", str(folder), *repo, "--dry-run"])
     out, err = capsys.readouterr()
     listed = [line.split("\t")[0] for line in out.splitlines()]
     assert listed == ["config.json", "model.safetensors", "target.json", "README.md"]
     assert "would upload these 4 files" in err
-    assert "--drafter you/tiny-redrafter" in (folder / "README.md").read_text()
+    card = (folder / "README.md").read_text()
+    assert "--model org/tiny-4bit --drafter you/tiny-redrafter " in card
+    assert "base_model: org/tiny-4bit" in card
 
 
 def test_upload_creates_the_repo_and_sends_the_shared_files_only(
@@ -278,3 +281,26 @@ def test_the_4bit_variant_of_a_model_loads_the_drafter_trained_for_it(tmp_path):
     assert off.drafter is None and off.drafter_choice.describe().endswith("lookup beams only")
     with pytest.raises(ReDrafterError, match=r"no drafter for this model \(--drafter none"):
         rt.load_runtime(str(four), "none", need_drafter=True)
+
+
+@pytest.mark.parametrize("cpu_plan", ["1", "0"])
+def test_generate_without_a_drafter_for_the_model_says_so_and_uses_lookup_beams(
+    tmp_path, capsys, monkeypatch, cpu_plan
+):
+    """No drafter trained here or shipped: one line says so, and the answer (lookup beams
+    alone: the CPU plan's default shape has one, the generic plan's none, so one is added)
+    equals plain decoding's."""
+    from redrafter_mlx.cli import main
+
+    monkeypatch.setenv("REDRAFTER_CPU_TUNING", cpu_plan)
+    folder = model_folder(tmp_path / "m16")
+    prompt = ["--model", str(folder), "--prompt", "w5 w6 w7", "--max-tokens", "12"]
+    main(["generate", *prompt])
+    found = capsys.readouterr()
+    main(["generate", *prompt, "--autoregressive"])
+    assert found.out == capsys.readouterr().out
+    assert "drafter: none (none trained here or shipped with this model): lookup beams only\n" in (
+        found.err
+    )
+    shape = "L=2 lookup 1 (default)" if cpu_plan == "1" else "L=4 lookup 1 (default; lookup 1: no"
+    assert f"[lookup {shape}" in found.err

@@ -80,13 +80,12 @@ def main(args: argparse.Namespace) -> None:
         fail("--stop needs a non-empty string")
     if not prompt.strip():
         fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
-    lookup_only = bool(args.lookup) and not args.autoregressive  # enough without a drafter
-    runtime = rt.load_runtime(
-        args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
-    )
+    # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
     flags.say_drafter(runtime, json_mode=args.json, autoregressive=args.autoregressive)
-    shape, source = resolve_shape(
-        runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
+    shape, source = flags.lookup_when_no_drafter(
+        runtime,
+        *resolve_shape(runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0),
     )
     timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
     decoder = rt.make_decoder(

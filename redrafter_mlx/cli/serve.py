@@ -400,13 +400,15 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
     the sampling shape (flags, else this chip's profiles), build the decoder."""
 
     def setup() -> Engine:
-        lookup_only = bool(args.lookup)  # lookup beams need no drafter
-        runtime = rt.load_runtime(
-            args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
-        )
+        # without a drafter (none found, or --drafter none): lookup beams alone
+        runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
         overrides = flags.shape_overrides(args)
-        greedy, greedy_source = resolve_shape(runtime, overrides=overrides, sampling=False)
-        sampled, sampled_source = resolve_shape(runtime, overrides=overrides, sampling=True)
+        greedy, greedy_source = flags.lookup_when_no_drafter(
+            runtime, *resolve_shape(runtime, overrides=overrides, sampling=False)
+        )
+        sampled, sampled_source = flags.lookup_when_no_drafter(
+            runtime, *resolve_shape(runtime, overrides=overrides, sampling=True)
+        )
         decoder = rt.make_decoder(runtime, greedy, top_k=args.top_k)  # checks top-k and shape
         rt.make_decoder(runtime, sampled)
         loaded.runtime = runtime

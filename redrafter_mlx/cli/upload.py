@@ -23,7 +23,8 @@ REQUIRED = ("config.json", "model.safetensors")
 
 EPILOG = """examples:
   # see the card and the files first (no network)
-  redrafter-mlx upload --drafter drafters/mine --repo you/mymodel-redrafter --dry-run
+  redrafter-mlx upload --drafter drafters/mine --repo you/mymodel-redrafter \\
+      --model mlx-community/MyModel-4bit --dry-run
   # then upload (needs `huggingface-cli login` or HF_TOKEN)
   redrafter-mlx upload --drafter drafters/mine --repo you/mymodel-redrafter
   # others then load it by its id
@@ -39,6 +40,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--drafter", required=True, help="drafter folder (as `train --out` wrote it)")
     p.add_argument("--repo", required=True, help="Hub repository USER/NAME (created if missing)")
+    p.add_argument(
+        "--model",
+        help="the target as others load it, e.g. its Hub id, for the card (default: what "
+        "train recorded, often a local folder)",
+    )
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument(
         "--dry-run", action="store_true", help="write the card, list the files; no network"
@@ -62,7 +68,7 @@ def main(args: argparse.Namespace) -> None:
     if not looks_like_hub_id(args.repo):
         raise ConfigError(f"--repo {args.repo!r}: expected USER/NAME")
     shared_files(folder)  # refuse a wrong folder before writing the card into it
-    card = write_card(folder, drafter=args.repo)
+    card = write_card(folder, drafter=args.repo, model=args.model)
     files = shared_files(folder)
     size = sum(f.stat().st_size for f in files)
     for f in files:

@@ -81,9 +81,11 @@ def _front_matter(model: str, license_: str | None) -> list[str]:
     return [*lines, "---", ""]
 
 
-def write_card(folder: Path, *, drafter: str | None = None) -> Path:
+def write_card(folder: Path, *, drafter: str | None = None, model: str | None = None) -> Path:
     """Write ``folder/README.md`` from its recorded facts (atomic); ``drafter``: how the card
-    says to load it (default: the folder's path)."""
+    says to load it (default: the folder's path); ``model``: the target's name for readers
+    elsewhere (a Hub id), instead of the one ``train`` recorded (often a local folder)."""
     path = Path(folder) / CARD_NAME
-    write_text(path, render_card(card_facts(folder), drafter=drafter or str(folder)))
+    facts = card_facts(folder) | ({"model": model} if model else {})
+    write_text(path, render_card(facts, drafter=drafter or str(folder)))
     return path
