@@ -718,6 +718,8 @@ def test_train_ends_by_measuring_recording_and_writing_the_card(trained, tmp_pat
 
 
 def test_an_early_stop_says_why_and_the_eta_is_the_mean_pace():
+    from redrafter_mlx.training import progress
+
     opts = dataclasses.replace(T.train_options(T.setup_arg_parser().parse_args([])), patience=3)
     state = {"bad": 3, "best_eval": {"step": 400}}
     assert "did not improve in 3 evaluations (--patience)" in loop._stop_reason(state, opts, False)
@@ -725,16 +727,26 @@ def test_an_early_stop_says_why_and_the_eta_is_the_mean_pace():
     timed = dataclasses.replace(opts, max_minutes=2.5)
     assert loop._stop_reason({"bad": 0}, timed, True).startswith("--max-minutes 2.5 reached")
     assert loop._stop_reason({"bad": 0}, opts, False) is None
-    assert loop._eta(60.0, 10, 15) == "ETA 1:30"
+    assert progress.eta(60.0, 10, 15) == "ETA 1:30"  # 6 s each so far, 15 to go
 
 
-def test_progress_to_a_file_is_a_plain_line_every_few_seconds(monkeypatch, capsys):
-    lines = loop.PlainLines(quiet=False)  # capsys: stderr is no terminal
-    fields = {"loss": "2.100", "agree": "0.50/0.30", "rate": "900 pos/s", "eta": "ETA 1:00"}
-    task = argparse.Namespace(fields=fields)
-    lines.show(task, 10, 100)
-    assert capsys.readouterr().err == ""  # not yet PLAIN_EVERY seconds
-    monkeypatch.setattr(loop, "PLAIN_EVERY", 0.0)
-    lines.show(task, 20, 100)
-    err = capsys.readouterr().err
-    assert err == "train step 20/100 (20%), loss 2.100, agree 0.50/0.30, 900 pos/s, ETA 1:00\n"
+def test_progress_into_a_file_is_a_plain_line_every_few_seconds(tmp_path, monkeypatch, capsys):
+    """Output to a file (capsys: stderr is no terminal) gets plain lines from extraction and
+    training, every PLAIN_EVERY seconds (here: every step), and stdout none of the bars."""
+    from redrafter_mlx.training import progress
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    write_conversations(tmp_path / "data.json", 30)
+    flags = [*trained_flags(tmp_path), "--max-tokens", "1500", "--heldout", "4"]
+    flags = [f for f in flags if f != "--quiet"] + ["--heldout-tokens", "300", "--epochs", "1"]
+    args = T.setup_arg_parser().parse_args(flags)
+    model, data = learnable_target(), tmp_path / "data.json"
+    cache = prepare_cache(
+        model, CharTokenizer(), "tiny", data, tmp_path / "c", T.extract_options(args)
+    )
+    opts = dataclasses.replace(T.train_options(args), batch_size=16, eval_every=10)
+    loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "extract train: " in err and " tokens, " in err and " tok/s, ETA " in err
+    assert "train step 1/" in err and "train step 2/" in err and ", ETA " in err

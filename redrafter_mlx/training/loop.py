@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.drafter import save_drafter
 from redrafter_mlx.core.errors import TrainError
+from redrafter_mlx.training import progress
 from redrafter_mlx.training.cache import Cache, join_docs
 from redrafter_mlx.training.checkpoint import (
     clear_staged,
@@ -32,7 +33,6 @@ from redrafter_mlx.training.trainer import Trainer, build_trainer
 
 FIT_AFTER = 50  # max_minutes: steps timed before the first fit of the schedule to the time
 TIME_MARGIN = 0.95  # ... and the share of the time left that the fit plans to use
-PLAIN_EVERY = 15.0  # seconds between plain progress lines when stderr is no terminal (a log)
 
 
 def train(
@@ -154,8 +154,8 @@ def run_loop(
     before = state.get("seconds", 0.0)  # trained before a resume
     best, total = state.get("best_eval", {}), total_steps
     marks = {"step": seen0, "comm": 0.0}  # at the last evaluation: its exchange time per step
-    lines, stopped = PlainLines(opts.quiet), None
-    with Progress(*_train_columns(), disable=opts.quiet) as bar:
+    lines, stopped, agree = progress.PlainLines(opts.quiet), None, "-"
+    with Progress(*_train_columns(), disable=opts.quiet, console=progress.console()) as bar:
         task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="", eta="")
         while state["step"] < total:
             rows = _batch_rows(examples, state["step"], opts)
@@ -163,11 +163,13 @@ def run_loop(
             state["step"] = step = state["step"] + 1
             elapsed = _clock(start, opts, ranks)
             rate = _rate(trainer, step - seen0, elapsed, opts, ranks)
-            eta = _eta(elapsed, step - seen0, total - step)
-            bar.update(
-                task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=rate, eta=eta
-            )
-            lines.show(bar.tasks[0], step, total)  # the bar's only task
+            eta, loss = progress.eta(elapsed, step - seen0, total - step), np.mean(losses[-50:])
+            bar.update(task, completed=step, loss=f"{loss:.3f}", rate=rate, eta=eta)
+            if lines.due():
+                progress.say(
+                    f"train step {step}/{total} ({100 * step / total:.0f}%), loss {loss:.3f}, "
+                    f"agree {agree}, {rate}, {eta}"
+                )
             timed_out = opts.max_minutes and before + elapsed > opts.max_minutes * 60
             if opts.max_minutes and step - seen0 == FIT_AFTER:
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
@@ -179,7 +181,8 @@ def run_loop(
             ev.update(seconds=round(before + elapsed, 1))
             state.update(seconds=before + elapsed, total_steps=total)
             best = _keep(trainer, ev, out, state, ranks.lead) or best
-            bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
+            agree = "/".join(f"{a:.2f}" for a in ev["agreement"])
+            bar.update(task, agree=agree)
             if stopped := _stop_reason(state, opts, timed_out):
                 break
             if opts.max_minutes:
@@ -201,35 +204,6 @@ def _stop_reason(state: dict, opts: TrainOptions, timed_out: bool) -> str | None
     if timed_out:
         return f"--max-minutes {opts.max_minutes:g} reached (the schedule was fitted to end here)"
     return None
-
-
-def _eta(seconds: float, steps: int, left: int) -> str:
-    """Time left at the mean pace since the start, evaluations included: a short window
-    swings with every evaluation; the whole run's mean does not."""
-    left_s = int(seconds / max(steps, 1) * left)
-    return f"ETA {left_s // 60}:{left_s % 60:02d}"
-
-
-class PlainLines:
-    """Rich draws no bar into a file: then a plain progress line every :data:`PLAIN_EVERY`
-    seconds, so a log shows the run is alive and where it is."""
-
-    def __init__(self, quiet: bool):
-        self.on = not quiet and not sys.stderr.isatty()
-        self.last = time.perf_counter()
-
-    def show(self, task, step: int, total: int) -> None:
-        now = time.perf_counter()
-        if not self.on or now - self.last < PLAIN_EVERY:
-            return
-        self.last = now
-        f = task.fields
-        print(
-            f"train step {step}/{total} ({100 * step / max(total, 1):.0f}%), loss {f['loss']}, "
-            f"agree {f['agree']}, {f['rate']}, {f['eta']}",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def _clock(start: float, opts: TrainOptions, ranks: Ranks) -> float:
