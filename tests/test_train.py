@@ -33,6 +33,7 @@ from redrafter_mlx.training.data import (
 from redrafter_mlx.training.drafter_init import grow_layers
 from redrafter_mlx.training.examples import Examples, frequent_tokens
 from redrafter_mlx.training.extract import GEN_WINDOW, prepare_cache, teacher_force
+from redrafter_mlx.training.ranks import ONE
 from redrafter_mlx.training.selfdistill import greedy_batch
 from redrafter_mlx.training.trainer import WarmupCosine, build_trainer
 
@@ -750,3 +751,24 @@ def test_progress_into_a_file_is_a_plain_line_every_few_seconds(tmp_path, monkey
     assert out == ""
     assert "extract train: " in err and " tokens, " in err and " tok/s, ETA " in err
     assert "train step 1/" in err and "train step 2/" in err and ", ETA " in err
+
+
+def test_minutes_give_extraction_a_deadline_and_training_the_rest(tmp_path):
+    """--minutes N: extraction stops at 40% of N (here: at once, past its deadline, after the
+    first conversation), training gets what is left less the final evaluation's share."""
+    import time
+
+    write_conversations(tmp_path / "data.json", 60)
+    flags = [*trained_flags(tmp_path), "--minutes", "10"]
+    args = T.setup_arg_parser().parse_args(flags)
+    started = time.time() - 60  # a minute ago
+    assert T.extract_deadline(args, started) == pytest.approx(started + 240)
+    assert T.training_minutes(args, started) == pytest.approx(10 - 1 - 0.5, abs=0.01)
+    past = T.extract_options(args, stop_at=time.time() - 1)
+    cache = prepare_cache(
+        learnable_target(), CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c", past
+    )
+    assert 0 < cache.tokens("train") < 1000 < args.max_tokens  # one conversation, not 16,000
+    with pytest.raises(TrainError, match="leave out --max-minutes"):
+        T.check_minutes(T.setup_arg_parser().parse_args([*flags, "--max-minutes", "5"]), ONE)
+    assert T.training_minutes(T.setup_arg_parser().parse_args([]), started) == 0.0

@@ -32,8 +32,9 @@ import argparse
 import json
 import math
 import sys
+import time
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -56,10 +57,9 @@ EPILOG = """examples:
   # with the default budget (600,000 tokens); every command then finds it for this model
   redrafter-mlx train --model mlx-community/Qwen2.5-0.5B-Instruct-4bit --out drafters/qwen
 
-  # a quicker first one: fewer tokens, the target answering the prompts itself (its own text
-  # is what decoding will see), at most 20 minutes of training
-  redrafter-mlx train --model models/mymodel --source self --max-tokens 100000 \\
-      --max-minutes 20 --out drafters/mymodel
+  # one budget for the whole run: the target answers the prompts itself (its own text is
+  # what decoding will see); extraction stops by 40% of the 30 minutes, training fits the rest
+  redrafter-mlx train --model models/mymodel --source self --minutes 30 --out drafters/mymodel
 
   # your own conversations (ShareGPT JSON or JSONL)
   redrafter-mlx train --model models/mymodel --data chats.jsonl --out drafters/mymodel
@@ -195,6 +195,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "(fitted to the measured step rate)",
     )
     p.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="the whole run's time: extraction may use 40%% of it (fewer tokens than "
+        "--max-tokens if time runs out), training the rest with its schedule fitted to end in "
+        "time, then the evaluation (0: no limit; instead of --max-minutes)",
+    )
+    p.add_argument(
         "--soft-weight",
         type=float,
         default=0.0,
@@ -234,10 +242,13 @@ def main(args: argparse.Namespace) -> None:
     ``--extract-only``); prints the best evaluation as JSON. Bad input ends in ``error: ...``
     on stderr and exit status 1, Ctrl-C in 130 with how to go on. Under ``mlx.launch`` every
     rank runs this; rank 0 alone prints the result, a failed rank names itself."""
-    stage, ranks = "load", ONE
+    stage, ranks, started = "load", ONE, time.time()
     try:
         ranks = Ranks.launched()
         check_args(args)
+        if args.minutes:
+            check_minutes(args, ranks)
+            say_time_plan(args, started)
         if not args.extract_only:
             check_split(args.batch_size, ranks)
         target = _load(args.model)
@@ -250,13 +261,14 @@ def main(args: argparse.Namespace) -> None:
             target.name,
             data,
             cache_dir,
-            extract_options(args),
+            extract_options(args, stop_at=extract_deadline(args, started)),
             ranks=ranks,
         )
         if args.extract_only:
             return
         stage = "train"
         opts, recorded = train_options(args), run_options(args)
+        opts = replace(opts, max_minutes=training_minutes(args, started))
         best = train(target.model, cache, Path(args.out), opts, run_options=recorded, ranks=ranks)
         stage = "finish"
         facts = _finish(target, args, data, best) if ranks.lead else {}
@@ -365,9 +377,59 @@ def _interrupted(stage: str, out: str | None, ranks: Ranks) -> NoReturn:
     raise SystemExit(130) from None
 
 
-def extract_options(args: argparse.Namespace) -> ExtractOptions:
-    """The extraction phase's settings among the flags."""
-    return ExtractOptions(**{f.name: getattr(args, f.name) for f in fields(ExtractOptions)})
+def extract_options(args: argparse.Namespace, *, stop_at: float = 0.0) -> ExtractOptions:
+    """The extraction phase's settings among the flags; ``stop_at``: its deadline (--minutes)."""
+    names = [f.name for f in fields(ExtractOptions) if f.name != "stop_at"]
+    return ExtractOptions(**{name: getattr(args, name) for name in names}, stop_at=stop_at)
+
+
+# --minutes N: extraction may use this share of N (it stops early, with fewer tokens than
+# --max-tokens, when the time is up); training gets what is left less FINISH_MINUTES for the
+# final evaluation, and fits its learning-rate schedule to end then (as --max-minutes does).
+EXTRACT_SHARE = 0.4
+FINISH_MINUTES = 0.5
+
+
+def extract_deadline(args: argparse.Namespace, started: float) -> float:
+    """The ``time.time()`` by which extraction stops under --minutes (0: none)."""
+    return started + args.minutes * 60 * EXTRACT_SHARE if args.minutes else 0.0
+
+
+def training_minutes(args: argparse.Namespace, started: float) -> float:
+    """--max-minutes; with --minutes what this run has left for training (at least half a
+    minute), plus what a resumed checkpoint trained before (max_minutes counts those)."""
+    if not args.minutes:
+        return args.max_minutes
+    left = args.minutes - (time.time() - started) / 60 - FINISH_MINUTES
+    state_file = Path(args.out) / "checkpoint" / "state.json"
+    before = (
+        read_json(state_file).get("seconds", 0.0) if args.resume and state_file.is_file() else 0
+    )
+    return before / 60 + max(left, 0.5)
+
+
+def check_minutes(args: argparse.Namespace, ranks: Ranks) -> None:
+    """--minutes is a finite time, not with --max-minutes, on one process (each rank's clock
+    would end extraction at another conversation)."""
+    if not 0 < args.minutes < math.inf:
+        raise TrainError(f"--minutes must be a positive number (got {args.minutes})")
+    if args.max_minutes:
+        raise TrainError("--minutes sets the training time itself: leave out --max-minutes")
+    if ranks.size > 1:
+        raise TrainError("--minutes runs on one process: under mlx.launch use --max-minutes")
+
+
+def say_time_plan(args: argparse.Namespace, started: float) -> None:
+    """One line: how --minutes is spent."""
+    if args.quiet:
+        return
+    until = time.strftime("%H:%M", time.localtime(extract_deadline(args, started)))
+    end = time.strftime("%H:%M", time.localtime(started + args.minutes * 60))
+    print(
+        f"budget {args.minutes:g} min: extraction until {until} at the latest (at most "
+        f"{args.max_tokens:,} tokens), then training fitted to end, evaluated, by {end}",
+        file=sys.stderr,
+    )
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:
@@ -379,7 +441,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 # Flags that do not change what a run computes: a resumed run may differ in these.
 RESUMABLE_CHANGES = {
     *("resume", "quiet", "extract_only", "gen_batch", "cache_max_gb", "total_steps"),
-    *("eval_prompts", "license", "json"),
+    *("eval_prompts", "license", "json", "minutes"),
 }
 
 

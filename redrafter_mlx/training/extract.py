@@ -189,7 +189,7 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) 
             if sum(b["tokens"].shape[0] for b in buf) >= SHARD_TOKENS or have >= budget:
                 cache.add_shard(split, _concat(buf), i)
                 buf = []
-            if have >= budget or cache.nbytes() >= limit:
+            if have >= budget or cache.nbytes() >= limit or _past(opts.stop_at):
                 break
         if buf:
             cache.add_shard(split, _concat(buf), i)
@@ -223,6 +223,11 @@ def _extract_ranks(model, tokenizer, convs, cache, split, budget, limit, opts, r
         extract_sharded(
             produce, cache, split, span, budget=budget, limit=limit, ranks=ranks, show=show
         )
+
+
+def _past(stop_at: float) -> bool:
+    """Whether the time ``--minutes`` gave extraction (``stop_at``, 0: none) is up."""
+    return bool(stop_at) and time.time() >= stop_at
 
 
 def _bar(title: str, opts: ExtractOptions) -> Progress:
