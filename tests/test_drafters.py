@@ -82,7 +82,7 @@ def test_a_hub_drafter_id_is_read_offline_from_the_hub_cache(
     choice = find("someone/tiny-drafter", target=target, tokenizer=tokenizer)
     assert choice.path.is_relative_to(own_cache) and "Hub" in choice.reason
     assert load_drafter(choice.path, target).args.hidden_size == 64
-    with pytest.raises(ReDrafterError, match="someone/missing: not a local path"):
+    with pytest.raises(ReDrafterError, match="--drafter someone/missing: not a local path"):
         find("someone/missing", target=target, tokenizer=tokenizer)
 
 

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from redrafter_mlx.core.atomic import write_text
-from redrafter_mlx.core.errors import DrafterError
+from redrafter_mlx.core.errors import DrafterError, LoadError
 from redrafter_mlx.core.llm import target_dims
 from redrafter_mlx.core.paths import cache_dir
 from redrafter_mlx.io.checks import looks_like_hub_id, resolve_path
@@ -115,7 +115,10 @@ def find_drafter(
         return DrafterChoice(None, "--drafter none: discovery off")
     identity = ModelIdentity.of(target, config, tokenizer)
     if given is not None:
-        path = resolve_path(given)
+        try:
+            path = resolve_path(given)
+        except LoadError as e:  # it names a model's loading otherwise
+            raise DrafterError(f"--drafter {e}") from None
         if problem := mismatch(path, identity):
             raise DrafterError(f"--drafter {given}: {problem}")
         where = "a Hub id, from the Hugging Face cache" if not Path(given).exists() else "given"
