@@ -55,6 +55,26 @@ def tiny_llama(
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_redrafter_cache(tmp_path_factory):
+    """A cache of the test session's own (``$REDRAFTER_CACHE``, subprocesses too): `train`
+    records every drafter it writes there for discovery, and a test's must not be found by
+    the user's commands. Its ``models`` is the user's (the embedded model converts once)."""
+    from redrafter_mlx.core.paths import cache_dir
+
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    own = tmp_path_factory.mktemp("redrafter-cache")
+    (own / "models").symlink_to(models.resolve(), target_is_directory=True)
+    before = os.environ.get("REDRAFTER_CACHE")
+    os.environ["REDRAFTER_CACHE"] = str(own)
+    yield own
+    if before is None:
+        del os.environ["REDRAFTER_CACHE"]
+    else:
+        os.environ["REDRAFTER_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def target():
     return tiny_llama()

@@ -720,7 +720,7 @@ def test_lookup_only_session_answers_as_autoregressive_and_refuses_k0(looping, c
 def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch, capsys):
     """`chat --lookup K` on a model that has no drafter loads it (need_drafter false) and
     answers with lookup beams alone, exactly as `chat --autoregressive`; without --lookup it
-    is refused as before."""
+    speculates with the default shape's lookup beam (one is added where it has none)."""
     import io
 
     from redrafter_mlx.cli import chat as C
@@ -748,9 +748,10 @@ def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch
         except SystemExit as e:
             assert e.code == 1
         outputs[tuple(argv)] = capsys.readouterr()
-    lookup, plain, refused = outputs.values()
+    lookup, plain, fallback = outputs.values()
     assert lookup.out == plain.out
     assert [len(answer) for answer in lookup.out.splitlines()] == [24, 24]
     assert "lookup only L=5 lookup 3 (flags + default)" in lookup.err
     assert "accepted: lookup" in lookup.err and "by source: lookup" in lookup.err
-    assert refused.out == "" and "error: no drafter for this model" in refused.err
+    assert fallback.out == plain.out
+    assert "lookup only L=" in fallback.err and " lookup 1 (default" in fallback.err

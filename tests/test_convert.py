@@ -628,13 +628,17 @@ def test_force_never_replaces_the_working_folder_or_a_file(convert_tiny_hf, tmp_
 def convert_smollm2(tmp_path_factory):
     from redrafter_mlx.io.embedded import EmbeddedModelError, default_model_path
 
+    before = os.environ.get("REDRAFTER_CACHE")  # the session's own (conftest)
     os.environ["REDRAFTER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
         return load_target(default_model_path())
     except EmbeddedModelError as e:
         pytest.skip(str(e))
     finally:
-        del os.environ["REDRAFTER_CACHE"]
+        if before is None:
+            del os.environ["REDRAFTER_CACHE"]
+        else:
+            os.environ["REDRAFTER_CACHE"] = before
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from redrafter_mlx.training.data import (
 from redrafter_mlx.training.drafter_init import grow_layers
 from redrafter_mlx.training.examples import Examples, frequent_tokens
 from redrafter_mlx.training.extract import GEN_WINDOW, prepare_cache, teacher_force
+from redrafter_mlx.training.ranks import ONE
 from redrafter_mlx.training.selfdistill import greedy_batch
 from redrafter_mlx.training.trainer import WarmupCosine, build_trainer
 
@@ -677,3 +678,98 @@ def test_skip_prompts_leaves_out_the_first_training_prompts_only(tmp_path):
     every, skipped = recorded(0), recorded(10)
     assert every["train"] == set(turns) and skipped["train"] == set(turns[10:])
     assert skipped["heldout"] == every["heldout"]
+
+
+class VocabCharTokenizer(CharTokenizer):
+    """CharTokenizer with the token table discovery fingerprints."""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"c{i}": i for i in range(VOCAB)}
+
+
+def test_train_ends_by_measuring_recording_and_writing_the_card(trained, tmp_path, monkeypatch):
+    """After training: tokens/step with the command the card quotes, the card, and a record
+    with which commands find the drafter for this model without --drafter."""
+    from redrafter_mlx.io import drafters
+    from redrafter_mlx.training.finish import TrainedTarget, finish
+
+    model, args, cache, _, _, best = trained
+    assert best["stopped"] == f"finished the planned {planned_steps(args, cache)} steps"
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "drafter"
+    shutil.copytree(args.out, out)
+    config = {"model_type": "llama", "hidden_size": 64, "vocab_size": VOCAB}
+    target = TrainedTarget(model, VocabCharTokenizer(), config, "tiny")
+    facts = finish(target, out, best, data="tiny chats", license_="mit", prompts=2)
+    assert facts["tokens_per_step"] > 1.2  # a drafter at > 0.8 agreement is accepted
+    assert facts["measured_with"].startswith(
+        f"redrafter-mlx eval-drafter --model tiny --drafter {out}"
+    )
+    card = (out / "README.md").read_text()
+    assert f"{facts['tokens_per_step']:.2f} tokens/step, measured with" in card
+    assert "**Data**: tiny chats" in card and "license: mit" in card
+    found = drafters.find_drafter(
+        None,
+        model="tiny",
+        target=model,
+        config=config,
+        tokenizer=VocabCharTokenizer(),
+        embedded=False,
+    )
+    assert found.path == out.resolve() and found.reason.startswith("trained here")
+
+
+def test_an_early_stop_says_why_and_the_eta_is_the_mean_pace():
+    from redrafter_mlx.training import progress
+
+    opts = dataclasses.replace(T.train_options(T.setup_arg_parser().parse_args([])), patience=3)
+    state = {"bad": 3, "best_eval": {"step": 400}}
+    assert "did not improve in 3 evaluations (--patience)" in loop._stop_reason(state, opts, False)
+    assert "step 400" in loop._stop_reason(state, opts, False)
+    timed = dataclasses.replace(opts, max_minutes=2.5)
+    assert loop._stop_reason({"bad": 0}, timed, True).startswith("--max-minutes 2.5 reached")
+    assert loop._stop_reason({"bad": 0}, opts, False) is None
+    assert progress.eta(60.0, 10, 15) == "ETA 1:30"  # 6 s each so far, 15 to go
+
+
+def test_progress_into_a_file_is_a_plain_line_every_few_seconds(tmp_path, monkeypatch, capsys):
+    """Output to a file (capsys: stderr is no terminal) gets plain lines from extraction and
+    training, every PLAIN_EVERY seconds (here: every step), and stdout none of the bars."""
+    from redrafter_mlx.training import progress
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    write_conversations(tmp_path / "data.json", 30)
+    flags = [*trained_flags(tmp_path), "--max-tokens", "1500", "--heldout", "4"]
+    flags = [f for f in flags if f != "--quiet"] + ["--heldout-tokens", "300", "--epochs", "1"]
+    args = T.setup_arg_parser().parse_args(flags)
+    model, data = learnable_target(), tmp_path / "data.json"
+    cache = prepare_cache(
+        model, CharTokenizer(), "tiny", data, tmp_path / "c", T.extract_options(args)
+    )
+    opts = dataclasses.replace(T.train_options(args), batch_size=16, eval_every=10)
+    loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "extract train: " in err and " tokens, " in err and " tok/s, ETA " in err
+    assert "train step 1/" in err and "train step 2/" in err and ", ETA " in err
+
+
+def test_minutes_give_extraction_a_deadline_and_training_the_rest(tmp_path):
+    """--minutes N: extraction stops at 40% of N (here: at once, past its deadline, after the
+    first conversation), training gets what is left less the final evaluation's share."""
+    import time
+
+    write_conversations(tmp_path / "data.json", 60)
+    flags = [*trained_flags(tmp_path), "--minutes", "10"]
+    args = T.setup_arg_parser().parse_args(flags)
+    started = time.time() - 60  # a minute ago
+    assert T.extract_deadline(args, started) == pytest.approx(started + 240)
+    assert T.training_minutes(args, started) == pytest.approx(10 - 1 - 0.5, abs=0.01)
+    past = T.extract_options(args, stop_at=time.time() - 1)
+    cache = prepare_cache(
+        learnable_target(), CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c", past
+    )
+    assert 0 < cache.tokens("train") < 1000 < args.max_tokens  # one conversation, not 16,000
+    with pytest.raises(TrainError, match="leave out --max-minutes"):
+        T.check_minutes(T.setup_arg_parser().parse_args([*flags, "--max-minutes", "5"]), ONE)
+    assert T.training_minutes(T.setup_arg_parser().parse_args([]), started) == 0.0

@@ -28,6 +28,7 @@ COMMANDS = {
     "eval-drafter": ("redrafter_mlx.cli.eval_drafter", "mean tokens/step of a drafter per (W, L)"),
     "bench": ("redrafter_mlx.cli.bench", "speed benchmark against mlx-lm"),
     "autotune": ("redrafter_mlx.cli.autotune", "find the fastest beam shape for this chip"),
+    "upload": ("redrafter_mlx.cli.upload", "share a drafter on the Hugging Face Hub"),
 }
 
 USAGE = """usage: redrafter-mlx <command> [options]

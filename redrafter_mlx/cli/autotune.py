@@ -211,6 +211,7 @@ def main(args: argparse.Namespace) -> None:
             fail(f"profile store {store_path()} is a folder")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     console.print(f"chip: {chip_info()}")
+    flags.say_drafter(runtime)
     try:
         with Progress(console=console, transient=True) as progress:
             result, seconds = run_search(runtime, args, progress, texts)

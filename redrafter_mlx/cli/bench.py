@@ -281,8 +281,8 @@ def main(args: argparse.Namespace) -> None:
         drafter=runtime.drafter is not None,
     )
     console = Console(stderr=True)
-    if runtime.drafter is None:
-        console.print("note: no drafter for this model: lookup beams alone")
+    if (choice := getattr(runtime, "drafter_choice", None)) is not None:
+        console.print(choice.describe(), highlight=False, markup=False)
     if short := sum(len(turns) < args.turns for turns in cfg.conversations):
         console.print(
             f"note: {short} of {len(conversations)} conversations have fewer than {args.turns} "
@@ -299,6 +299,7 @@ def main(args: argparse.Namespace) -> None:
             cfg,
             lambda name: progress.update(task, advance=1, description=f"benchmarking ({name})"),
         )
+    result["environment"]["drafter_choice"] = flags.drafter_json(runtime)
     out = Console(width=None if console.is_terminal else 150)
     out.print(results_table(result))
     if result.get("per_category"):

@@ -664,11 +664,13 @@ def main(args: argparse.Namespace) -> None:
     ctrl_c = CtrlC()
     ctrl_c.install()
     sys.stdin.reconfigure(errors="surrogateescape")  # a bad byte is one error line: check_text
-    # with lookup beams a model without a drafter still speculates: with those beams alone
-    need_drafter = not args.autoregressive and not args.lookup
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=need_drafter)
+    # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
+    flags.say_drafter(runtime, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
-    shape, source = resolve_shape(runtime, overrides=overrides, sampling=args.temp > 0)
+    shape, source = flags.lookup_when_no_drafter(
+        runtime, *resolve_shape(runtime, overrides=overrides, sampling=args.temp > 0)
+    )
     mode = runtime.mode(shape, autoregressive=args.autoregressive)
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode

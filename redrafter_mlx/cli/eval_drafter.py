@@ -71,7 +71,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", help="target model (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", help="drafter folder (default: the shipped SmolLM2 drafter)")
+    p.add_argument("--drafter", help=flags.DRAFTER_HELP)
     p.add_argument(
         "--prompts",
         default=str(MT_BENCH),
@@ -111,6 +111,7 @@ def main(args: argparse.Namespace) -> None:
     if args.paths_cache:
         check_writable(Path(args.paths_cache).parent, "--paths-cache")
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    flags.say_drafter(runtime)
     model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
     args.model, args.drafter = runtime.model_id, runtime.drafter_id
     shapes = shape_grid(

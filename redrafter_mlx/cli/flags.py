@@ -7,6 +7,7 @@ argparse reports a bad value as "argument --flag: ..." with the usage, before an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import re
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
-from redrafter_mlx.core.shape import SHAPE_FIELDS
+from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.io.prompts import MT_BENCH, load_conversations
 
 # SHAPE_FIELDS' flags, in their order
@@ -94,9 +95,40 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help="MLX model folder or hub id (default: embedded SmolLM2-135M)"
     )
-    parser.add_argument(
-        "--drafter", help="drafter folder (default: the shipped drafter of the embedded model)"
-    )
+    parser.add_argument("--drafter", help=DRAFTER_HELP)
+
+
+DRAFTER_HELP = (
+    "drafter folder, Hub id (USER/NAME, cached for offline use) or none (default: the one "
+    "found for the model: trained here, shipped in its redrafter/ folder, or none)"
+)
+
+
+def say_drafter(runtime, *, json_mode: bool = False, autoregressive: bool = False) -> None:
+    """Say on stderr which drafter the command uses and why, in one line (not with --json,
+    whose output carries :func:`drafter_json`; nor when no drafter runs)."""
+    choice = getattr(runtime, "drafter_choice", None)
+    if choice is not None and not (json_mode or autoregressive):
+        print(choice.describe(), file=sys.stderr)
+
+
+# The lookup beams a model speculates with when no drafter was found and the shape has none
+LOOKUP_WITHOUT_DRAFTER = 1
+
+
+def lookup_when_no_drafter(runtime, shape: BeamShape, source: str) -> tuple[BeamShape, str]:
+    """``(shape, source)`` for ``runtime``: without a drafter, lookup beams alone (the shape's
+    K, else :data:`LOOKUP_WITHOUT_DRAFTER`), which need no drafter; with one, unchanged."""
+    if runtime.drafter is not None or shape.lookup:
+        return shape, source
+    shape = dataclasses.replace(shape, lookup=LOOKUP_WITHOUT_DRAFTER)
+    return shape, f"{source}; lookup {LOOKUP_WITHOUT_DRAFTER}: no drafter"
+
+
+def drafter_json(runtime) -> dict | None:
+    """``{"path": ..., "reason": ...}``: the drafter and why, for a command's --json output."""
+    choice = getattr(runtime, "drafter_choice", None)
+    return None if choice is None else choice.as_json()
 
 
 def add_decode_args(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:

@@ -82,12 +82,12 @@ def main(args: argparse.Namespace) -> None:
         fail("--stop needs a non-empty string")
     if not prompt.strip():
         fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
-    lookup_only = bool(args.lookup) and not args.autoregressive  # enough without a drafter
-    runtime = rt.load_runtime(
-        args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
-    )
-    shape, source = resolve_shape(
-        runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
+    # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
+    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
+    flags.say_drafter(runtime, json_mode=args.json, autoregressive=args.autoregressive)
+    shape, source = flags.lookup_when_no_drafter(
+        runtime,
+        *resolve_shape(runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0),
     )
     timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
     mode = runtime.mode(shape, autoregressive=args.autoregressive)
@@ -136,6 +136,7 @@ def main(args: argparse.Namespace) -> None:
             "search_width": shape.searched,
             "lookup": shape.lookup,
             "shape_source": source,
+            "drafter": flags.drafter_json(runtime),
         }
     if args.json:
         print(json.dumps(result))

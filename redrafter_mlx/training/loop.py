@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.drafter import save_drafter
 from redrafter_mlx.core.errors import TrainError
+from redrafter_mlx.training import progress
 from redrafter_mlx.training.cache import Cache, join_docs
 from redrafter_mlx.training.checkpoint import (
     clear_staged,
@@ -153,15 +154,22 @@ def run_loop(
     before = state.get("seconds", 0.0)  # trained before a resume
     best, total = state.get("best_eval", {}), total_steps
     marks = {"step": seen0, "comm": 0.0}  # at the last evaluation: its exchange time per step
-    with Progress(*_train_columns(), disable=opts.quiet) as bar:
-        task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="")
+    lines, stopped, agree = progress.PlainLines(opts.quiet), None, "-"
+    with Progress(*_train_columns(), disable=opts.quiet, console=progress.console()) as bar:
+        task = bar.add_task("", total=total, completed=seen0, loss="-", agree="-", rate="", eta="")
         while state["step"] < total:
             rows = batch_rows(examples, state["step"], opts)
             losses.append(trainer.step(examples, rows, ranks))
             state["step"] = step = state["step"] + 1
             elapsed = _clock(start, opts, ranks)
             rate = _rate(trainer, step - seen0, elapsed, opts, ranks)
-            bar.update(task, completed=step, loss=f"{np.mean(losses[-50:]):.3f}", rate=rate)
+            eta, loss = progress.eta(elapsed, step - seen0, total - step), np.mean(losses[-50:])
+            bar.update(task, completed=step, loss=f"{loss:.3f}", rate=rate, eta=eta)
+            if lines.due():
+                progress.say(
+                    f"train step {step}/{total} ({100 * step / total:.0f}%), loss {loss:.3f}, "
+                    f"agree {agree}, {rate}, {eta}"
+                )
             timed_out = opts.max_minutes and before + elapsed > opts.max_minutes * 60
             if opts.max_minutes and step - seen0 == FIT_AFTER:
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
@@ -173,14 +181,29 @@ def run_loop(
             ev.update(seconds=round(before + elapsed, 1))
             state.update(seconds=before + elapsed, total_steps=total)
             best = _keep(trainer, ev, out, state, ranks.lead) or best
-            bar.update(task, agree="/".join(f"{a:.2f}" for a in ev["agreement"]))
-            if state["bad"] >= opts.patience or timed_out:
+            agree = "/".join(f"{a:.2f}" for a in ev["agreement"])
+            bar.update(task, agree=agree)
+            if stopped := _stop_reason(state, opts, timed_out):
                 break
             if opts.max_minutes:
                 elapsed = _clock(start, opts, ranks)  # evaluation included
                 total = _refit(trainer, total, step - seen0, elapsed, step, opts, before)
                 bar.update(task, total=total)
-    return best
+    if stopped and not opts.quiet:
+        print(f"stopped early at step {state['step']} of {total}: {stopped}", file=sys.stderr)
+    return {**best, "stopped": stopped or f"finished the planned {total} steps"}
+
+
+def _stop_reason(state: dict, opts: TrainOptions, timed_out: bool) -> str | None:
+    """Why training stops after this evaluation, in words; None to go on."""
+    if state["bad"] >= opts.patience:
+        return (
+            f"held-out agreement did not improve in {opts.patience} evaluations (--patience); "
+            f"the best one (step {state.get('best_eval', {}).get('step')}) is kept"
+        )
+    if timed_out:
+        return f"--max-minutes {opts.max_minutes:g} reached (the schedule was fitted to end here)"
+    return None
 
 
 def _clock(start: float, opts: TrainOptions, ranks: Ranks) -> float:
@@ -229,6 +252,7 @@ def _train_columns() -> tuple:
             "{task.fields[rate]}"
         ),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[eta]}"),
     )
 
 

@@ -24,6 +24,7 @@ class ExtractOptions:
     cache_max_gb: float  # no new shard once the cache holds this
     seed: int  # the held-out / training split
     quiet: bool = False  # no progress bars or notes
+    stop_at: float = 0.0  # time.time() after which no record is added (--minutes); 0: none
 
 
 @dataclass(frozen=True)

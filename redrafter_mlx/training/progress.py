@@ -1,0 +1,45 @@
+"""What ``train`` shows while it runs, on stderr (stdout keeps ``--json``'s one line): rich
+bars on a terminal; into a file, where rich draws nothing until a phase ends, a plain line
+every :data:`PLAIN_EVERY` seconds; and an ETA that holds still."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+
+PLAIN_EVERY = 15.0  # seconds between plain progress lines when stderr is no terminal (a log)
+
+
+def console() -> Console:
+    """The console progress bars draw on: stderr."""
+    return Console(stderr=True)
+
+
+def eta(seconds: float, done: float, left: float) -> str:
+    """``ETA m:ss`` at the mean pace since the start (``done`` units in ``seconds``): a short
+    window swings with every evaluation or long answer; the whole run's mean does not."""
+    left_s = int(seconds / done * left) if done > 0 else 0
+    return f"ETA {left_s // 60}:{left_s % 60:02d}"
+
+
+class PlainLines:
+    """A plain progress line every :data:`PLAIN_EVERY` seconds, when stderr is no terminal."""
+
+    def __init__(self, quiet: bool):
+        self.on = not quiet and not sys.stderr.isatty()
+        self.last = time.perf_counter()
+
+    def due(self) -> bool:
+        """Whether a line is due now (then the next one is due in PLAIN_EVERY seconds)."""
+        now = time.perf_counter()
+        if not self.on or now - self.last < PLAIN_EVERY:
+            return False
+        self.last = now
+        return True
+
+
+def say(line: str) -> None:
+    """One progress line on stderr, flushed (a log shows it at once)."""
+    print(line, file=sys.stderr, flush=True)
