@@ -8,6 +8,7 @@ import sys
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
+from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.generate import GenerationStats, stream_steps
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text, read_stdin
@@ -85,7 +86,7 @@ def main(args: argparse.Namespace) -> None:
         args.model, args.drafter, need_drafter=not (args.autoregressive or lookup_only)
     )
     shape, source = resolve_shape(
-        runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0
+        runtime, overrides=flags.shape_overrides(args), sampling=not is_greedy(args.temp)
     )
     timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
     decoder = rt.make_decoder(

@@ -30,6 +30,7 @@ from urllib.parse import unquote, urlsplit
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli import openai_api as api
+from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.service import Engine, GenerationService, Job, QueueFull, Sampling, Started
@@ -63,7 +64,7 @@ class App:
     created: int = 0  # when the server started (the model's ``created``)
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
-        return None if started.shape is None else self.shape_sources[sampling.temp > 0]
+        return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
 
 
 class Server(ThreadingHTTPServer):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from redrafter_mlx.core.accept import make_sampler
+from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse, stream_steps
@@ -33,7 +33,8 @@ Prompt = list[dict] | str | list[int]  # chat messages, raw text or token ids
 
 @dataclass(frozen=True)
 class Sampling:
-    """One request's sampler: temperature 0 is greedy; top-p 0 or 1 and top-k 0 are off."""
+    """One request's sampler: temperature 0 (or below accept.GREEDY_BELOW) is greedy; top-p 0 or
+    1 and top-k 0 are off."""
 
     temp: float = 0.0
     top_p: float = 0.0
@@ -66,7 +67,7 @@ class Engine:
         """The shape a request runs at (None when autoregressive)."""
         if self.autoregressive:
             return None
-        return self.sampling_shape if sampling.temp > 0 else self.greedy_shape
+        return self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
 
     def warm_up(self) -> None:
         """Compile what requests will run, so that answers do not stop to compile: the greedy
