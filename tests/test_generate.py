@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import tiny_llama, toy_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from redrafter_mlx.core.accept import greedy
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.generate import stream_steps
+from redrafter_mlx.core.generate import _stop_string_start, stream_steps
 from redrafter_mlx.core.shape import BeamShape
 
 PROMPT = [5, 17, 33, 2, 41]
@@ -111,3 +115,45 @@ def test_stream_generate_yields_mlx_lm_style_responses_token_by_token(model, sha
     fields = {"text", "token", "logprobs", "from_draft", "prompt_tokens", "prompt_tps"}
     fields |= {"generation_tokens", "generation_tps", "peak_memory", "finish_reason"}
     assert fields <= set(vars(ours[0])) and ours[0].prompt_tokens == len(PROMPT)
+
+
+def held_back_by_brute_force(text: str, stop_strings: tuple[str, ...]) -> int:
+    return max(
+        (k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text("ab", max_size=12),
+    st.lists(st.text("abc", min_size=1, max_size=8), min_size=1, max_size=3),
+)
+def test_the_text_held_back_is_the_longest_end_that_begins_a_stop_string(text, stops):
+    assert _stop_string_start(text, tuple(stops)) == held_back_by_brute_force(text, tuple(stops))
+
+
+def test_a_long_stop_string_costs_linear_host_work_per_step():
+    """Four stops of 300k characters: trying each beginning in turn copies ~2e11 characters
+    per step (about 2 s here, a minute for 1M-character stops); the KMP walk reads at most the
+    text's last 300k characters (its tables are built on the first step)."""
+    stops = tuple(("ab" * 150_000)[:-1] + c for c in "wxyz")
+    text = "answer: " + "ab" * 1000 + "a"
+    assert _stop_string_start(text, stops) == 2001  # the first step builds the tables
+    tic = time.perf_counter()
+    assert _stop_string_start(text + "b", stops) == 2002
+    assert time.perf_counter() - tic < 0.2
+
+
+@pytest.mark.parametrize("temp", [1e-40, 1e-8])
+def test_a_temperature_too_small_to_scale_logits_by_decodes_greedily(model, reference, temp):
+    """1 / 1e-40 is inf in float32: mlx-lm's draw from the scaled logits returned garbage.
+    The one rule (accept.is_greedy) makes the sampler argmax, plain and speculative alike."""
+    from redrafter_mlx.core.accept import is_greedy, make_sampler
+
+    assert is_greedy(temp) and make_sampler(temp) is greedy
+    drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
+    for decoder, plain in (
+        (Decoder(model, make_sampler(temp)), True),
+        (Decoder(model, make_sampler(temp), drafter, BeamShape(2, 3)), False),
+    ):
+        assert answer(decoder, (), autoregressive=plain)[1] == reference[:40]

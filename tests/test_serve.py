@@ -191,6 +191,40 @@ def test_requests_are_checked_field_by_field():
         assert e.value.status == 400 and e.value.param == param, body
 
 
+def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
+    """A 5000-digit integer made json.loads raise ValueError, 10**400 made math.isfinite raise
+    OverflowError: both escaped as an empty reply. A 1001-character stop costs per-step work."""
+    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_json
+
+    limits = Limits(("m",), max_context=100, vocab_size=50)
+    user = '"messages": [{"role": "user", "content": "hi"}]'
+    huge = "9" * 5000
+    cases = [
+        (f'{{{user}, "max_tokens": {huge}}}', "max_tokens"),
+        (f'{{{user}, "seed": -{huge}}}', "seed"),
+        (f'{{{user}, "temperature": 1{"0" * 400}}}', "temperature"),
+        (f'{{{user}, "top_p": {huge}}}', "top_p"),
+        (f'{{{user}, "stop": "{"x" * 1001}"}}', "stop"),
+    ]
+    for raw, param in cases:
+        with pytest.raises(ApiError) as e:
+            parse_chat(parse_json(raw.encode()), limits)
+        assert e.value.status == 400 and e.value.param == param, raw[:80]
+        assert len(e.value.message) < 200  # the value is cut, not echoed whole
+    assert parse_chat(parse_json(f'{{{user}, "stop": "{"x" * 1000}"}}'.encode()), limits)
+
+
+def test_a_temperature_too_small_to_sample_at_runs_at_the_greedy_shape():
+    from redrafter_mlx.cli.openai_api import Limits, parse_chat
+    from redrafter_mlx.core.service import Sampling
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e-40}
+    sampling = parse_chat(body, Limits(("m",))).request.sampling
+    engine = Engine(None, None, list, BeamShape(1, 2), BeamShape(3, 4))
+    assert engine.shape_for(sampling) == BeamShape(1, 2)
+    assert engine.shape_for(Sampling(0.7)) == BeamShape(3, 4)
+
+
 # ---------------------------------------------------------------- the real server (slow)
 
 SHAPE = [
