@@ -493,6 +493,8 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
     elif kind == "truncated":
         data = (src / "model.safetensors").read_bytes()
         (src / "model.safetensors").write_bytes(data[: len(data) - 100])
+    elif kind == "not-an-object":
+        cfg = [1, 2, 3]
     if kind != "missing-config":
         (src / "config.json").write_text(json.dumps(cfg))
     return src
@@ -500,6 +502,7 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
 
 BAD_HF = {
     "missing-config": "missing config.json",
+    "not-an-object": "config.json: expected a JSON object of settings, found a list",
     "architecture": "unsupported architecture",
     "shape": "do not match config",
     "truncated": "truncated safetensors",
