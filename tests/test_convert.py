@@ -785,3 +785,27 @@ def test_convert_notes_a_missing_tokenizer_and_spares_drafters_the_dtype_note(
     src = write_drafter(tmp_path / "ref", drafter_tensors(8, 7, 24, 2))
     convert_cli.main(run(["--src", str(src), "--out", str(tmp_path / "d")]))
     assert "note:" not in capsys.readouterr().err
+
+
+def test_a_hub_id_without_network_fails_at_once_suggesting_a_local_folder(tmp_path, monkeypatch):
+    """huggingface_hub retried a dead network for ~25 s, then failed without a way out."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    def no_network(*args, **kwargs):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    tic = time.monotonic()
+    with pytest.raises(ConversionError) as e:
+        conv.convert("someorg/somemodel", tmp_path / "out")
+    assert time.monotonic() - tic < 5
+    message = str(e.value)
+    assert "\n" not in message and "Network is unreachable" in message
+    assert "convert a local model folder or a .gguf file" in message
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConversionError, match="offline \\(HF_HUB_OFFLINE is set\\)"):
+        conv.convert("someorg/somemodel", tmp_path / "out")
