@@ -726,3 +726,25 @@ def test_every_interface_warns_and_a_taken_port_fails_before_the_model_loads(ser
     assert done.stderr.strip().endswith(
         f"cannot listen on 0.0.0.0 port {port}: Address already in use"
     )
+
+
+@pytest.mark.slow
+def test_a_refused_setup_exits_1_in_one_line_every_time(tmp_path):
+    """After the worker thread that loaded the model ended, the interpreter's exit aborted in
+    MLX's teardown ("terminate called without an active exception", rc 134) in a third to
+    half of the runs here: six runs, so that the old code fails this test almost surely."""
+    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+
+    save_drafter(random_drafter(64, 49152), tmp_path / "drafter")  # the target's is 576
+    refused = [["--top-k", "99999999"]] * 6 + [["--drafter", str(tmp_path / "drafter")]]
+    for flags in refused:
+        done = subprocess.run(
+            [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0", *flags],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env(),
+            timeout=120,
+        )
+        assert (done.returncode, len(done.stderr.splitlines())) == (1, 1), done.stderr
+        assert done.stderr.startswith("error: ")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import select
 import socket
 import sys
@@ -461,7 +462,7 @@ def main(args: argparse.Namespace) -> None:
     server = listen(args.host, args.port)  # first: a taken port fails before the model loads
     loaded = Loaded()
     service = GenerationService(engine_setup(args, loaded), queue_size=args.queue_size)
-    engine = service.start()
+    engine = start_or_exit(service)
     server.app = App(
         service,
         limits(args, loaded.runtime),
@@ -479,6 +480,23 @@ def main(args: argparse.Namespace) -> None:
         print("\nstopped", file=sys.stderr)
     finally:
         server.server_close()
+
+
+def start_or_exit(service: GenerationService) -> Engine:
+    """``service.start()``, or exit 1 with its error in one line (a traceback for a bug).
+
+    By ``os._exit``, past the interpreter's teardown: once the worker thread that loaded the
+    model has ended, MLX's teardown often aborts the process ("terminate called without an
+    active exception", rc 134: 5 exits in 8 here after a refused --top-k)."""
+    try:
+        return service.start()
+    except ReDrafterError as e:
+        print(f"error: {e}", file=sys.stderr)
+    except Exception:
+        traceback.print_exc(file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def mode(engine: Engine, loaded: Loaded) -> str:
