@@ -10,6 +10,7 @@ import os
 import re
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -708,6 +709,71 @@ def test_wire_level_refusals(server):
     conn.close()
     status, _, error = server.request("/v1/models", method="DELETE")
     assert status == 501 and error["error"]["message"]
+
+
+def exchange(served: Served, data: bytes, *, half_close: bool = False) -> bytes:
+    """Everything the server sends back on one connection for ``data``, until it closes."""
+    parts = urlsplit(served.url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        return sock.makefile("rb").read()
+
+
+def post(body: bytes, *headers: str) -> bytes:
+    head = ["POST /v1/chat/completions HTTP/1.1", "Host: x", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "headers,status",
+    [
+        (("Content-Length: 2", f"Content-Length: {2 + len(SMUGGLED)}"), 400),
+        ((f"Content-Length: 2, {2 + len(SMUGGLED)}",), 400),
+        (("Transfer-Encoding: gzip", f"Content-Length: {2 + len(SMUGGLED)}"), 400),
+        (("Transfer-Encoding: chunked", "Content-Length: 2"), 411),
+    ],
+    ids=["two lengths", "a list of lengths", "gzip and a length", "chunked and a length"],
+)
+def test_a_body_of_uncertain_length_is_refused_and_the_connection_closed(server, headers, status):
+    """Two Content-Length headers were served by the first, and the rest of the body answered
+    as a second request on the same connection (request smuggling behind a proxy)."""
+    reply = exchange(server, post(b"{}" + SMUGGLED, *headers))
+    assert reply.startswith(f"HTTP/1.1 {status} ".encode()) and reply.count(b"HTTP/1.1 ") == 1
+    assert b'"error"' in reply and b"Connection: close" in reply
+
+
+@pytest.mark.slow
+def test_a_client_that_half_closes_after_its_request_gets_its_answer(server):
+    """Its end of stream was taken for a client gone: the request was dropped unanswered. A
+    client that closed for good still frees the worker (see the test above)."""
+    body = json.dumps({"messages": FRANCE, "max_tokens": 4}).encode()
+    reply = exchange(server, post(body, f"Content-Length: {len(body)}"), half_close=True)
+    final = reply[reply.index(b"HTTP/1.1 200 ") :]  # after a "100 Continue" probe, if any
+    assert reply[: reply.index(b"HTTP/1.1 200 ")] in (b"", b"HTTP/1.1 100 Continue\r\n\r\n")
+    answer = json.loads(final.split(b"\r\n\r\n", 1)[1])
+    assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["message"]
+
+
+@pytest.mark.slow
+def test_clients_that_hang_up_at_once_leave_no_traceback(server):
+    """A health check that gave up during start-up was a BrokenPipeError traceback: a hang-up
+    is no error of the server's. Reset (SO_LINGER 0) right after the request, many times."""
+    parts = urlsplit(server.url)
+    logged = len(server.log.read_text())
+    for _ in range(30):
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    assert server.health()["status"] == "ok"
+    time.sleep(0.5)  # the handlers of the last ones may still be writing to the log
+    assert "Traceback" not in server.log.read_text()[logged:]
 
 
 @pytest.mark.slow
