@@ -53,6 +53,7 @@ EXAMPLES = """examples:
   printf 'My name is Ada.\\nWhat is my name?\\n' | redrafter-mlx chat
 """
 
+LEAVE_HINT = "cancelled; to leave the chat: Ctrl-D or /quit"  # Ctrl-C at the prompt
 COMMANDS = {
     "help": "this list",
     "reset": "forget the conversation (keeps the system prompt)",
@@ -419,22 +420,33 @@ class ChatUI:
         if self.interactive:
             self.banner()
         while True:
-            line = self.read_line()
-            if line is None:
-                return
-            line = line.strip()
-            if not line:
-                continue
             try:
-                check_text(line, "input")
-            except ConfigError as e:  # the conversation goes on
-                self.note(f"error: {e}", "red")
-                continue
-            command = parse_command(line)
-            if command is None:
-                self.answer(line)
-            elif not self.run_command(command):
-                return
+                if not self.take_line():
+                    return
+            except KeyboardInterrupt:  # after Enter, before the answer began: as at the prompt
+                if not self.interactive:
+                    raise  # a piped chat ends (main says so)
+                self.out.print()
+                self.note(LEAVE_HINT)
+
+    def take_line(self) -> bool:
+        """Read one line and answer or run it; False means quit."""
+        line = self.read_line()
+        if line is None:
+            return False
+        line = line.strip()
+        if not line:
+            return True
+        try:
+            check_text(line, "input")
+        except ConfigError as e:  # the conversation goes on
+            self.note(f"error: {e}", "red")
+            return True
+        command = parse_command(line)
+        if command is None:
+            self.answer(line)
+            return True
+        return self.run_command(command)
 
     def banner(self) -> None:
         drafter = None if self.session.autoregressive else self.runtime.drafter_id
@@ -445,15 +457,20 @@ class ChatUI:
             self.note(f"ignored with --autoregressive: {', '.join(ignored)}", "yellow")
 
     def read_line(self) -> str | None:
-        """The next input line; None at end of input or Ctrl-C / Ctrl-D at the prompt."""
+        """The next input line; None at end of input (Ctrl-D at the prompt). Ctrl-C at the
+        prompt cancels the line typed and says how to leave, as Python's REPL does."""
         if not self.interactive:
             line = sys.stdin.readline()
             return line if line else None
-        try:
-            return self.out.input("[bold green]>>> [/]")
-        except (EOFError, KeyboardInterrupt):
-            self.out.print()
-            return None
+        while True:
+            try:
+                return self.out.input("[bold green]>>> [/]")
+            except EOFError:
+                self.out.print()
+                return None
+            except KeyboardInterrupt:
+                self.out.print()
+                self.note(LEAVE_HINT)
 
     def answer(self, text: str) -> None:
         """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text."""
@@ -513,6 +530,8 @@ class ChatUI:
         if self.lookup_on():  # what the lookup beams add, next to the drafter's share
             drafted = self.session.decoder.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
+        if turn.finish_reason == "length":  # else it reads like an answer that ended itself
+            line += f" · cut at --max-tokens {stats.generation_tokens}"
         self.note(line)
 
     # -- commands
