@@ -94,6 +94,7 @@ class Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"  # keep-alive for whole answers; a stream closes its connection
     server_version = "redrafter-mlx"
+    default_request_version = "HTTP/1.1"  # so that a refused request line gets a status line
     timeout = 300  # seconds a connection may idle, or a write block on a client not reading
     server: Server
 
@@ -102,6 +103,16 @@ class Handler(BaseHTTPRequestHandler):
         self.wire = threading.Lock()  # the worker's probe (client_gone) against our writes
         self.responding = False  # the current request's answer has begun
         self.probed = False  # the current request's client was probed (client_gone)
+
+    def parse_request(self) -> bool:
+        """http.server's, less HTTP/0.9: a two-word request line (as the rest of a body sent
+        past its Content-Length may be) would be answered with a bare body, no status line."""
+        if len(self.raw_requestline.split()) == 2:
+            self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+            self.request_version, self.command = "HTTP/1.1", None
+            self.send_error(400, "HTTP/0.9 requests are not served: send HTTP/1.1")
+            return False
+        return super().parse_request()
 
     def send_response(self, code: int, message: str | None = None) -> None:
         with self.wire:  # from here on client_gone sends no probe
@@ -336,14 +347,12 @@ class Handler(BaseHTTPRequestHandler):
         response (RFC 9110 section 15.2: a client must skip 1xx responses it did not ask for).
         A client that closed answers it with a reset, which the next check reads as the
         socket's error (a read still says end of stream); one that only half-closed reads it
-        and gets its answer. No probe once the answer has begun (writing it fails if the
-        client is gone), nor to HTTP/1.0 clients (no 1xx for them): gone."""
+        and gets its answer. No probe once the answer has begun, nor to an HTTP/1.0 client
+        (no 1xx for them): writing the answer fails if the client is gone."""
         with self.wire:
-            if self.request_version == "HTTP/1.0":
-                return True
             if self.probed:
                 return self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
-            if self.responding:
+            if self.responding or self.request_version == "HTTP/1.0":
                 return False
             self.probed = True
             try:
