@@ -257,6 +257,7 @@ def env() -> dict:
 class Served:
     url: str  # http://127.0.0.1:PORT
     log: Path
+    pid: int | None = None  # the server process (its memory is watched by the soak test)
 
     def client(self, **options):
         import openai
@@ -305,7 +306,7 @@ def server(tmp_path_factory):
 
     try:
         wait_until(ready, 180, "the server to start")
-        yield Served(found[0], log)
+        yield Served(found[0], log, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=30)
