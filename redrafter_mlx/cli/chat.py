@@ -522,16 +522,16 @@ class ChatUI:
             self.note(
                 "context full: the answer was cut; older turns are dropped next time", "yellow"
             )
+        # else a cut answer reads like one that ended itself
+        cut = " (cut at --max-tokens)" if turn.finish_reason == "length" else ""
         line = (
-            f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
+            f"{stats.generation_tokens} tokens{cut} · {stats.generation_tps:.1f} tok/s · "
             f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
         if self.lookup_on():  # what the lookup beams add, next to the drafter's share
             drafted = self.session.decoder.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
-        if turn.finish_reason == "length":  # else it reads like an answer that ended itself
-            line += f" · cut at --max-tokens {stats.generation_tokens}"
         self.note(line)
 
     # -- commands
