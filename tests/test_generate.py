@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import decoding_of, run_steps, tiny_llama, toy_tokenizer, verifier_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.generate import _stop_string_start
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
@@ -173,3 +178,45 @@ def test_logprobs_equal_mlx_lm_s_token_by_token(model, shape, monkeypatch):
         assert len(reads) == ours[-1].stats.steps + 1  # one per step, plus the prefill's
     plain = list(redrafter_mlx.stream_generate(model, tokenizer, PROMPT, max_tokens=4))
     assert all(r.logprobs is None for r in plain)  # off by default
+
+
+def held_back_by_brute_force(text: str, stop_strings: tuple[str, ...]) -> int:
+    return max(
+        (k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text("ab", max_size=12),
+    st.lists(st.text("abc", min_size=1, max_size=8), min_size=1, max_size=3),
+)
+def test_the_text_held_back_is_the_longest_end_that_begins_a_stop_string(text, stops):
+    assert _stop_string_start(text, tuple(stops)) == held_back_by_brute_force(text, tuple(stops))
+
+
+def test_a_long_stop_string_costs_linear_host_work_per_step():
+    """Four stops of 300k characters: trying each beginning in turn copies ~2e11 characters
+    per step (about 2 s here, a minute for 1M-character stops); the KMP walk reads at most the
+    text's last 300k characters (its tables are built on the first step)."""
+    stops = tuple(("ab" * 150_000)[:-1] + c for c in "wxyz")
+    text = "answer: " + "ab" * 1000 + "a"
+    assert _stop_string_start(text, stops) == 2001  # the first step builds the tables
+    tic = time.perf_counter()
+    assert _stop_string_start(text + "b", stops) == 2002
+    assert time.perf_counter() - tic < 0.2
+
+
+@pytest.mark.parametrize("temp", [1e-40, 1e-8])
+def test_a_temperature_too_small_to_scale_logits_by_decodes_greedily(model, reference, temp):
+    """1 / 1e-40 is inf in float32: mlx-lm's draw from the scaled logits returned garbage.
+    The one rule (accept.is_greedy) makes the sampler argmax, plain and speculative alike."""
+    from redrafter_mlx.core.accept import greedy, is_greedy, make_sampler
+
+    assert is_greedy(temp) and make_sampler(temp) is greedy
+    drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
+    for beams, shape in ((None, None), (drafter, BeamShape(2, 3))):
+        decoding = decoding_of(beams, shape, make_sampler(temp))
+        session = Session(verifier_for(model, beams), toy_tokenizer(), decoding, warm=False)
+        tokens = [t for r in session.generate(PROMPT, max_tokens=40) for t in r.tokens]
+        assert tokens == reference[:40]

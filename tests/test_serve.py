@@ -10,6 +10,7 @@ import os
 import re
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -255,6 +256,41 @@ def test_requests_are_checked_field_by_field():
         assert e.value.status == 400 and e.value.param == param, body
 
 
+def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
+    """A 5000-digit integer made json.loads raise ValueError, 10**400 made math.isfinite raise
+    OverflowError: both escaped as an empty reply. A 1001-character stop costs per-step work."""
+    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_json
+
+    limits = Limits(("m",), max_context=100, vocab_size=50)
+    user = '"messages": [{"role": "user", "content": "hi"}]'
+    huge = "9" * 5000
+    cases = [
+        (f'{{{user}, "max_tokens": {huge}}}', "max_tokens"),
+        (f'{{{user}, "seed": -{huge}}}', "seed"),
+        (f'{{{user}, "temperature": 1{"0" * 400}}}', "temperature"),
+        (f'{{{user}, "top_p": {huge}}}', "top_p"),
+        (f'{{{user}, "stop": "{"x" * 1001}"}}', "stop"),
+    ]
+    for raw, param in cases:
+        with pytest.raises(ApiError) as e:
+            parse_chat(parse_json(raw.encode()), limits)
+        assert e.value.status == 400 and e.value.param == param, raw[:80]
+        assert len(e.value.message) < 200  # the value is cut, not echoed whole
+    assert parse_chat(parse_json(f'{{{user}, "stop": "{"x" * 1000}"}}'.encode()), limits)
+
+
+def test_a_temperature_too_small_to_sample_at_runs_at_the_greedy_shape():
+    from redrafter_mlx.cli.openai_api import Limits, parse_chat
+    from redrafter_mlx.core.service import Sampling
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e-40}
+    sampling = parse_chat(body, Limits(("m",))).request.sampling
+    engine = Engine(None, None, list, Mode.REDRAFTER, BeamShape(1, 2), BeamShape(3, 4))
+    assert engine.shape_for(sampling) == BeamShape(1, 2)
+    assert engine.decoding_for(sampling).shape == BeamShape(1, 2)
+    assert engine.shape_for(Sampling(0.7)) == BeamShape(3, 4)
+
+
 # ---------------------------------------------------------------- the real server (slow)
 
 SHAPE = [
@@ -286,6 +322,7 @@ def env() -> dict:
 class Served:
     url: str  # http://127.0.0.1:PORT
     log: Path
+    pid: int | None = None  # the server process (its memory is watched by the soak test)
 
     def client(self, **options):
         import openai
@@ -334,7 +371,7 @@ def server(tmp_path_factory):
 
     try:
         wait_until(ready, 180, "the server to start")
-        yield Served(found[0], log)
+        yield Served(found[0], log, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -733,6 +770,71 @@ def test_wire_level_refusals(server):
     assert status == 501 and error["error"]["message"]
 
 
+def exchange(served: Served, data: bytes, *, half_close: bool = False) -> bytes:
+    """Everything the server sends back on one connection for ``data``, until it closes."""
+    parts = urlsplit(served.url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        return sock.makefile("rb").read()
+
+
+def post(body: bytes, *headers: str) -> bytes:
+    head = ["POST /v1/chat/completions HTTP/1.1", "Host: x", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "headers,status",
+    [
+        (("Content-Length: 2", f"Content-Length: {2 + len(SMUGGLED)}"), 400),
+        ((f"Content-Length: 2, {2 + len(SMUGGLED)}",), 400),
+        (("Transfer-Encoding: gzip", f"Content-Length: {2 + len(SMUGGLED)}"), 400),
+        (("Transfer-Encoding: chunked", "Content-Length: 2"), 411),
+    ],
+    ids=["two lengths", "a list of lengths", "gzip and a length", "chunked and a length"],
+)
+def test_a_body_of_uncertain_length_is_refused_and_the_connection_closed(server, headers, status):
+    """Two Content-Length headers were served by the first, and the rest of the body answered
+    as a second request on the same connection (request smuggling behind a proxy)."""
+    reply = exchange(server, post(b"{}" + SMUGGLED, *headers))
+    assert reply.startswith(f"HTTP/1.1 {status} ".encode()) and reply.count(b"HTTP/1.1 ") == 1
+    assert b'"error"' in reply and b"Connection: close" in reply
+
+
+@pytest.mark.slow
+def test_a_client_that_half_closes_after_its_request_gets_its_answer(server):
+    """Its end of stream was taken for a client gone: the request was dropped unanswered. A
+    client that closed for good still frees the worker (see the test above)."""
+    body = json.dumps({"messages": FRANCE, "max_tokens": 4}).encode()
+    reply = exchange(server, post(body, f"Content-Length: {len(body)}"), half_close=True)
+    final = reply[reply.index(b"HTTP/1.1 200 ") :]  # after a "100 Continue" probe, if any
+    assert reply[: reply.index(b"HTTP/1.1 200 ")] in (b"", b"HTTP/1.1 100 Continue\r\n\r\n")
+    answer = json.loads(final.split(b"\r\n\r\n", 1)[1])
+    assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["message"]
+
+
+@pytest.mark.slow
+def test_clients_that_hang_up_at_once_leave_no_traceback(server):
+    """A health check that gave up during start-up was a BrokenPipeError traceback: a hang-up
+    is no error of the server's. Reset (SO_LINGER 0) right after the request, many times."""
+    parts = urlsplit(server.url)
+    logged = len(server.log.read_text())
+    for _ in range(30):
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    assert server.health()["status"] == "ok"
+    time.sleep(0.5)  # the handlers of the last ones may still be writing to the log
+    assert "Traceback" not in server.log.read_text()[logged:]
+
+
 @pytest.mark.slow
 def test_every_interface_warns_and_a_taken_port_fails_before_the_model_loads(server):
     port = urlsplit(server.url).port
@@ -749,3 +851,25 @@ def test_every_interface_warns_and_a_taken_port_fails_before_the_model_loads(ser
     assert done.stderr.strip().endswith(
         f"cannot listen on 0.0.0.0 port {port}: Address already in use"
     )
+
+
+@pytest.mark.slow
+def test_a_refused_setup_exits_1_in_one_line_every_time(tmp_path):
+    """After the worker thread that loaded the model ended, the interpreter's exit aborted in
+    MLX's teardown ("terminate called without an active exception", rc 134) in a third to
+    half of the runs here: six runs, so that the old code fails this test almost surely."""
+    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+
+    save_drafter(random_drafter(64, 49152), tmp_path / "drafter")  # the target's is 576
+    refused = [["--top-k", "99999999"]] * 6 + [["--drafter", str(tmp_path / "drafter")]]
+    for flags in refused:
+        done = subprocess.run(
+            [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0", *flags],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env(),
+            timeout=120,
+        )
+        assert (done.returncode, len(done.stderr.splitlines())) == (1, 1), done.stderr
+        assert done.stderr.startswith("error: ")

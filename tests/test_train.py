@@ -134,6 +134,46 @@ def test_a_malformed_jsonl_line_is_named_and_only_a_cut_last_line_is_skipped(tmp
     assert len(read_conversations(path)) == 2
 
 
+def test_a_corrupt_object_in_the_middle_of_a_json_array_is_named_by_file_and_place(tmp_path):
+    """The reader stopped there as at a cut-off tail: the objects before it were trained on,
+    exit 0. A tail cut mid-object is still kept up to its last whole object."""
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    record = json.dumps({"conversations": turns})
+    path = tmp_path / "data.json"
+    path.write_text("[\n" + ",\n".join([record, record.replace('"value":', '"value"', 1), record]))
+    with pytest.raises(ValueError, match=r"data.json:3:\d+: not valid JSON \(Expecting ':'"):
+        read_conversations(path)
+    path.write_text("[\n" + ",\n".join([record, record, record[:-9]]))
+    assert len(read_conversations(path)) == 2
+
+
+def test_records_that_are_no_usable_conversation_are_counted(tmp_path):
+    from redrafter_mlx.training.data import read_corpus
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    unusable = [turns[:1], "text", [1, 2], [{"role": "robot", "content": "x"}, turns[1]]]
+    path = tmp_path / "chats.jsonl"
+    lines = [{"messages": turns}, *({"messages": u} for u in unusable), {"messages": turns}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    convs, skipped = read_corpus(path)
+    assert (len(convs), skipped) == (2, 4)
+    note = T._skipped_note(path, skipped)
+    assert "\n" not in note and f"{path}: 4 records were skipped" in note
+
+
+def test_prepare_cache_returns_the_skipped_count_for_the_command_to_say(tmp_path):
+    write_conversations(tmp_path / "data.json", 30)
+    text = (tmp_path / "data.json").read_text()
+    (tmp_path / "data.json").write_text('[{"conversations": []}, "x",' + text.lstrip()[1:])
+    args = T.setup_arg_parser().parse_args(
+        ["--max-tokens", "200", "--heldout-tokens", "50", "--heldout", "2", "--quiet"]
+    )
+    data, folder = tmp_path / "data.json", tmp_path / "cache"
+    opts = T.extract_options(args)
+    cache = prepare_cache(learnable_target(), CharTokenizer(), "tiny", data, folder, opts)
+    assert cache.skipped_records == 2
+
+
 def parse(*flags: str):
     return T.setup_arg_parser().parse_args(list(flags))
 

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from redrafter_mlx.cli import flags
-from redrafter_mlx.core.accept import make_sampler
+from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.errors import ConfigError, ContextFull
 from redrafter_mlx.core.generate import SOURCES, GenerationStats, StepResponse, tokens_per_step
@@ -49,6 +49,7 @@ EXAMPLES = """examples:
   printf 'My name is Ada.\\nWhat is my name?\\n' | redrafter-mlx chat
 """
 
+LEAVE_HINT = "cancelled; to leave the chat: Ctrl-D or /quit"  # Ctrl-C at the prompt
 COMMANDS = {
     "help": "this list",
     "reset": "forget the conversation (keeps the system prompt)",
@@ -402,22 +403,33 @@ class ChatUI:
         if self.interactive:
             self.banner()
         while True:
-            line = self.read_line()
-            if line is None:
-                return
-            line = line.strip()
-            if not line:
-                continue
             try:
-                check_text(line, "input")
-            except ConfigError as e:  # the conversation goes on
-                self.note(f"error: {e}", "red")
-                continue
-            command = parse_command(line)
-            if command is None:
-                self.answer(line)
-            elif not self.run_command(command):
-                return
+                if not self.take_line():
+                    return
+            except KeyboardInterrupt:  # after Enter, before the answer began: as at the prompt
+                if not self.interactive:
+                    raise  # a piped chat ends (main says so)
+                self.out.print()
+                self.note(LEAVE_HINT)
+
+    def take_line(self) -> bool:
+        """Read one line and answer or run it; False means quit."""
+        line = self.read_line()
+        if line is None:
+            return False
+        line = line.strip()
+        if not line:
+            return True
+        try:
+            check_text(line, "input")
+        except ConfigError as e:  # the conversation goes on
+            self.note(f"error: {e}", "red")
+            return True
+        command = parse_command(line)
+        if command is None:
+            self.answer(line)
+            return True
+        return self.run_command(command)
 
     def banner(self) -> None:
         drafter = None if self.session.autoregressive else self.runtime.drafter_id
@@ -428,15 +440,20 @@ class ChatUI:
             self.note(f"ignored with --autoregressive: {', '.join(ignored)}", "yellow")
 
     def read_line(self) -> str | None:
-        """The next input line; None at end of input or Ctrl-C / Ctrl-D at the prompt."""
+        """The next input line; None at end of input (Ctrl-D at the prompt). Ctrl-C at the
+        prompt cancels the line typed and says how to leave, as Python's REPL does."""
         if not self.interactive:
             line = sys.stdin.readline()
             return line if line else None
-        try:
-            return self.out.input("[bold green]>>> [/]")
-        except (EOFError, KeyboardInterrupt):
-            self.out.print()
-            return None
+        while True:
+            try:
+                return self.out.input("[bold green]>>> [/]")
+            except EOFError:
+                self.out.print()
+                return None
+            except KeyboardInterrupt:
+                self.out.print()
+                self.note(LEAVE_HINT)
 
     def answer(self, text: str) -> None:
         """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text."""
@@ -488,8 +505,10 @@ class ChatUI:
             self.note(
                 "context full: the answer was cut; older turns are dropped next time", "yellow"
             )
+        # else a cut answer reads like one that ended itself
+        cut = " (cut at --max-tokens)" if turn.finish_reason == "length" else ""
         line = (
-            f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
+            f"{stats.generation_tokens} tokens{cut} · {stats.generation_tps:.1f} tok/s · "
             f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
@@ -554,7 +573,7 @@ class ChatUI:
             # greedy and sampling may have their own autotune profiles
             current = self.session.shape
             shape, source = resolve_shape(
-                self.runtime, overrides=self.options.shape_overrides, sampling=temp > 0
+                self.runtime, overrides=self.options.shape_overrides, sampling=not is_greedy(temp)
             )
             if self.lookup_by_command:  # K chosen by /lookup: a profile's K must not undo it
                 shape = replace(shape, lookup=current.lookup)
@@ -669,7 +688,7 @@ def main(args: argparse.Namespace) -> None:
     flags.say_drafter(runtime, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(
-        runtime, *resolve_shape(runtime, overrides=overrides, sampling=args.temp > 0)
+        runtime, *resolve_shape(runtime, overrides=overrides, sampling=not is_greedy(args.temp))
     )
     mode = runtime.mode(shape, autoregressive=args.autoregressive)
     decoding = rt.decoding(

@@ -8,6 +8,7 @@ import sys
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
+from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.decode import PhaseTimer
 from redrafter_mlx.core.generate import GenerationStats
 from redrafter_mlx.core.session import Session
@@ -85,9 +86,10 @@ def main(args: argparse.Namespace) -> None:
     # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
     flags.say_drafter(runtime, json_mode=args.json, autoregressive=args.autoregressive)
+    overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(
         runtime,
-        *resolve_shape(runtime, overrides=flags.shape_overrides(args), sampling=args.temp > 0),
+        *resolve_shape(runtime, overrides=overrides, sampling=not is_greedy(args.temp)),
     )
     timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
     mode = runtime.mode(shape, autoregressive=args.autoregressive)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +23,12 @@ from redrafter_mlx.io.templates import check_text
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+# Longest stop string: each step looks at the text's last len(stop) - 1 characters for a
+# beginning of each stop (OpenAI sets no limit; an answer rarely needs more than a line).
+MAX_STOP_CHARS = 1000
+# Python refuses to parse longer integers (CVE-2020-10735); a JSON number this long is kept
+# as a HugeInteger, which every field's check refuses by name.
+MAX_INT_DIGITS = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 # Fields that are served only at their "off" value: anything else is refused, not ignored.
 OFF_ONLY = {
@@ -101,10 +108,27 @@ class Call:
 # ---------------------------------------------------------------- parsing requests
 
 
+@dataclass(frozen=True)
+class HugeInteger:
+    """A JSON integer too long for Python to parse: refused by the field that holds it."""
+
+    digits: int
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _json_int(text: str) -> int | HugeInteger:
+    digits = len(text.lstrip("-"))
+    if MAX_INT_DIGITS and digits > MAX_INT_DIGITS:
+        return HugeInteger(digits)
+    return int(text)
+
+
 def parse_json(raw: bytes) -> dict:
     """A request body -> its JSON object; ApiError 400 unless it is one."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_json_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(
             400, f"the request body is not valid JSON: {e}", code="invalid_json"
@@ -236,9 +260,11 @@ def _max_tokens(body: dict, limits: Limits) -> int:
     if value is None:
         return min(limits.max_tokens, limits.most_tokens)
     if not _is_int(value) or value < 1:
-        raise _invalid(name, f"must be an integer of at least 1, got {value!r}")
+        raise _invalid(name, f"must be an integer of at least 1, got {_shown(value)}")
     if value > limits.most_tokens:
-        raise _invalid(name, f"{value} exceeds the model's {limits.most_tokens}-token context")
+        raise _invalid(
+            name, f"{_shown(value)} exceeds the model's {limits.most_tokens}-token context"
+        )
     return value
 
 
@@ -249,10 +275,10 @@ def _sampling(body: dict, limits: Limits) -> Sampling:
     top_k = body.get("top_k", base.top_k)
     top = (limits.vocab_size - 1) if limits.vocab_size else math.inf
     if not _is_int(top_k) or not 0 <= top_k <= top:
-        raise _invalid("top_k", f"must be an integer from 0 (off) to {top}, got {top_k!r}")
+        raise _invalid("top_k", f"must be an integer from 0 (off) to {top}, got {_shown(top_k)}")
     seed = body.get("seed", base.seed)
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 1 << 64):
-        raise _invalid("seed", f"must be an integer from 0 to 2**64 - 1, got {seed!r}")
+        raise _invalid("seed", f"must be an integer from 0 to 2**64 - 1, got {_shown(seed)}")
     return Sampling(temp, top_p, top_k, seed)
 
 
@@ -264,6 +290,9 @@ def _stop(value) -> tuple[str, ...]:
         raise _invalid("stop", "must be a non-empty string or an array of them")
     if len(stops) > MAX_STOP_STRINGS:
         raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    longest = max(len(s) for s in stops)
+    if longest > MAX_STOP_CHARS:
+        raise _invalid("stop", f"at most {MAX_STOP_CHARS} characters each, got {longest}")
     return tuple(_text(s, "stop") for s in stops)
 
 
@@ -272,10 +301,17 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _invalid(name, f"must be a number, got {value!r}")
-    if not (math.isfinite(value) and low <= value <= high):
-        raise _invalid(name, f"must be from {low:g} to {high:g}, got {value!r}")
+        raise _invalid(name, f"must be a number, got {_shown(value)}")
+    # compared as given: an integer past the float range (10**400) must not be converted
+    if not (low <= value <= high and math.isfinite(value)):
+        raise _invalid(name, f"must be from {low:g} to {high:g}, got {_shown(value)}")
     return float(value)
+
+
+def _shown(value, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a refused value may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _boolean(body: dict, name: str, default: bool, prefix: str = "") -> bool:
@@ -283,7 +319,7 @@ def _boolean(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _invalid(prefix + name, f"must be true or false, got {value!r}")
+        raise _invalid(prefix + name, f"must be true or false, got {_shown(value)}")
     return value
 
 

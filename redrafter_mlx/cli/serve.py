@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import select
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from urllib.parse import unquote, urlsplit
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli import openai_api as api
+from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.service import Engine, GenerationService, Job, QueueFull, Sampling, Started
@@ -64,7 +67,7 @@ class App:
     created: int = 0  # when the server started (the model's ``created``)
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
-        return None if started.shape is None else self.shape_sources[sampling.temp > 0]
+        return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
 
 
 class Server(ThreadingHTTPServer):
@@ -79,20 +82,51 @@ class Server(ThreadingHTTPServer):
         super().__init__(address, Handler)
         self.app: App | None = None  # set once the model is ready
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up is no error to report: a health check that gave up during
+        start-up (its connection waited in the backlog) was a BrokenPipeError traceback."""
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        super().handle_error(request, client_address)
+
 
 class Handler(BaseHTTPRequestHandler):
     """One connection's requests. Every error is OpenAI's JSON error object."""
 
     protocol_version = "HTTP/1.1"  # keep-alive for whole answers; a stream closes its connection
     server_version = "redrafter-mlx"
+    default_request_version = "HTTP/1.1"  # so that a refused request line gets a status line
     timeout = 300  # seconds a connection may idle, or a write block on a client not reading
     server: Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.wire = threading.Lock()  # the worker's probe (client_gone) against our writes
+        self.responding = False  # the current request's answer has begun
+        self.probed = False  # the current request's client was probed (client_gone)
+
+    def parse_request(self) -> bool:
+        """http.server's, less HTTP/0.9: a two-word request line (as the rest of a body sent
+        past its Content-Length may be) would be answered with a bare body, no status line."""
+        if len(self.raw_requestline.split()) == 2:
+            self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+            self.request_version, self.command = "HTTP/1.1", None
+            self.send_error(400, "HTTP/0.9 requests are not served: send HTTP/1.1")
+            return False
+        return super().parse_request()
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        with self.wire:  # from here on client_gone sends no probe
+            self.responding = True
+        super().send_response(code, message)
 
     # -- routes
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path.rstrip("/")
         app = self.server.app
+        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
+            self.close_connection = True  # a body GET never reads: not to be the next request
         if path == "/health":
             service = app.service
             status = "ok" if service.alive else "unavailable"
@@ -108,6 +142,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_api_error(api.ApiError(404, f"no endpoint {path}", code="not_found"))
 
     def do_POST(self) -> None:
+        self.responding = self.probed = False  # a new request on a kept-alive connection
         path = urlsplit(self.path).path.rstrip("/")
         parse = POST_ROUTES.get(path)
         try:
@@ -224,9 +259,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_body(self) -> bytes:
         """The request body; ApiError when it has no length or is longer than the limit."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise api.ApiError(411, "send the body with a Content-Length", code="length_required")
+        self.check_framing()
         length = self.body_length()
         limit = self.server.app.max_body_bytes
         if length > limit:
@@ -238,19 +271,37 @@ class Handler(BaseHTTPRequestHandler):
             )
         return self.rfile.read(length)
 
+    def check_framing(self) -> None:
+        """RFC 9112 section 6.3: a body this server cannot delimit with certainty is refused
+        and the connection closed, or its rest would be read as the next request (request
+        smuggling behind a proxy that framed it otherwise). Only Content-Length is served."""
+        codings = ", ".join(self.headers.get_all("Transfer-Encoding") or ())
+        lengths = self.headers.get_all("Content-Length") or ()
+        if codings:
+            self.close_connection = True
+            if "chunked" in codings.lower():
+                message = "send the body with a Content-Length, not chunked"
+                raise api.ApiError(411, message, code="length_required")
+            raise api.ApiError(
+                400, f"unsupported Transfer-Encoding {codings!r}", code="bad_framing"
+            )
+        values = [v.strip() for line in lengths for v in line.split(",")]
+        if len(values) > 1:
+            self.close_connection = True
+            message = f"Content-Length given {len(values)} times: send it once"
+            raise api.ApiError(400, message, code="bad_framing")
+
     def body_length(self) -> int:
         text = self.headers.get("Content-Length")
         if text is None:
             self.close_connection = True
             raise api.ApiError(411, "a Content-Length header is required", code="length_required")
-        try:
-            length = int(text)
-        except ValueError:
-            length = -1
-        if length < 0:
+        digits = text.strip()
+        if not (digits.isascii() and digits.isdigit()):  # int() takes "+5", "1_0", "٥"
             self.close_connection = True
-            raise api.ApiError(400, f"invalid Content-Length {text!r}", code="invalid_header")
-        return length
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            raise api.ApiError(400, f"invalid Content-Length {shown!r}", code="invalid_header")
+        return int(digits) if len(digits) < 19 else 1 << 62  # past any limit, never parsed
 
     def drop_body(self, length: int) -> None:
         """Read an oversized body into nothing: a server that closes a connection with unread
@@ -280,20 +331,44 @@ class Handler(BaseHTTPRequestHandler):
         return super().handle_expect_100()
 
     def client_gone(self) -> bool:
-        """True once the client has closed its end of the connection (the worker asks before
-        each step). A client only waits after its request, so anything readable is the end
-        of the stream, or a next request sent ahead on the same connection."""
+        """True once the client has gone (the worker asks before each step). A client only
+        waits after its request, so anything readable is the end of its stream, or a next
+        request sent ahead on the same connection. An end of stream may be a half-close
+        (``shutdown(SHUT_WR)`` after the request): see :meth:`closed_for_good`."""
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            if not readable or self.connection.recv(1, socket.MSG_PEEK) != b"":
+                return False
         except (OSError, ValueError):  # reset, or already closed here
             return True
+        return self.closed_for_good()
+
+    def closed_for_good(self) -> bool:
+        """After the client's end of stream: probe once with an interim "100 Continue"
+        response (RFC 9110 section 15.2: a client must skip 1xx responses it did not ask for).
+        A client that closed answers it with a reset, which the next check reads as the
+        socket's error (a read still says end of stream); one that only half-closed reads it
+        and gets its answer. No probe once the answer has begun, nor to an HTTP/1.0 client
+        (no 1xx for them): writing the answer fails if the client is gone."""
+        with self.wire:
+            if self.probed:
+                return self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+            if self.responding or self.request_version == "HTTP/1.0":
+                return False
+            self.probed = True
+            try:
+                self.connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            except OSError:
+                return True
+        return False
 
     def send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # said, so that a client does not send the next request
+            self.send_header("Connection", "close")
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
@@ -481,7 +556,7 @@ def main(args: argparse.Namespace) -> None:
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
     )
-    engine = service.start()
+    engine = start_or_exit(service)
     server.app = App(
         service,
         limits(args, loaded.runtime),
@@ -499,6 +574,23 @@ def main(args: argparse.Namespace) -> None:
         print("\nstopped", file=sys.stderr)
     finally:
         server.server_close()
+
+
+def start_or_exit(service: GenerationService) -> Engine:
+    """``service.start()``, or exit 1 with its error in one line (a traceback for a bug).
+
+    By ``os._exit``, past the interpreter's teardown: once the worker thread that loaded the
+    model has ended, MLX's teardown often aborts the process ("terminate called without an
+    active exception", rc 134: 5 exits in 8 here after a refused --top-k)."""
+    try:
+        return service.start()
+    except ReDrafterError as e:
+        print(f"error: {e}", file=sys.stderr)
+    except Exception:
+        traceback.print_exc(file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def mode(engine: Engine, loaded: Loaded) -> str:

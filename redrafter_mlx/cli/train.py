@@ -237,6 +237,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _skipped_note(data: Path, skipped: int) -> str:
+    records = "record was" if skipped == 1 else "records were"
+    return (
+        f"note: {data}: {skipped} {records} skipped, not usable conversations (each needs a "
+        "list of messages with known roles, text content and an assistant turn)"
+    )
+
+
 def main(args: argparse.Namespace) -> None:
     """Run ``train`` as parsed: extract (resuming a cache), then train (unless
     ``--extract-only``); prints the best evaluation as JSON. Bad input ends in ``error: ...``
@@ -264,6 +272,8 @@ def main(args: argparse.Namespace) -> None:
             extract_options(args, stop_at=extract_deadline(args, started)),
             ranks=ranks,
         )
+        if cache.skipped_records and ranks.lead:
+            print(_skipped_note(data, cache.skipped_records), file=sys.stderr)
         if args.extract_only:
             return
         stage = "train"

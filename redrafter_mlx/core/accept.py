@@ -24,19 +24,30 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
 Sampler = Callable[[mx.array], mx.array]
 
+# mlx-lm's sampler scales logits by 1 / temp in the logits' dtype: below this, logits of
+# magnitude ~65 overflow float16's range (65504) to inf and the draw is garbage (1e-40 does
+# it in float32 too). And the draw is already the argmax unless two logits lie within ~0.01.
+GREEDY_BELOW = 1e-3
+
 
 def greedy(scores: mx.array) -> mx.array:
     """The temperature-0 sampler: argmax of the last axis of logits or log-probs (the same)."""
     return mx.argmax(scores, axis=-1)
 
 
+def is_greedy(temp: float) -> bool:
+    """Whether ``temp`` decodes greedily: 0, or too small to scale logits by (the one rule the
+    commands and the server share)."""
+    return temp < GREEDY_BELOW
+
+
 def make_sampler(temp: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> Sampler:
-    """mlx-lm's sampler for these settings; temperature 0 gives :func:`greedy` (mlx-lm's is
-    the same argmax), which :func:`choose` recognises. Without top-p the sampler is marked
-    ``reads_logits``: temperature and top-k only scale and rank their input, and a categorical
-    draw (argmax of scaled scores + Gumbel noise) is the same for logits and log-probs, which
-    differ by a constant per row."""
-    if temp == 0:
+    """mlx-lm's sampler for these settings; a greedy temperature (:func:`is_greedy`) gives
+    :func:`greedy` (mlx-lm's is the same argmax), which :func:`choose` recognises. Without
+    top-p the sampler is marked ``reads_logits``: temperature and top-k only scale and rank
+    their input, and a categorical draw (argmax of scaled scores + Gumbel noise) is the same for
+    logits and log-probs, which differ by a constant per row."""
+    if is_greedy(temp):
         return greedy
     sampler = mlx_lm_sampler(temp, top_p=top_p, top_k=top_k)
     sampler.reads_logits = not 0 < top_p < 1  # top-p sums probabilities: needs log-probs

@@ -7,6 +7,7 @@ a full context. Library code: returns numbers, prints nothing.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -271,10 +272,38 @@ def _find_stop_string(text: str, stop_strings: tuple[str, ...], since: int) -> i
 
 def _stop_string_start(text: str, stop_strings: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that begins a stop string (held back: the next
-    tokens may complete it)."""
-    return max(
-        (k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0
-    )
+    tokens may complete it). Host work per call is linear in the stops' lengths."""
+    return max((_overlap(text, s) for s in stop_strings), default=0)
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``stop``: a KMP walk
+    over ``text``'s last ``len(stop) - 1`` characters, O(len(stop)). (Trying each beginning
+    ``stop[:k]`` in turn copies and compares O(len(stop)**2) characters: seconds per step for
+    a stop string of 10**5 characters.)"""
+    if not text or text[-1] not in stop:  # the common case, at C speed
+        return 0
+    failure = _failure_table(stop)
+    matched = 0  # characters of stop matched by the end of the text read so far
+    for char in text[max(len(text) - len(stop) + 1, 0) :]:
+        while matched and stop[matched] != char:
+            matched = failure[matched - 1]
+        matched += stop[matched] == char
+    return matched  # < len(stop): at most len(stop) - 1 characters were read
+
+
+@functools.lru_cache(maxsize=64)
+def _failure_table(stop: str) -> tuple[int, ...]:
+    """KMP's prefix function: entry i is the length of the longest proper beginning of
+    ``stop[: i + 1]`` that is also its end. Built once per stop string (stops repeat)."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        k += stop[i] == stop[k]
+        table[i] = k
+    return tuple(table)
 
 
 def _finish(detokenizer, stats: GenerationStats, reason: str, shown: int) -> StepResponse:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from redrafter_mlx.core.accept import make_sampler
+from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.decode import Decoding, Verifier
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
@@ -38,7 +38,8 @@ Prompt = list[dict] | str | list[int]  # chat messages, raw text or token ids
 
 @dataclass(frozen=True)
 class Sampling:
-    """One request's sampler: temperature 0 is greedy; top-p 0 or 1 and top-k 0 are off."""
+    """One request's sampler: temperature 0 (or below accept.GREEDY_BELOW) is greedy; top-p 0 or
+    1 and top-k 0 are off."""
 
     temp: float = 0.0
     top_p: float = 0.0
@@ -71,11 +72,11 @@ class Engine:
         """The shape a request runs at (None when autoregressive)."""
         if not self.mode.speculative:
             return None
-        return self.sampling_shape if sampling.temp > 0 else self.greedy_shape
+        return self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
 
     def decoding_for(self, sampling: Sampling) -> Decoding:
         """A request's decoding: the mode, its shape, its sampler."""
-        shape = self.sampling_shape if sampling.temp > 0 else self.greedy_shape
+        shape = self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
         return Decoding(self.mode, shape, sampler)
 

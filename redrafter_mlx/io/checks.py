@@ -81,9 +81,13 @@ def read_config(path: Path) -> dict[str, Any]:
     from mlx_lm.utils import load_config
 
     try:
-        config = load_config(path)
+        settings = json.loads(cfg_file.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoadError(f"{cfg_file}: not valid JSON ({one_line(e)})") from e
+    if not isinstance(settings, dict):  # mlx-lm and every check below read keys
+        kind = type(settings).__name__
+        raise LoadError(f"{cfg_file}: expected a JSON object of settings, found a {kind}")
+    config = load_config(path)
     check_attention(config, cfg_file)
     check_layers(build_empty(config, cfg_file), config, cfg_file)
     return config

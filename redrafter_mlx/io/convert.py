@@ -8,6 +8,7 @@ Every failure is a :class:`ConversionError` whose message is one line naming the
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import pickle
 import shutil
@@ -63,8 +64,26 @@ def staged_output(out: str | Path, *, force: bool = False) -> Iterator[Path]:
     out = Path(out).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         _check_replaceable(out, force)
-    with staged_dir(out) as tmp:
-        yield tmp
+    try:
+        with staged_dir(out) as tmp:  # removed on any failure: nothing half-written stays
+            yield tmp
+    except (OSError, RuntimeError) as e:
+        if not _is_disk_full(e, out):
+            raise
+        raise ConversionError(f"{out}: no space left on the device (nothing was written)") from None
+
+
+def _is_disk_full(error: Exception, out: Path) -> bool:
+    """ENOSPC or a full quota; MLX's own writer raises ``RuntimeError("[write] Unable to write
+    ...")`` without an errno: then it is the disk when under 1 MiB is left there."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not str(error).startswith("[write]"):
+        return False
+    try:
+        return shutil.disk_usage(out.parent).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _check_replaceable(out: Path, force: bool) -> None:
@@ -238,15 +257,23 @@ def read_torch_checkpoint(path: Path) -> dict[str, mx.array]:
 # Hugging Face folders / hub ids
 
 
+HUB_CONNECT_SECONDS = 3  # the hub answers in well under this when there is a network
+
+
 def _fetch_hf(src: str) -> Path:
-    """Local folder as is; a hub id through ``huggingface_hub.snapshot_download``."""
+    """Local folder as is; a hub id through ``huggingface_hub.snapshot_download``, or from the
+    hub cache alone when offline (``HF_HUB_OFFLINE``, or the hub cannot be reached: checked
+    first, since huggingface_hub retries a dead network for ~25 s before failing)."""
     path = Path(src).expanduser()
     if path.exists():
         return path
     if not looks_like_hub_id(src):
         raise ConversionError(f"{src}: no such file or directory")
-    from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub import constants, list_repo_files, snapshot_download
 
+    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _hub_unreachable()
+    if offline:
+        return _cached_snapshot(src, offline)
     try:
         files = list_repo_files(src)
         weights = (
@@ -259,6 +286,36 @@ def _fetch_hf(src: str) -> Path:
         raise ConversionError(
             f"{src}: cannot download from the Hugging Face hub ({one_line(e)})"
         ) from e
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub's endpoint cannot be reached (no DNS, no route, no answer in
+    HUB_CONNECT_SECONDS), or None when it can."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    endpoint = urlsplit(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_CONNECT_SECONDS).close()
+    except OSError as e:
+        return f"{endpoint.hostname} cannot be reached: {e.strerror or e}"
+    return None
+
+
+def _cached_snapshot(src: str, offline: str) -> Path:
+    """``src`` from the local hub cache; ConversionError suggesting local input if absent."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(src, local_files_only=True))
+    except Exception:
+        raise ConversionError(
+            f"{src}: not in the Hugging Face cache and offline ({offline}): convert a local "
+            "model folder or a .gguf file instead (--src path/to/model)"
+        ) from None
 
 
 def read_hf_weights(path: Path) -> dict[str, mx.array]:

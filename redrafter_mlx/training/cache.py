@@ -44,6 +44,9 @@ class Cache:
 
     root: Path
     manifest: dict
+    # records of the data file read this run that were no usable conversation (not stored:
+    # the caller says so; library code prints nothing of it)
+    skipped_records: int = 0
 
     @classmethod
     def open(cls, root: Path, identity: dict) -> Cache:

