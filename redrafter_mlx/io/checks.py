@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import struct
@@ -57,16 +58,17 @@ def check_safetensors(path: Path) -> None:
 
 
 def resolve_path(path_or_repo: str | Path) -> Path:
-    """A local folder, or a Hugging Face hub id downloaded with mlx-lm's ``_download``."""
+    """A local folder, or a Hugging Face hub id downloaded (the files mlx-lm's loader fetches)."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
         return path
     if not looks_like_hub_id(str(path_or_repo)):
         raise LoadError(f"{path_or_repo}: no such file or directory")
-    from mlx_lm.utils import _download
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
-        return _download(str(path_or_repo))
+        return Path(snapshot_download(str(path_or_repo), allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as e:  # hub errors come in many types
         raise LoadError(
             f"{path_or_repo}: not a local path and not downloadable ({one_line(e)})"
@@ -94,18 +96,25 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def model_classes(config: dict[str, Any], where: Path) -> tuple[type, type]:
-    """mlx-lm's ``(Model, ModelArgs)`` classes for ``config``'s ``model_type``."""
-    from mlx_lm.utils import _get_classes
+    """mlx-lm's ``(Model, ModelArgs)`` classes for ``config``'s ``model_type``, remapped as
+    mlx-lm's loader remaps it (by architecture, then by model type)."""
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
-    if not config.get("model_type"):
+    model_type = config.get("model_type")
+    if not model_type:
         raise LoadError(f"{where}: unsupported architecture (no model_type)")
+    architectures = config.get("architectures") or ()
+    architectures = (architectures,) if isinstance(architectures, str) else architectures
+    remapped = (MODEL_ARCHITECTURE_REMAPPING.get((model_type, a)) for a in architectures)
+    module = next((m for m in remapped if m), None) or MODEL_REMAPPING.get(model_type, model_type)
     try:
-        return _get_classes(config)
-    except ValueError as e:
+        arch = importlib.import_module(f"mlx_lm.models.{module}")
+    except ImportError as e:
         raise LoadError(
-            f"{where}: unsupported architecture model_type={config['model_type']!r} "
+            f"{where}: unsupported architecture model_type={model_type!r} "
             f"(mlx-lm has no such model: {one_line(e)})"
         ) from e
+    return arch.Model, arch.ModelArgs
 
 
 def build_empty(config: dict[str, Any], where: Path) -> nn.Module:

@@ -31,6 +31,7 @@ from redrafter_mlx.io.checks import (
     check_safetensors,
     check_structure,
     looks_like_hub_id,
+    model_classes,
     one_line,
     read_config,
     resolve_path,
@@ -353,10 +354,8 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def build_model(config: dict[str, Any], where: Path) -> nn.Module:
     """Instantiate the mlx-lm model for ``config`` and check its Llama shape."""
-    from mlx_lm.utils import _get_classes
-
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config, where)
         model = model_class(args_class.from_dict(config))
         check_structure(model, where)
     except LoadError as e:
