@@ -813,3 +813,15 @@ def test_minutes_give_extraction_a_deadline_and_training_the_rest(tmp_path):
     with pytest.raises(TrainError, match="leave out --max-minutes"):
         T.check_minutes(T.setup_arg_parser().parse_args([*flags, "--max-minutes", "5"]), ONE)
     assert T.training_minutes(T.setup_arg_parser().parse_args([]), started) == 0.0
+
+
+def test_minutes_without_epochs_lets_the_time_decide_how_many_passes():
+    """With --minutes a small extraction (its share of the time ran out) used to train its
+    default two passes and end minutes early; now the schedule fitted to the time decides,
+    unless --epochs was given."""
+    import argparse
+
+    assert T.epochs(argparse.Namespace(epochs=None, minutes=15)) == T.MINUTES_EPOCHS
+    assert T.epochs(argparse.Namespace(epochs=None, minutes=0)) == T.DEFAULT_EPOCHS == 2.0
+    assert T.epochs(argparse.Namespace(epochs=3.0, minutes=15)) == 3.0
+    assert T.setup_arg_parser().parse_args([]).epochs is None

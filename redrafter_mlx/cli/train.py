@@ -185,7 +185,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument(
-        "--epochs", type=float, default=2.0, help="passes over the training tokens (may be 1.5)"
+        "--epochs",
+        type=float,
+        default=None,
+        help=f"passes over the training tokens, e.g. 1.5 (default: {DEFAULT_EPOCHS:g}; with "
+        "--minutes as many as its time allows, the schedule fitted to end in time)",
     )
     p.add_argument(
         "--max-minutes",
@@ -253,6 +257,7 @@ def main(args: argparse.Namespace) -> None:
     stage, ranks, started = "load", ONE, time.time()
     try:
         ranks = Ranks.launched()
+        args.epochs = epochs(args)  # the default depends on --minutes
         check_args(args)
         if args.minutes:
             check_minutes(args, ranks)
@@ -403,6 +408,19 @@ FINISH_MINUTES = 0.5
 def extract_deadline(args: argparse.Namespace, started: float) -> float:
     """The ``time.time()`` by which extraction stops under --minutes (0: none)."""
     return started + args.minutes * 60 * EXTRACT_SHARE if args.minutes else 0.0
+
+
+DEFAULT_EPOCHS = 2.0
+# --minutes without --epochs: more passes than any budget fits, so the schedule (fitted to the
+# time left) and --patience decide when training ends, not a data set smaller than planned
+MINUTES_EPOCHS = 100.0
+
+
+def epochs(args: argparse.Namespace) -> float:
+    """--epochs, else :data:`MINUTES_EPOCHS` under --minutes, else :data:`DEFAULT_EPOCHS`."""
+    if args.epochs is not None:
+        return args.epochs
+    return MINUTES_EPOCHS if args.minutes else DEFAULT_EPOCHS
 
 
 def training_minutes(args: argparse.Namespace, started: float) -> float:

@@ -121,6 +121,8 @@ def _note_short(cache: Cache, opts: ExtractOptions) -> None:
         return
     full = cache.nbytes() >= opts.cache_max_gb * 2**30
     why = "--cache-max-gb is reached" if full else "that is all the data holds"
+    if not full and _past(opts.stop_at):
+        why = "extraction's share of --minutes is spent; training fills the rest of the time"
     print(
         f"note: {got:,} training tokens, fewer than --max-tokens {opts.max_tokens:,} ({why})",
         file=sys.stderr,
