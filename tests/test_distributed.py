@@ -100,7 +100,7 @@ def flags(root: Path, model: Path, data: Path, name: str) -> list[str]:
         *("--heldout", "8", "--heldout-tokens", "200", "--max-tokens", "3000"),
         *("--head", "own", "--draft-vocab", "64", "--exit-dim", "64", "--num-draft-layers", "1"),
         *("--batch-size", "32", "--epochs", "1", "--eval-every", "10", "--lr", "3e-3"),
-        *("--patience", "100", "--seed", "0", "--quiet"),
+        *("--patience", "100", "--seed", "0", "--quiet", "--json"),
     ]
 
 

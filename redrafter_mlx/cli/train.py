@@ -257,7 +257,6 @@ def main(args: argparse.Namespace) -> None:
     stage, ranks, started = "load", ONE, time.time()
     try:
         ranks = Ranks.launched()
-        args.epochs = epochs(args)  # the default depends on --minutes
         check_args(args)
         if args.minutes:
             check_minutes(args, ranks)
@@ -463,7 +462,8 @@ def say_time_plan(args: argparse.Namespace, started: float) -> None:
 def train_options(args: argparse.Namespace) -> TrainOptions:
     """The training phase's settings among the flags."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainOptions)}
-    return TrainOptions(**{**values, "extra_cache": tuple(args.extra_cache)})
+    values |= {"extra_cache": tuple(args.extra_cache), "epochs": epochs(args)}
+    return TrainOptions(**values)
 
 
 # Flags that do not change what a run computes: a resumed run may differ in these.
@@ -496,7 +496,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in at_least_one.items():
         if value < 1:
             raise TrainError(f"{flag} must be at least 1 (got {value})")
-    positive = {"--epochs": args.epochs, "--lr": args.lr, "--cache-max-gb": args.cache_max_gb}
+    positive = {"--epochs": epochs(args), "--lr": args.lr, "--cache-max-gb": args.cache_max_gb}
     for flag, value in positive.items():
         if not 0 < value < math.inf:
             raise TrainError(f"{flag} must be a positive number (got {value})")
