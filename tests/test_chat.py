@@ -302,6 +302,21 @@ def test_reset_and_system_prompt(target):
 
 # ---------------------------------------------------------------- the real command (slow)
 
+
+def save_and_quit(child, prompt: str, saved) -> None:
+    """At the chat's next prompt: /save the conversation to ``saved``, then /quit (exit 0)."""
+    import pexpect
+
+    child.expect(prompt)
+    child.sendline(f"/save {saved}")
+    child.expect("saved")
+    child.expect(prompt)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
 EXPECTED_SCRIPT = """
 import json, sys
 from redrafter_mlx.io import runtime as rt
@@ -404,14 +419,7 @@ def test_chat_in_a_terminal(tmp_path, drafter_dir):
     child.expect(prompt)
     child.sendline("What was the story about?")
     child.expect("tokens/step")
-    child.expect(prompt)
-    child.sendline(f"/save {saved}")
-    child.expect("saved")
-    child.expect(prompt)
-    child.sendline("/quit")
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    save_and_quit(child, prompt, saved)
 
     messages = json.loads(saved.read_text())["messages"]
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
@@ -841,13 +849,6 @@ def test_ctrl_c_in_a_terminal_at_the_prompt_before_and_during_an_answer(tmp_path
         warnings.warn("the Ctrl-C did not stop the answer within 1 s; sent another", stacklevel=1)
         child.sendintr()
         child.expect("interrupted")
-    child.expect(prompt)
-    child.sendline(f"/save {saved}")
-    child.expect("saved")
-    child.expect(prompt)
-    child.sendline("/quit")
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    save_and_quit(child, prompt, saved)
     users = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "user"]
     assert "half a line" not in users and users[-1].endswith("learns to sing.")

@@ -163,25 +163,24 @@ class Verifier:
         *,
         timer: PhaseTimer | None = None,
         cancelled: Callable[[], bool] | None = None,
-    ) -> tuple[DecodeState, Step]:
+    ) -> tuple[DecodeState, Step | None]:
         """Feed ``prompt`` after the cache and draft the first beams: the first state and the
-        first emitted token. ``cancelled`` is asked between prompt chunks (raises Cancelled;
-        the chunks fed so far stay committed, a prefix the next prompt can reuse)."""
+        first emitted token (None when autoregressive: its first step emits it, pipelined).
+        ``cancelled`` is asked between prompt chunks (raises Cancelled; the chunks fed so far
+        stay committed, a prefix the next prompt can reuse)."""
         self.check(decoding)
         timer = timer or PhaseTimer()
         pending, context, logits = self._feed(cache, prompt, decoding.sampler, cancelled)
         token_logprobs = log_softmax(logits) if decoding.logprobs else None
         if not decoding.mode.speculative:
-            mx.async_eval(pending, *([] if token_logprobs is None else [token_logprobs]))
+            mx.async_eval(pending, *_present(token_logprobs))
             state = DecodeState(
                 cache, decoding, pending[None], timer=timer, pending_logprobs=token_logprobs
             )
-            return state, None  # the first token is emitted by the first step (pipelined)
-        keep = () if token_logprobs is None else (token_logprobs,)
-        read, beams, logprobs = self._first_draft(decoding, context, pending, keep)
-        index = NgramIndex(cache.ids) if decoding.shape.lookup else None
-        state = DecodeState(cache, decoding, int(read[0]), beams, logprobs, index, timer)
-        return state, Step([int(read[0])], logprobs=token_logprobs)
+            return state, None
+        keep = _present(token_logprobs)
+        state = self._drafted_state(cache, decoding, context, pending, keep, timer)
+        return state, Step([state.pending], logprobs=token_logprobs)
 
     def probe(self, cache: KVCache, decoding: Decoding) -> DecodeState:
         """A speculative state after the cached tokens, as if the last of them were fed again:
@@ -190,12 +189,19 @@ class Verifier:
         cache.reserve(1)
         token = mx.array([cache.ids[-1] if cache.ids else 0])
         choice, hidden, _ = self._next_token(cache, token, decoding.sampler)
-        pending = _host_read(choice)
-        read, beams, logprobs = self._first_draft(
-            decoding, hidden[-1], mx.array(int(pending[0]), mx.int32)
-        )
+        pending = mx.array(int(_host_read(choice)[0]), mx.int32)
+        return self._drafted_state(cache, decoding, hidden[-1], pending)
+
+    def _drafted_state(
+        self, cache, decoding: Decoding, context, pending, keep=(), timer=None
+    ) -> DecodeState:
+        """The speculative state of ``pending ()`` drafted from ``context (H,)``, after one
+        host read (``keep``'s arrays evaluated with it), with the cached tokens' n-gram index
+        when the shape has lookup beams."""
+        read, beams, logprobs = self._first_draft(decoding, context, pending, keep)
         index = NgramIndex(cache.ids) if decoding.shape.lookup else None
-        return DecodeState(cache, decoding, int(read[0]), beams, logprobs, index)
+        timer = timer or PhaseTimer()
+        return DecodeState(cache, decoding, int(read[0]), beams, logprobs, index, timer)
 
     def step(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """One decode step from ``state``: the next state and what the step emitted.
@@ -267,7 +273,7 @@ class Verifier:
             return replace(state, pending=None, steps=state.steps + 1), last
         choice, _, logits = self._next_token(cache, token, state.decoding.sampler)  # its K/V
         choice_logprobs = log_softmax(logits) if state.decoding.logprobs else None
-        mx.async_eval(choice, *([] if choice_logprobs is None else [choice_logprobs]))
+        mx.async_eval(choice, *_present(choice_logprobs))
         value = token.item()  # host read: this token (the next one is computing)
         cache.commit([value])
         new = replace(
@@ -289,8 +295,7 @@ class Verifier:
         timer.mark("compact", *cache.state())
         drafted, draft_syncs = self._draft(decoding, hidden[result.last_node], result.next_token)
         chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-        keep = () if path_logprobs is None else (path_logprobs,)
-        read, next_logprobs = self._read(decoding, chosen, drafted, keep)
+        read, next_logprobs = self._read(decoding, chosen, drafted, _present(path_logprobs))
         timer.mark("draft")
         best, num_accepted, next_token = (int(x) for x in read[:3])
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
@@ -466,6 +471,11 @@ def accepted_source(beams: np.ndarray, drafted: int, best: int, num_accepted: in
     holds = (beams[:, 1 : num_accepted + 1] == accepted).all(axis=1)
     from_drafter, from_lookup = bool(holds[:drafted].any()), bool(holds[drafted:].any())
     return "both" if from_drafter and from_lookup else "drafter" if from_drafter else "lookup"
+
+
+def _present(*arrays: mx.array | None) -> tuple[mx.array, ...]:
+    """The arrays that are there (optional outputs, such as log-probs, to evaluate too)."""
+    return tuple(a for a in arrays if a is not None)
 
 
 def log_softmax(logits: mx.array) -> mx.array:

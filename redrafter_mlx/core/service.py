@@ -70,13 +70,14 @@ class Engine:
 
     def shape_for(self, sampling: Sampling) -> BeamShape | None:
         """The shape a request runs at (None when autoregressive)."""
-        if not self.mode.speculative:
-            return None
+        return self._shape(sampling) if self.mode.speculative else None
+
+    def _shape(self, sampling: Sampling) -> BeamShape:
         return self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
 
     def decoding_for(self, sampling: Sampling) -> Decoding:
         """A request's decoding: the mode, its shape, its sampler."""
-        shape = self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
+        shape = self._shape(sampling)
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
         return Decoding(self.mode, shape, sampler)
 
