@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
 from redrafter_mlx.core.cache import KVCache
-from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype
+from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
 from redrafter_mlx.core.plan import Plan
 
 GENERIC = Plan()
@@ -198,7 +198,7 @@ class FusedForward(Forward):
         self.shared_rope = plan.rope_tables and _one_rope(layers)
         self.dtype = compute_dtype(self.model)
 
-    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool) -> mx.array:
+    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool, tree=None) -> mx.array:
         plan, model = self.plan, self.model
         if isinstance(mask, str):
             mask = chain_mask(cache.offset, tokens.shape[0])
@@ -242,7 +242,7 @@ LLAMA_BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
 def has_llama_layers(model: nn.Module) -> bool:
     """Whether every layer is a plain full-attention Llama or Qwen2 block (mistral loads as
     llama): what the specialised path computes exactly."""
-    layers = model.model.layers
+    layers = inner_model(model).layers
     return bool(layers) and all(
         type(x) in LLAMA_BLOCKS and not getattr(x, "use_sliding", False) for x in layers
     )

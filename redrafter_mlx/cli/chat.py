@@ -212,6 +212,7 @@ class Turn:
 
     prompt_tokens: int = 0  # tokens fed this turn (after the reused prefix)
     reused_tokens: int = 0  # tokens of the conversation already in the cache
+    reread_tokens: int = 0  # cached tokens fed again (recurrent state kept at turn ends only)
     dropped_turns: int = 0  # oldest turns dropped to fit the context
     stats: GenerationStats | None = None
     finish_reason: str | None = None  # None when interrupted
@@ -294,7 +295,7 @@ class ChatSession:
         kept, ids, dropped = fit_history(asked, self.encode, self.room())
         self.messages = [m for m in kept if m["role"] != "system"]
         fed = len(self.session.prepare(ids))
-        return ids, Turn(fed, len(ids) - fed, dropped)
+        return ids, Turn(fed, len(ids) - fed, self.session.reread, dropped)
 
     def reply(self, user_text: str) -> Iterator[StepResponse]:
         """Answer ``user_text``, streaming responses. Closing the generator early (Ctrl-C) keeps
@@ -512,6 +513,8 @@ class ChatUI:
             f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
+        if turn.reread_tokens:  # a recurrent state cannot be cut back to any token
+            line += f" ({turn.reread_tokens} re-read: recurrent state is kept at turn ends)"
         if self.lookup_on():  # what the lookup beams add, next to the drafter's share
             drafted = self.session.mode.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"

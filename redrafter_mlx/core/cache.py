@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from redrafter_mlx.core.recurrent import StateStore
+
 GROW_STEP = 256
 
 
@@ -22,15 +24,17 @@ class KVCache:
 
     ``ids`` mirrors the committed token ids on the host so a chat can reuse a shared prefix;
     ``offset`` is their count, so the two can never disagree (an interrupt between two updates
-    cannot leave them apart).
+    cannot leave them apart). ``num_layers`` counts attention layers, ``recurrent`` the
+    layers with recurrent state (their :class:`StateStore` is ``states``, None without any).
     """
 
-    def __init__(self, num_layers: int, dtype: mx.Dtype):
+    def __init__(self, num_layers: int, dtype: mx.Dtype, recurrent: int = 0):
         self.dtype = dtype
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.capacity = 0
         self.ids: list[int] = []
+        self.states = StateStore(recurrent) if recurrent else None
 
     @property
     def offset(self) -> int:
@@ -80,25 +84,61 @@ class KVCache:
             self.keys[i][..., self.offset : end, :] = mx.take(self.keys[i], src, axis=2)
             self.values[i][..., self.offset : end, :] = mx.take(self.values[i], src, axis=2)
 
+    def keep(self, node: mx.array) -> None:
+        """Stage the recurrent states of tree node ``node ()`` (the last accepted one) for the
+        next :meth:`commit` (lazy; nothing to do without recurrent layers)."""
+        if self.states is not None:
+            self.states.keep(node)
+
     def commit(self, ids: list[int]) -> None:
-        """Mark the next ``len(ids)`` written slots (token ids ``ids``) as part of the prefix."""
+        """Mark the next ``len(ids)`` written slots (token ids ``ids``) as part of the prefix,
+        with the recurrent states staged after them."""
         self.ids.extend(ids)  # one update: offset follows
+        if self.states is not None:
+            self.states.commit()
+
+    def snapshot(self) -> None:
+        """Remember the recurrent states at the current offset, so the cache can rewind here
+        (nothing to do without recurrent layers: K/V rewind anywhere)."""
+        if self.states is not None:
+            self.states.snapshot(self.offset)
+
+    def rewindable(self, length: int) -> bool:
+        """Whether :meth:`rewind` can cut back to ``length`` tokens."""
+        if self.states is None or length == self.offset:
+            return True
+        return 0 <= length < self.offset and length in self.states.snapshots
 
     def rewind(self, length: int) -> None:
-        """Cut back to the first ``length`` committed tokens: the one way to shorten the prefix."""
-        del self.ids[max(length, 0) :]
+        """Cut back to the first ``length`` committed tokens: the one way to shorten the
+        prefix. ValueError where recurrent states have no snapshot at ``length``."""
+        length = min(max(length, 0), self.offset)
+        if length == self.offset:
+            return
+        if not self.rewindable(length):
+            raise ValueError(
+                f"cannot rewind to {length} tokens: recurrent layers keep their state only at "
+                f"{sorted(self.states.snapshots)}"
+            )
+        if self.states is not None:
+            self.states.restore(length)
+        del self.ids[length:]
 
     def reuse_prefix(self, ids: list[int]) -> int:
         """Rewind to the longest prefix the cache shares with ``ids`` (the token ids of a whole
-        prompt), keeping at least one of them to feed: the last one's hidden state predicts the
-        next token. Returns how many of ``ids`` are cached (``ids[n:]`` is what to feed)."""
+        prompt) that it can rewind to, keeping at least one of them to feed: the last one's
+        hidden state predicts the next token. Returns how many of ``ids`` are cached
+        (``ids[n:]`` is what to feed)."""
         reused = max(min(common_prefix(self.ids, ids), len(ids) - 1), 0)
+        if self.states is not None:  # the latest state it holds at or before that
+            reused = max(n for n in (*self.states.snapshots, self.offset) if n <= reused)
         self.rewind(reused)
         return reused
 
     def state(self) -> list[mx.array]:
         """Arrays to evaluate to materialise the cache."""
-        return [a for a in self.keys + self.values if a is not None]
+        arrays = [a for a in self.keys + self.values if a is not None]
+        return arrays + (self.states.arrays() if self.states is not None else [])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -251,6 +251,7 @@ class Verifier:
             mx.eval(hidden, *cache.state())  # bound the graph per chunk
             mx.clear_cache()  # a chunk's activations are large: give them back (as mlx-lm)
             cache.commit(chunk)
+        cache.snapshot()  # recurrent layers: a later prompt can come back to here
         logits = self.forward.lm_head(hidden[-1:])
         token = choose(logits, sampler)[0]
         return token.astype(mx.int32), hidden[-1], logits
@@ -292,6 +293,7 @@ class Verifier:
         path_logprobs = log_softmax(logits[result.path]) if decoding.logprobs else None
         if not tree.paths_in_place:
             cache.compact(result.path)
+        cache.keep(result.last_node)  # recurrent layers: the accepted node's state
         timer.mark("compact", *cache.state())
         drafted, draft_syncs = self._draft(decoding, hidden[result.last_node], result.next_token)
         chosen = mx.stack([result.best, result.num_accepted, result.next_token])
@@ -344,7 +346,9 @@ class Verifier:
         cache.reserve(max(tree.size, beams.shape[1]))  # compaction writes L slots
         # shortened beams make sizes warm_up did not compile: run those few eagerly
         compiled = tree.size in self._verified_sizes(state.decoding)
-        hidden = self.forward(mx.array(tree.tokens), positions, mask, cache, compiled=compiled)
+        hidden = self.forward(
+            mx.array(tree.tokens), positions, mask, cache, compiled=compiled, tree=tree
+        )
         logits = self.forward.lm_head(hidden)
         timer.mark("verify", logits)
         pruned = tree.unpack < 0  # never accepted: a token id no choice can equal

@@ -15,6 +15,10 @@ mask through ``make_mask`` (windowed for sliding-window layers, by position), an
 (:class:`TokenRope`) to rotate every token at its own position by moving the tokens to the
 batch axis, where RoPE takes one offset per row.
 
+Layers with recurrent state (Gated DeltaNet, Mamba, short convolutions: an ``ArraysCache`` in
+the model's ``make_cache``) get a :class:`~redrafter_mlx.core.recurrent.StateSlot` instead, and
+their mixer runs a tree depth by depth (:mod:`redrafter_mlx.core.recurrent`).
+
 A device's plan may run another forward of the same numbers (``backend/``); this is the one
 Metal and CUDA run.
 """
@@ -22,24 +26,42 @@ Metal and CUDA run.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
+from mlx_lm.models.cache import KVCache as MlxKVCache
 
 from redrafter_mlx.core.cache import KVCache
+from redrafter_mlx.core.recurrent import StateSlot, wrap_mixers
+from redrafter_mlx.core.tree import Tree
 
 # A chain of new tokens after the cache, each attending to the cache and the chain up to it:
 # MLX's fused attention builds this mask itself (a prompt's mask is never materialised).
 CAUSAL = "causal"
 
 
+def inner_model(model: nn.Module) -> nn.Module:
+    """The model without its output head: ``model.model`` (``backbone`` for Mamba and
+    Nemotron-H), whose call returns the final-norm hidden states."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None else model.backbone
+
+
+def embedding(model: nn.Module) -> nn.Module:
+    """The target's token embedding (``embed_tokens``, ``embeddings`` for Mamba)."""
+    inner = inner_model(model)
+    embed = getattr(inner, "embed_tokens", None)
+    return embed if embed is not None else inner.embeddings
+
+
 def compute_dtype(model: nn.Module) -> mx.Dtype:
     """Floating dtype of activations: the embedding's weight, or a quantized embedding's
     floating scales (affine), or else (microscaled formats keep uint8 scales) the first
     floating parameter, e.g. a norm's weight."""
-    embed = model.model.embed_tokens
+    embed = embedding(model)
     for x in (getattr(embed, "scales", None), embed.weight):
         if x is not None and mx.issubdtype(x.dtype, mx.floating):
             return x.dtype
@@ -55,15 +77,74 @@ def target_dims(model: nn.Module) -> tuple[int, int]:
     hidden = getattr(args, "hidden_size", None)
     vocab = getattr(args, "vocab_size", None)
     if hidden is None or vocab is None:
-        emb = model.model.embed_tokens
+        emb = embedding(model)
         vocab = vocab or emb.weight.shape[0]
         hidden = hidden or getattr(emb, "dims", None) or emb.weight.shape[1]
     return int(hidden), int(vocab)
 
 
+@dataclass(frozen=True)
+class AttentionSlot:
+    """An attention layer's K/V: ``index`` among the cache's attention layers, ``window`` its
+    sliding window ``(size, keep)`` (None: full attention)."""
+
+    index: int
+    window: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class RecurrentSlot:
+    """A recurrent layer's state: ``index`` among the cache's recurrent layers, ``size`` its
+    number of state arrays (mlx-lm's ``ArraysCache(size)``)."""
+
+    index: int
+    size: int
+
+
+def cache_layout(model: nn.Module) -> list:
+    """What the model's ``make_cache`` gives each of its layers, as slots of our cache: an
+    :class:`AttentionSlot`, a :class:`RecurrentSlot`, or a list of them (a ``CacheList``).
+    A model without ``make_cache`` has one full-attention slot per layer. TypeError for a
+    cache the verify forward cannot run (``io.checks`` names it in one line first)."""
+    if not hasattr(model, "make_cache"):
+        return [AttentionSlot(i) for i in range(len(inner_model(model).layers))]
+    counts = {"attention": 0, "recurrent": 0}
+
+    def slot(cache):
+        if isinstance(cache, CacheList):
+            return [slot(c) for c in cache.caches]
+        if isinstance(cache, ArraysCache):
+            counts["recurrent"] += 1
+            return RecurrentSlot(counts["recurrent"] - 1, len(cache.cache))
+        if type(cache) in (MlxKVCache, RotatingKVCache):
+            counts["attention"] += 1
+            window = (cache.max_size, cache.keep) if isinstance(cache, RotatingKVCache) else None
+            return AttentionSlot(counts["attention"] - 1, window)
+        raise TypeError(f"a layer cache the verify forward cannot run: {type(cache).__name__}")
+
+    return [slot(c) for c in model.make_cache()]
+
+
+def slot_counts(layout: list) -> tuple[int, int]:
+    """``(attention, recurrent)`` slots in ``layout``."""
+    flat = list(_flatten(layout))
+    attention = sum(isinstance(s, AttentionSlot) for s in flat)
+    return attention, len(flat) - attention
+
+
+def _flatten(layout):
+    for item in layout:
+        if isinstance(item, list):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
 def make_cache(model: nn.Module) -> KVCache:
-    """An empty pre-allocating KV cache for ``model`` (each layer shaped by its first write)."""
-    return KVCache(len(model.model.layers), compute_dtype(model))
+    """An empty pre-allocating cache for ``model`` (each attention layer shaped by its first
+    write), with recurrent state for its recurrent layers."""
+    attention, recurrent = slot_counts(cache_layout(model))
+    return KVCache(attention, compute_dtype(model), recurrent)
 
 
 def structural_copy(module: nn.Module) -> nn.Module:
@@ -83,14 +164,18 @@ class Forward:
     """The target's verify forward (the generic path), built once per model.
 
     ``model`` is a structural copy of the caller's model with :class:`TokenRope` around each
-    RoPE module; ``windows`` each layer's sliding window ``(size, keep)`` (None: full
-    attention), from the model's own ``make_cache`` (a ``RotatingKVCache`` marks a
-    sliding-window layer).
+    RoPE module (and each recurrent mixer wrapped to run trees); ``layout`` what each layer's
+    cache is (:func:`cache_layout`: a ``RotatingKVCache`` marks a sliding-window layer, an
+    ``ArraysCache`` a recurrent one).
     """
 
     def __init__(self, model: nn.Module):
         self.model = _with_token_rope(structural_copy(model))
-        self.windows = _windows(model)
+        self.layout = cache_layout(model)
+        self.recurrent = slot_counts(self.layout)[1] > 0
+        if self.recurrent:
+            for layer in inner_model(self.model).layers:
+                wrap_mixers(layer)
 
     def __call__(
         self,
@@ -100,26 +185,36 @@ class Forward:
         cache: KVCache,
         *,
         compiled: bool = True,
+        tree: Tree | None = None,
     ) -> mx.array:
         """Run the target over ``tokens (T,)`` at ``positions (T,)`` -> final-norm hidden (T, H).
 
         ``mask (T, S + T)`` is boolean (True = may attend), ``None`` means attend to everything
-        (one token), :data:`CAUSAL` a chain after the cache (a prompt). K/V are written at
-        ``cache.offset`` and not committed. ``compiled=False`` asks a device's forward to keep
-        this call uncompiled: prompts have arbitrary lengths, and each new T would compile new
-        kernels (seconds of g++ on CPU, during which Ctrl-C is ignored).
+        (one token), :data:`CAUSAL` a chain after the cache (a prompt). ``tree``: the packed
+        tree the tokens are (recurrent layers follow its parents; None: a chain). K/V and
+        recurrent states are written after ``cache.offset`` and not committed.
+        ``compiled=False`` asks a device's forward to keep this call uncompiled: prompts have
+        arbitrary lengths, and each new T would compile new kernels (seconds of g++ on CPU,
+        during which Ctrl-C is ignored).
         """
         cache.reserve(tokens.shape[0])
         positions = positions.astype(mx.int32)
-        return self.run(tokens, positions, mask, cache, compiled)
+        return self.run(tokens, positions, mask, cache, compiled, tree)
 
-    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool) -> mx.array:
+    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool, tree=None):
         """The forward itself, after the cache has room (what a device's plan replaces)."""
-        caches = [
-            TreeLayerCache(cache, i, positions, mask, window)
-            for i, window in enumerate(self.windows)
-        ]
-        return self.model.model(tokens[None], cache=caches)[0]
+
+        def layer_cache(slot):
+            if isinstance(slot, list):
+                return CacheList(*(layer_cache(s) for s in slot))
+            if isinstance(slot, RecurrentSlot):
+                if tree is None:
+                    return StateSlot(cache.states, slot.index, slot.size)
+                return StateSlot(cache.states, slot.index, slot.size, tree.parents, tree.depths)
+            return TreeLayerCache(cache, slot.index, positions, mask, slot.window)
+
+        caches = [layer_cache(slot) for slot in self.layout]
+        return inner_model(self.model)(tokens[None], cache=caches)[0]
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         """:func:`lm_head` of this forward's model."""
@@ -162,22 +257,12 @@ ROPE_NAMES = ("rope", "rotary_emb")
 
 def _with_token_rope(model: nn.Module) -> nn.Module:
     """``model`` (a copy) with every attention's RoPE wrapped in :class:`TokenRope`."""
-    for _, module in model.model.named_modules():
+    for _, module in inner_model(model).named_modules():
         for name in ROPE_NAMES:
             rope = module.get(name)
             if isinstance(rope, nn.Module) and not isinstance(rope, TokenRope):
                 module[name] = TokenRope(rope)
     return model
-
-
-def _windows(model: nn.Module) -> list[tuple[int, int] | None]:
-    """Each layer's sliding window ``(size, keep)``, None for full attention."""
-    layer_caches = model.make_cache() if hasattr(model, "make_cache") else []
-    windows = [None] * len(model.model.layers)
-    for i, c in enumerate(layer_caches[: len(windows)]):
-        if isinstance(c, RotatingKVCache):
-            windows[i] = (c.max_size, c.keep)
-    return windows
 
 
 class TreeLayerCache:
@@ -217,15 +302,16 @@ class TreeLayerCache:
 def head_linear(model: nn.Module, hidden: mx.array) -> mx.array:
     """Final-norm hidden (..., H) -> the output projection (..., V), before any logit
     transform (the LM head's own matrix, or the tied embedding's)."""
-    if hasattr(model, "lm_head"):
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+    for owner in (model, getattr(model, "language_model", None)):  # Qwen3.5 nests its head
+        if hasattr(owner, "lm_head"):
+            return owner.lm_head(hidden)
+    return embedding(model).as_linear(hidden)
 
 
 def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     """Final-norm hidden (..., H) -> logits (..., V), as the model's own ``__call__`` ends:
-    the output projection, then soft-capping (Gemma 2) or a logit scale where the model has
-    one."""
+    the output projection, then soft-capping (Gemma 2), a logit scale (Granite) or a tied
+    head's multiplier (Falcon-H1) where the model has one."""
     logits = head_linear(model, hidden)
     args = getattr(model, "args", None)
     cap = getattr(args, "final_logit_softcapping", None)
@@ -234,6 +320,9 @@ def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     scale = getattr(args, "logits_scaling", None)  # granite
     if scale:
         logits = logits / scale
+    multiplier = getattr(args, "lm_head_multiplier", None)  # falcon_h1, tied heads only
+    if multiplier is not None and getattr(args, "tie_word_embeddings", False):
+        logits = logits * (multiplier / args.embedding_multiplier)
     return logits
 
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, Verifier
 from redrafter_mlx.core.errors import Cancelled
 from redrafter_mlx.core.generate import StepResponse, decode_steps, stream_steps
@@ -43,6 +44,9 @@ class Session:
         self.cache = verifier.new_cache()
         self._decoding = decoding
         self.reused = 0  # prompt tokens the last generation found in the cache
+        # of the prompt tokens the cache shared, those fed again: recurrent layers keep their
+        # state only at the end of each prompt and at the cache's end, not at every token
+        self.reread = 0
         if warm:
             self.warm_up()
         elif seed is not None:
@@ -76,7 +80,9 @@ class Session:
     def prepare(self, ids: list[int]) -> list[int]:
         """Rewind the cache to the longest prefix it shares with ``ids`` (a whole prompt) and
         return the tokens still to feed (at least one: its hidden state predicts the answer)."""
+        shared = min(common_prefix(self.cache.ids, ids), len(ids) - 1)
         self.reused = self.cache.reuse_prefix(ids)
+        self.reread = max(shared - self.reused, 0)
         return ids[self.reused :]
 
     def generate(

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from redrafter_mlx.core import llm
 from redrafter_mlx.core.errors import LoadError
 
-# What a layer's cache may be (mlx-lm's ``make_cache``) for its K/V to roll back: plain and
-# sliding-window attention. Recurrent state (ArraysCache, MambaCache, ...), chunked or
-# composite caches cannot drop a rejected draft.
-ATTENTION_CACHES = (KVCache, RotatingKVCache)
+# What a layer's cache may be (mlx-lm's ``make_cache``): plain and sliding-window attention,
+# whose K/V roll back, and recurrent state, which the verify forward runs along the tree.
+SUPPORTED_CACHES = (KVCache, RotatingKVCache, ArraysCache)
 # A layer's submodules that are not what makes it recurrent (named by the refusal otherwise)
 COMMON_PARTS = re.compile(r"norm|mlp|moe|feed_?forward|expert|embed|^self_attn$|^attention$", re.I)
 
@@ -128,28 +128,37 @@ def build_empty(config: dict[str, Any], where: Path) -> nn.Module:
 
 
 def check_layers(model: nn.Module, config: dict[str, Any], where: Path) -> None:
-    """Refuse a model with a layer whose cache is not attention K/V (the model's own
-    ``make_cache``): a recurrent or state-space layer cannot roll back a rejected draft."""
-    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    """Refuse a model with a layer whose cache (the model's own ``make_cache``) is neither
+    attention K/V nor recurrent state (mlx-lm's ``ArraysCache``): chunked attention, for
+    example, which ReDrafter's tree masks do not do."""
+    try:
+        llm.cache_layout(model)
+    except TypeError:
+        pass
+    else:
+        return
+    caches = model.make_cache()
     for i, cache in enumerate(caches):
-        if type(cache) in ATTENTION_CACHES:
+        parts = cache.caches if isinstance(cache, CacheList) else (cache,)
+        name = next((type(c).__name__ for c in parts if not isinstance(c, SUPPORTED_CACHES)), None)
+        if name is None:
             continue
         layers = getattr(model, "layers", None) or []
-        kind = _layer_kind(layers[i]) if i < len(layers) else type(cache).__name__
-        name = type(cache).__name__
+        kind = _layer_kind(layers[i]) if i < len(layers) else name
         what = (
             f"attention over chunks ({name}), which ReDrafter's tree masks do not do"
             if name == "ChunkedKVCache"
-            else f"a layer with recurrent state ({name}), which cannot roll back a rejected draft"
+            else f"a layer cache ReDrafter cannot verify trees with ({name})"
         )
         raise LoadError(
             f"{where}: unsupported: {config.get('model_type')} layer {i} is {kind}, {what}; "
-            "ReDrafter verifies trees on models whose layers are all attention layers"
+            "ReDrafter runs models whose layers are attention (full or sliding-window) or "
+            "recurrent (Gated DeltaNet, Mamba, short convolution) layers"
         )
 
 
 def _layer_kind(layer: nn.Module) -> str:
-    """The class name of what makes ``layer`` recurrent (e.g. GatedDeltaNet, MambaBlock): its
+    """The class name of what makes ``layer`` special (e.g. GatedDeltaNet, MambaBlock): its
     first submodule that is no norm, MLP or attention; else the layer's own class."""
     if isinstance(layer, nn.Module):
         for name, child in layer.children().items():
@@ -169,15 +178,21 @@ def check_attention(config: dict[str, Any], where: Path) -> None:
 
 
 def check_structure(model: nn.Module, where: Path) -> None:
-    """Raise LoadError unless ``model`` has what the verify forward uses: ``model.model`` with
-    ``embed_tokens`` and ``layers`` (its own ``__call__`` runs the layers), and an output
-    projection (``lm_head`` or a tied embedding)."""
-    inner = getattr(model, "model", None)
-    missing = [f"model.{a}" for a in ("embed_tokens", "layers") if not hasattr(inner, a)]
+    """Raise LoadError unless ``model`` has what the verify forward uses: ``model.model`` (or
+    ``model.backbone``) with an embedding and ``layers`` (its own ``__call__`` runs the
+    layers), and an output projection (``lm_head`` or a tied embedding)."""
+    inner = getattr(model, "model", None) or getattr(model, "backbone", None)
+    missing = []
     if inner is None:
         missing = ["model"]
-    elif not missing and not hasattr(model, "lm_head"):
-        if not hasattr(inner.embed_tokens, "as_linear"):
+    else:
+        if not (hasattr(inner, "embed_tokens") or hasattr(inner, "embeddings")):
+            missing.append("model.embed_tokens")
+        if not hasattr(inner, "layers"):
+            missing.append("model.layers")
+    if not missing and not hasattr(model, "lm_head"):
+        head_owner = getattr(model, "language_model", None)
+        if not hasattr(head_owner, "lm_head") and not hasattr(llm.embedding(model), "as_linear"):
             missing.append("lm_head")
     if missing:
         raise LoadError(

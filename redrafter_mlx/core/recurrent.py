@@ -1,0 +1,200 @@
+"""Recurrent layers (Gated DeltaNet, Mamba/Mamba2, short convolutions) along a packed tree.
+
+Legend: T tree nodes, n_d the nodes at depth d, H hidden size.
+
+A recurrent layer's state after a token depends on the whole path to it, so a tree cannot be
+verified as one chain. Every node has exactly one parent, though: the layer runs depth by
+depth, all nodes of depth ``d`` as one batch of one-token sequences, each starting from its
+parent's state (the committed state for depth 0). That is the layer's own mlx-lm module, called
+with mlx-lm's own ``ArraysCache`` per depth (batch ``n_d``, one token each, exactly what an
+autoregressive step computes), so it keeps the tree's prefix sharing and stays exact. Every
+node's state is kept (``(T, ...)`` per state array); after acceptance the accepted node's
+becomes the committed state, and the rest are dropped.
+
+A prompt, or any other chain of tokens, runs through the module as a chain (mlx-lm's own
+prefill, with whatever fast kernel the device has).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import ArraysCache
+
+States = list  # one layer's state arrays (e.g. [conv state, SSM state]), batch first
+
+
+class StateStore:
+    """The recurrent state of every recurrent layer of one sequence.
+
+    ``committed[i]``: layer ``i``'s state after the committed tokens (None: no token yet);
+    ``staged[i]``: its state after the last forward's tokens, committed by :meth:`commit`;
+    ``nodes[i]``: every node's state after a tree forward, ``(T, ...)`` per array, until
+    :meth:`keep` stages the accepted node's. ``snapshots`` map an offset to the committed
+    states there: the only offsets a cache with recurrent layers can rewind to.
+    """
+
+    def __init__(self, count: int, max_snapshots: int = 8):
+        self.committed: list[States | None] = [None] * count
+        self.staged: list[States | None] = [None] * count
+        self.nodes: list[States | None] = [None] * count
+        self.snapshots: dict[int, list[States | None]] = {0: [None] * count}
+        self.max_snapshots = max_snapshots
+
+    def __len__(self) -> int:
+        return len(self.committed)
+
+    def keep(self, node: mx.array) -> None:
+        """Stage node ``node ()`` of the last tree forward (lazily: a device index)."""
+        for i, states in enumerate(self.nodes):
+            if states is not None:
+                self.staged[i] = [mx.take(x, node[None], axis=0) for x in states]
+
+    def commit(self) -> None:
+        """The staged states become the committed ones."""
+        for i, states in enumerate(self.staged):
+            if states is not None:
+                self.committed[i] = states
+        self.staged = [None] * len(self)
+        self.nodes = [None] * len(self)
+
+    def snapshot(self, offset: int) -> None:
+        """Remember the committed states as the states at ``offset`` (arrays are immutable:
+        a snapshot holds references, no copy); the oldest beyond ``max_snapshots`` go."""
+        self.snapshots.pop(offset, None)
+        self.snapshots[offset] = list(self.committed)
+        while len(self.snapshots) > self.max_snapshots + 1:  # offset 0 (no state) stays
+            del self.snapshots[next(o for o in self.snapshots if o)]
+
+    def restore(self, offset: int) -> None:
+        """Committed states := the snapshot at ``offset`` (KeyError when there is none)."""
+        self.committed = list(self.snapshots[offset])
+        self.staged = [None] * len(self)
+        self.nodes = [None] * len(self)
+        for o in [o for o in self.snapshots if o > offset]:
+            del self.snapshots[o]  # states of tokens no longer in the cache
+
+    def arrays(self) -> list[mx.array]:
+        """Arrays to evaluate to materialise the states."""
+        groups = self.committed + self.staged + self.nodes
+        return [x for states in groups if states is not None for x in states if x is not None]
+
+
+class StateSlot:
+    """One recurrent layer's cache as the model passes it to the layer, for one forward.
+
+    ``parents`` is None for a chain of tokens, else the tree's ``(T,)`` parent of each node
+    (-1: the committed state) and ``depths (T,)``. ``make_mask`` returns None: the layer never
+    sees padding (a chain is run whole, a tree one token per sequence).
+    """
+
+    def __init__(self, store: StateStore, index: int, size: int, parents=None, depths=None):
+        self.store, self.index, self.size = store, index, size
+        self.parents, self.depths = parents, depths
+
+    def __getitem__(self, i: int):
+        committed = self.store.committed[self.index]
+        return None if committed is None else committed[i]
+
+    def make_mask(self, n: int, **_) -> None:
+        return None
+
+    def run(self, mixer: nn.Module, call: dict, input_name: str) -> mx.array:
+        """Run ``mixer`` (its keyword arguments ``call``; its input ``(1, T, H)`` under
+        ``input_name``) over this forward's tokens -> its output ``(1, T, H')``."""
+        if self.parents is None:
+            cache = self._arrays_cache(self.store.committed[self.index])
+            out = mixer(**{**call, "cache": cache})
+            self.store.staged[self.index] = list(cache.cache)
+            return out
+        return self._run_tree(mixer, call, input_name)
+
+    def _arrays_cache(self, states: States | None) -> ArraysCache:
+        cache = ArraysCache(self.size)
+        if states is not None:
+            cache.cache = list(states)
+        return cache
+
+    def _run_tree(self, mixer: nn.Module, call: dict, input_name: str) -> mx.array:
+        """Depth by depth: the nodes of depth d as a batch of one-token sequences, each from
+        its parent's state; every node's state is kept in ``store.nodes``."""
+        x = call[input_name][0]  # (T, H)
+        committed = self.store.committed[self.index]
+        order, outs, states = [], [], []
+        row = np.zeros(len(self.parents), np.int64)  # each node's row among its depth's
+        previous: States | None = None
+        for depth in range(int(self.depths.max()) + 1):
+            nodes = np.flatnonzero(self.depths == depth)
+            row[nodes] = np.arange(len(nodes))
+            if depth == 0:
+                start = None if committed is None else _gather(committed, np.zeros(len(nodes)))
+            else:
+                start = _gather(previous, row[self.parents[nodes]])
+            cache = self._arrays_cache(start)
+            outs.append(mixer(**{**call, input_name: x[mx.array(nodes)][:, None], "cache": cache}))
+            previous = list(cache.cache)
+            order.append(nodes)
+            states.append(previous)
+        inverse = mx.array(np.argsort(np.concatenate(order)))
+        out = mx.concatenate(outs)[inverse]  # (T, 1, H') in node order
+        per_node = [mx.concatenate(parts)[inverse] for parts in zip(*states, strict=True)]
+        self.store.nodes[self.index] = per_node
+        return out.swapaxes(0, 1)
+
+
+def _gather(states: States, rows: np.ndarray) -> States:
+    index = mx.array(rows.astype(np.int32))
+    return [x[index] for x in states]
+
+
+class TreeMixer(nn.Module):
+    """A recurrent mixer module (the part of a layer that takes the recurrent cache) that
+    runs a :class:`StateSlot` itself and passes every other call through unchanged."""
+
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.inner = mixer
+        self._signature = inspect.signature(mixer.__call__)
+        self._input = next(iter(self._signature.parameters))
+
+    def __call__(self, *args, **kwargs):
+        bound = self._signature.bind(*args, **kwargs)
+        slot = bound.arguments.get("cache")
+        if not isinstance(slot, StateSlot):
+            return self.inner(*args, **kwargs)
+        call = dict(bound.arguments)
+        if "mask" in call:
+            call["mask"] = None  # no padding: a chain runs whole, a tree a token per sequence
+        return slot.run(self.inner, call, self._input)
+
+
+def takes_cache(module: nn.Module) -> bool:
+    """Whether ``module``'s call has a ``cache`` parameter (a mixer, or attention)."""
+    try:
+        return "cache" in inspect.signature(module.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def wrap_mixers(layer: nn.Module) -> int:
+    """Wrap every outermost submodule of ``layer`` that takes a cache in :class:`TreeMixer`
+    (in place: ``layer`` is a structural copy); returns how many were wrapped."""
+    count = 0
+    for name, child in layer.children().items():
+        children = child if isinstance(child, list) else [child]
+        for i, module in enumerate(children):
+            if not isinstance(module, nn.Module) or isinstance(module, TreeMixer):
+                continue
+            if takes_cache(module):
+                wrapped = TreeMixer(module)
+                if isinstance(child, list):
+                    child[i] = wrapped
+                else:
+                    layer[name] = wrapped
+                count += 1
+            else:
+                count += wrap_mixers(module)
+    return count
