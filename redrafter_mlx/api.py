@@ -137,7 +137,7 @@ def stream_generate(
     ``sampler``: e.g. ``mlx_lm.sample_utils.make_sampler(0.7)`` (None: greedy). The beam shape
     keywords override this chip's autotune profile or the default; ``autoregressive`` decodes
     one token per step. ``drafter``: a plain mlx-lm model's drafter (as mlx-lm's
-    ``draft_model``), bound to its embedding (``BeamDrafter(drafter, model.model.embed_tokens)``).
+    ``draft_model``), bound to its embedding (``BeamDrafter(drafter, llm.embedding(model))``).
     ``logprobs``: each response carries the target's log-probs ``(V,)`` its token was chosen
     from, as mlx-lm's do (off by default: a log-softmax per token). The output is the
     target's own: greedy token for token, sampled from the same distribution.

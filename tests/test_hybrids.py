@@ -15,7 +15,15 @@ from conftest import run_steps
 from families import HYBRIDS, build, config
 from test_chat import ask, session, toy_template
 from test_decode import assert_drawn_from, first_three_token_probs
-from test_families import PLANS, PREFIX, PartOracle, mlx_lm_greedy, random_beams
+from test_families import (
+    PLANS,
+    PREFIX,
+    PartOracle,
+    mlx_lm_greedy,
+    ours,
+    quantized_folder,
+    random_beams,
+)
 
 from redrafter_mlx.backend.plan import make_forward
 from redrafter_mlx.core import llm
@@ -25,6 +33,7 @@ from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.tree import pack_beams, tree_mask
+from redrafter_mlx.io.load import load_target
 
 TOKENS = 64
 
@@ -189,3 +198,19 @@ def build_small_vocab(family: str, vocab: int):
     head.weight = head.weight * 6
     mx.eval(model.parameters())
     return model
+
+
+# ----------------------------------------------------------------------------------------------
+# quantized hybrids (mlx-lm's quantization; its predicates keep convolutions unquantized)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_quantized_hybrids_decode_exactly(name, tmp_path):
+    model, _, cfg = load_target(quantized_folder(name, "4bit", tmp_path / "q"), tokenizer=False)
+    assert cfg["quantization"]["bits"] == 4
+    want = mlx_lm_greedy(model, PREFIX, 40)
+    hidden, vocab = llm.target_dims(model)
+    for plan in PLANS.values():
+        assert ours(model, PREFIX, 40, plan=plan) == want
+        oracle = RootedOracle(want, vocab, seed=3)
+        assert ours(model, PREFIX, 40, oracle, BeamShape(3, 5), plan) == want

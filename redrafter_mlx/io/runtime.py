@@ -18,7 +18,7 @@ from redrafter_mlx.core.decode import Decoding, Verifier
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
-from redrafter_mlx.core.llm import compute_dtype
+from redrafter_mlx.core.llm import compute_dtype, embedding
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
@@ -83,7 +83,7 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
         if drafter_path is not None:
             dtype = None if plan.drafter_float32 else compute_dtype(target)
             loaded = load_drafter(drafter_path, target, dtype)
-            beam_drafter = BeamDrafter(loaded, target.model.embed_tokens)
+            beam_drafter = BeamDrafter(loaded, embedding(target))
     except ReDrafterError:
         raise
     except (ValueError, OSError) as e:  # e.g. an unreadable file: one line, no traceback

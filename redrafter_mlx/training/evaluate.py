@@ -65,7 +65,7 @@ class Evaluation:
         """The given verifier, or one built for ``model`` and ``drafter`` now."""
         if self.verifier is not None:
             return self.verifier
-        return build_verifier(self.model, BeamDrafter(self.drafter, self.model.model.embed_tokens))
+        return build_verifier(self.model, BeamDrafter(self.drafter, llm.embedding(self.model)))
 
     model: Any
     tokenizer: Any
@@ -239,7 +239,7 @@ def replay_path(job: Evaluation, ids: list[int], hidden: mx.array, n_prompt: int
     "accepted_from"}}``. One batched search per (W, S) serves every L and K: beam search keeps
     the same beams at every depth whatever the final length; one walk of an n-gram index
     proposes the lookup beams of every (K, L)."""
-    embed = job.model.model.embed_tokens
+    embed = llm.embedding(job.model)
     contexts, pendings = hidden[n_prompt - 1 : -1], mx.array(ids[n_prompt:])
     depth = max(shape.length for shape in job.shapes) - 1
     searches: dict[tuple[int, int], list[BeamShape]] = {}

@@ -248,7 +248,7 @@ def _bar(title: str, opts: ExtractOptions) -> Progress:
 def teacher_force(model, ids: list[int], topk: int) -> Record:
     """Run the target over ``ids (N,)``: hidden (N, H) f16, argmax (N,), top-k ids/log-probs
     ``(N, k)`` when ``topk``."""
-    hidden = model.model(mx.array(ids)[None])[0]
+    hidden = llm.inner_model(model)(mx.array(ids)[None])[0]
     logits = llm.lm_head(model, hidden).astype(mx.float32)
     out = {"hidden": hidden.astype(mx.float16), "argmax": mx.argmax(logits, axis=-1)}
     if topk:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
 from redrafter_mlx.core import llm
 
@@ -36,13 +36,14 @@ def greedy_batch(
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
     x = mx.array([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])  # (B, S)
-    cache = [BatchKVCache(pads) for _ in model.model.layers]
-    prefill = model.model(x, cache=cache)  # (B, S, H)
+    cache = batch_cache(model, pads)
+    inner = llm.inner_model(model)
+    prefill = inner(x, cache=cache)  # (B, S, H)
     nxt = mx.argmax(llm.lm_head(model, prefill[:, -1:]), axis=-1)  # (B, 1)
     hiddens, tokens = [prefill.astype(mx.float16)], [nxt]
     ended = np.zeros(len(prompts), bool)
     for step in range(1, max_new):
-        hidden = model.model(nxt, cache=cache)  # (B, 1, H)
+        hidden = inner(nxt, cache=cache)  # (B, 1, H)
         nxt = mx.argmax(llm.lm_head(model, hidden), axis=-1)
         hiddens.append(hidden.astype(mx.float16))
         tokens.append(nxt)
@@ -58,6 +59,22 @@ def greedy_batch(
         _record(p, pad, a, h, eos)
         for p, pad, a, h in zip(prompts, pads, answers, hidden, strict=True)
     ]
+
+
+def batch_cache(model, pads: list[int]) -> list:
+    """mlx-lm's per-layer caches for a left-padded batch: ``BatchKVCache`` for attention,
+    ``ArraysCache`` with the padding (masked out of the recurrence) for recurrent layers."""
+
+    def batched(cache):
+        if isinstance(cache, CacheList):
+            return CacheList(*(batched(c) for c in cache.caches))
+        if isinstance(cache, ArraysCache):
+            return ArraysCache(len(cache.cache), left_padding=pads)
+        return BatchKVCache(pads)
+
+    if not hasattr(model, "make_cache"):
+        return [BatchKVCache(pads) for _ in llm.inner_model(model).layers]
+    return [batched(c) for c in model.make_cache()]
 
 
 def _record(prompt: list[int], pad: int, answer: np.ndarray, hidden: np.ndarray, eos: set[int]):

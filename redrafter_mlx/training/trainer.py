@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from redrafter_mlx.core.drafter import lm_head_rows
-from redrafter_mlx.core.llm import target_dims
+from redrafter_mlx.core.llm import embedding, target_dims
 from redrafter_mlx.training.drafter_init import initial_drafter
 from redrafter_mlx.training.examples import Examples
 from redrafter_mlx.training.loss import loss_fn, unrolled_logits
@@ -65,7 +65,7 @@ class Trainer:
         draft = self.lookup[b["targets"]]
         weights = b["valid"] & (draft >= 0)  # out-of-vocab targets cannot be predicted
         context = mx.array(b["context"]).astype(mx.float32)
-        embeds = self.model.model.embed_tokens(mx.array(b["inputs"])).astype(mx.float32)
+        embeds = embedding(self.model)(mx.array(b["inputs"])).astype(mx.float32)
         soft = nxt = None
         if self.soft_weight > 0 or self.hidden_weight > 0:
             nxt = mx.array(ex.data["hidden"][b["idx"]]).astype(mx.float32)

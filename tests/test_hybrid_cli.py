@@ -1,0 +1,48 @@
+"""A user's path on a hybrid model's folder (a Gated DeltaNet hybrid, tests/families.py):
+a drafter trained with ``redrafter-mlx train`` (teacher-forced, or on the target's own
+answers) decodes exactly through ``generate``, and ``eval-drafter`` runs on the pair."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import shared_data
+from families import exchanges, model_folder
+from test_families import PROMPTS, TOKENIZER, run_json, train_flags
+
+from redrafter_mlx.cli import main
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "exchanges.jsonl"
+    return exchanges(shared_data("sharegpt-tiny/sharegpt_tiny.json"), out)
+
+
+@pytest.mark.parametrize("source", ["teacher", "self"])
+def test_a_drafter_trained_on_a_hybrid_decodes_exactly_from_the_command_line(
+    source, conversations, tmp_path, capsys
+):
+    """train (teacher-forced, or on the target's own answers) -> generate with the drafter,
+    equal to --autoregressive -> eval-drafter, on a Gated DeltaNet hybrid's folder."""
+    model = model_folder("qwen3_5", tmp_path / "qwen3_5", shared_data(TOKENIZER))
+    flags = train_flags(model, conversations, tmp_path)
+    if source == "self":
+        flags += ["--source", "self", "--gen-tokens", "24", "--gen-batch", "8"]
+    main(flags)
+    drafter = str(tmp_path / "drafter")
+    for prompt in PROMPTS:
+        base = ["generate", "--model", str(model), "--prompt", prompt, "--max-tokens", "24"]
+        want = run_json(capsys, [*base, "--autoregressive", "--json"])
+        shape = ["--beam-width", "3", "--beam-length", "4", "--lookup", "1"]
+        got = run_json(capsys, [*base, "--drafter", drafter, *shape, "--json"])
+        assert got["mode"] == "redrafter" and want["mode"] == "autoregressive"
+        assert got["tokens"] == want["tokens"] and len(want["tokens"]) == 24
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    report = run_json(capsys, [
+        "eval-drafter", "--model", str(model), "--drafter", drafter, "--prompts", str(prompts),
+        "--max-tokens", "16", "--beam-width", "2", "--beam-length", "3", "--json",
+    ])  # fmt: skip
+    assert report
