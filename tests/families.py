@@ -221,6 +221,27 @@ HYBRIDS: dict[str, dict] = {
         "time_step_limit": [0.0, 100.0],
         "time_step_rank": "auto",
     },
+    "mamba": {
+        "model_type": "mamba",
+        "state_size": 8,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 8,
+    },
+    "jamba": {
+        "model_type": "jamba",
+        "num_hidden_layers": 2,
+        "attn_layer_offset": 1,
+        "attn_layer_period": 2,
+        "expert_layer_offset": 1,
+        "expert_layer_period": 2,
+        "mamba_d_conv": 4,
+        "mamba_d_state": 8,
+        "mamba_expand": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_steps
 from families import HYBRIDS, build, config
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache
 from test_chat import ask, session, toy_template
 from test_decode import assert_drawn_from, first_three_token_probs
 from test_families import (
@@ -67,10 +68,10 @@ def test_tree_verify_equals_mlx_lm_on_each_path(hybrid, plan):
     for w, d in np.ndindex(*beams.shape):
         path = mx.array([PREFIX + beams[w, : d + 1].tolist()])
         node = tree.unpack[w, d]
-        np.testing.assert_allclose(
-            hidden[node], llm.inner_model(model)(path)[0, -1], atol=2e-4, rtol=1e-4
-        )
-        np.testing.assert_allclose(logits[node], model(path)[0, -1], atol=2e-4, rtol=1e-4)
+        want_hidden = llm.inner_model(model)(path, cache=model.make_cache())[0, -1]
+        want_logits = model(path, cache=model.make_cache())[0, -1]
+        np.testing.assert_allclose(hidden[node], want_hidden, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits[node], want_logits, atol=2e-4, rtol=1e-4)
 
 
 SHAPES = [(1, 2, 0), (2, 3, 1), (3, 4, 0), (4, 5, 2)]  # (W, L, lookup beams)
@@ -214,3 +215,32 @@ def test_quantized_hybrids_decode_exactly(name, tmp_path):
         assert ours(model, PREFIX, 40, plan=plan) == want
         oracle = RootedOracle(want, vocab, seed=3)
         assert ours(model, PREFIX, 40, oracle, BeamShape(3, 5), plan) == want
+
+
+def test_the_families_let_through_are_the_tested_ones():
+    from redrafter_mlx.io.checks import VERIFIED_RECURRENT
+
+    assert {config(name)["model_type"] for name in HYBRIDS} == VERIFIED_RECURRENT
+
+
+def test_an_untested_recurrent_family_and_chunked_attention_are_refused_in_one_line(tmp_path):
+    """What stays refused says so in one line naming the model type (a RWKV-7 folder, a
+    Llama 4 folder with chunked attention)."""
+    from redrafter_mlx.core.errors import LoadError
+    from redrafter_mlx.io.checks import check_layers
+
+    class Recurrent:  # what load sees of an untested family: its caches
+        def make_cache(self):
+            return [ArraysCache(2)]
+
+    with pytest.raises(LoadError, match="rwkv7 has recurrent layers .* not tested on"):
+        check_layers(Recurrent(), {"model_type": "rwkv7"}, tmp_path)
+
+    class Chunked:
+        layers = []
+
+        def make_cache(self):
+            return [ChunkedKVCache(8)]
+
+    with pytest.raises(LoadError, match="llama4 layer 0 is ChunkedKVCache, attention over chunks"):
+        check_layers(Chunked(), {"model_type": "llama4"}, tmp_path)

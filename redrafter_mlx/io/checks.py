@@ -20,6 +20,14 @@ from redrafter_mlx.core.errors import LoadError
 # What a layer's cache may be (mlx-lm's ``make_cache``): plain and sliding-window attention,
 # whose K/V roll back, and recurrent state, which the verify forward runs along the tree.
 SUPPORTED_CACHES = (KVCache, RotatingKVCache, ArraysCache)
+# Families whose recurrent layers the tree verification is tested on (tests/test_hybrids.py,
+# mlx-lm's own classes): their mixers take the state as mlx-lm's ``ArraysCache`` and run a
+# sequence from it. Other recurrent families (RWKV-7, Kimi Linear, RecurrentGemma, ...) may
+# keep state elsewhere, so they are refused rather than risk an inexact answer.
+VERIFIED_RECURRENT = frozenset({
+    "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "granitemoehybrid",
+    "nemotron_h", "falcon_h1", "mamba", "mamba2", "jamba",
+})  # fmt: skip
 # A layer's submodules that are not what makes it recurrent (named by the refusal otherwise)
 COMMON_PARTS = re.compile(r"norm|mlp|moe|feed_?forward|expert|embed|^self_attn$|^attention$", re.I)
 
@@ -132,10 +140,16 @@ def check_layers(model: nn.Module, config: dict[str, Any], where: Path) -> None:
     attention K/V nor recurrent state (mlx-lm's ``ArraysCache``): chunked attention, for
     example, which ReDrafter's tree masks do not do."""
     try:
-        llm.cache_layout(model)
+        layout = llm.cache_layout(model)
     except TypeError:
         pass
     else:
+        model_type = config.get("model_type")
+        if llm.slot_counts(layout)[1] and model_type not in VERIFIED_RECURRENT:
+            raise LoadError(
+                f"{where}: unsupported: {model_type} has recurrent layers that ReDrafter's tree "
+                f"verification is not tested on (tested: {', '.join(sorted(VERIFIED_RECURRENT))})"
+            )
         return
     caches = model.make_cache()
     for i, cache in enumerate(caches):
