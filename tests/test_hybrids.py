@@ -244,3 +244,17 @@ def test_an_untested_recurrent_family_and_chunked_attention_are_refused_in_one_l
 
     with pytest.raises(LoadError, match="llama4 layer 0 is ChunkedKVCache, attention over chunks"):
         check_layers(Chunked(), {"model_type": "llama4"}, tmp_path)
+
+
+def test_a_step_keeps_only_the_accepted_nodes_state(hybrid):
+    """Memory stays bounded by the tree: after a step the cache holds one state per layer
+    (the accepted node's, committed), no node states, nothing staged."""
+    name, model = hybrid
+    hidden, vocab = llm.target_dims(model)
+    drafter = BeamDrafter(random_drafter(hidden, vocab, seed=2), llm.embedding(model))
+    cache = llm.make_cache(model)
+    steps = run_steps(model, PREFIX, drafter, BeamShape(4, 4), cache=cache)
+    next(steps), next(steps), next(steps)
+    states = cache.states
+    assert all(s is None for s in states.nodes + states.staged), name
+    assert all(s is not None and s[0].shape[0] == 1 for s in states.committed), name

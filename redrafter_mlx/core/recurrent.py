@@ -37,7 +37,7 @@ class StateStore:
     states there: the only offsets a cache with recurrent layers can rewind to.
     """
 
-    def __init__(self, count: int, max_snapshots: int = 8):
+    def __init__(self, count: int, max_snapshots: int = 4):
         self.committed: list[States | None] = [None] * count
         self.staged: list[States | None] = [None] * count
         self.nodes: list[States | None] = [None] * count

@@ -35,7 +35,7 @@ from redrafter_mlx.core.generate import SOURCES, tokens_per_step
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.tree import verified_size
+from redrafter_mlx.core.tree import pack_beams, verified_size
 from redrafter_mlx.io.runtime import Runtime, decoding, encode_chat
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
 
@@ -293,8 +293,9 @@ def forward_seconds(forward: llm.Forward, cache, count: int, *, compiled: bool =
     tokens = mx.zeros((count,), mx.int32)
     positions = mx.arange(cache.offset, cache.offset + count)
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
+    chain = pack_beams(np.arange(count)[None])  # as a step verifies it (recurrent layers: by depth)
     tic = time.perf_counter()
-    hidden = forward(tokens, positions, mask, cache, compiled=compiled)
+    hidden = forward(tokens, positions, mask, cache, compiled=compiled, tree=chain)
     mx.eval(forward.lm_head(hidden))
     return time.perf_counter() - tic
 
