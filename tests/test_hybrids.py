@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_steps
+from conftest import decoding_of, run_steps, verifier_for
 from families import HYBRIDS, build, config
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache
 from test_chat import ask, session, toy_template
@@ -32,6 +32,7 @@ from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.tree import pack_beams, tree_mask
 from redrafter_mlx.io.load import load_target
@@ -258,3 +259,26 @@ def test_a_step_keeps_only_the_accepted_nodes_state(hybrid):
     states = cache.states
     assert all(s is None for s in states.nodes + states.staged), name
     assert all(s is not None and s[0].shape[0] == 1 for s in states.committed), name
+
+
+def test_timing_steps_leaves_a_hybrid_conversation_as_it_was():
+    """autotune's step timing rewinds after each step: on a hybrid it comes back to the
+    state it started from, and the conversation goes on as without it."""
+    from redrafter_mlx.tuning.measure import time_steps
+
+    model = build("nemotron_h")
+    hidden, vocab = llm.target_dims(model)
+    drafter = BeamDrafter(random_drafter(hidden, vocab, seed=2), llm.embedding(model))
+    verifier = verifier_for(model, drafter)
+    session = Session(verifier, None, decoding_of(drafter, BeamShape(2, 3)), warm=False)
+    next(session.steps(PREFIX))  # the prompt, and the first drafts from it
+    ids = list(session.cache.ids)
+    time_steps(session, reps=1)
+    assert session.cache.ids == ids
+    want = mlx_lm_greedy(model, PREFIX, 24)
+    got = []
+    for step in session.steps(PREFIX + want[:4]):
+        got += step.tokens
+        if len(got) >= 20:
+            break
+    assert got[:20] == want[4:24]

@@ -355,6 +355,7 @@ def time_steps(session: Session, reps: int = 4) -> tuple[float, float]:
 
 def _time_steps(verifier: Verifier, cache, decoding: Decoding, reps: int) -> tuple[float, float]:
     offset = cache.offset
+    cache.snapshot()  # recurrent layers: their state can come back only from a snapshot
     state = verifier.probe(cache, decoding)
     token = mx.array([cache.ids[-1] if cache.ids else 0])
 
