@@ -33,7 +33,7 @@ GREEDY = greedy  # the fast path: argmax of raw logits
 @pytest.fixture(scope="module")
 def smollm():
     """In float32 on every device: token-for-token equality is what float32 guarantees (in
-    float16 on a GPU near-ties of the logits may flip; README "what is exact where")."""
+    float16 on a GPU near-ties of the logits may flip; docs/plans.md, "what is exact where")."""
     model, tokenizer, _ = load_target(str(default_model_path("float32")))
     return model, tokenizer
 

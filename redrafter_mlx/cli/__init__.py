@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": ("redrafter_mlx.cli.bench", "speed benchmark against mlx-lm"),
     "autotune": ("redrafter_mlx.cli.autotune", "find the fastest beam shape for this chip"),
     "upload": ("redrafter_mlx.cli.upload", "share a drafter on the Hugging Face Hub"),
+    "demo-model": ("redrafter_mlx.cli.demo_model", "a tiny random model to try commands offline"),
 }
 
 USAGE = """usage: redrafter-mlx <command> [options]
@@ -36,15 +37,16 @@ USAGE = """usage: redrafter-mlx <command> [options]
 commands:
 {commands}
 
-examples:
+examples (in a clone after `make setup`: .venv/bin/redrafter-mlx, or redrafter-mlx after
+`source .venv/bin/activate`):
   redrafter-mlx chat
-  redrafter-mlx serve --port 8080
   redrafter-mlx generate --prompt "What is the capital of France?"
   redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
-  redrafter-mlx convert --src lmsys/vicuna-7b-v1.3 --out models/vicuna-7b --dtype float16
+  redrafter-mlx serve --port 8080
+  redrafter-mlx demo-model --out models/demo      # a tiny model folder, no network
   redrafter-mlx bench --beam-width 1,2,3 --beam-length 3,4,5
 
-`redrafter-mlx <command> --help` shows each command's options.
+`redrafter-mlx <command> --help` shows each command's options and examples.
 """
 
 
@@ -75,12 +77,22 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
 
     def command() -> None:  # importing a command takes seconds: Ctrl-C may come meanwhile
-        module = import_command(COMMANDS[name][0])
-        parser = module.setup_arg_parser()
-        parser.prog = f"redrafter-mlx {name}"
+        module, parser = command_parser(name)
         module.main(parser.parse_args(rest))
 
     run(command)
+
+
+def command_parser(name: str) -> tuple:
+    """``(module, parser)`` of command ``name`` as ``redrafter-mlx name`` parses it: its
+    ``prog`` and the help that shows every default (:class:`flags.HelpFormatter`)."""
+    module = import_command(COMMANDS[name][0])
+    from redrafter_mlx.cli import flags  # after the command's import: MLX may load now
+
+    parser = module.setup_arg_parser()
+    parser.prog = f"redrafter-mlx {name}"
+    parser.formatter_class = flags.HelpFormatter
+    return module, parser
 
 
 NO_BACKEND = (

@@ -18,7 +18,6 @@ from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail, read_prompts
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
-from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning.device import chip_info
 from redrafter_mlx.tuning.measure import REDRAFTER, Method, warm_up
 from redrafter_mlx.tuning.profiles import (
@@ -44,13 +43,16 @@ from redrafter_mlx.tuning.search import (
 
 EXAMPLES = """examples:
   redrafter-mlx autotune                          # embedded SmolLM2 + its drafter
-  redrafter-mlx autotune --model models/vicuna-7b --drafter models/vicuna-7b-drafter
+  redrafter-mlx autotune --model models/demo --drafter drafters/demo   # see train --help
   redrafter-mlx autotune --beam-width 1,2,3,4 --beam-length 3,4,5 --max-tokens 32
   redrafter-mlx autotune --beam-width 1,2 --beam-length 2,3,4 --min-prob 0,0.2,0.3
   redrafter-mlx autotune --beam-width 2,4 --beam-length 4,5 --search-width 1,8,16
-  redrafter-mlx autotune --lookup 0,2,4,8 --prompts my_documents.jsonl   # prompt-lookup beams
   redrafter-mlx autotune --temp 0.7                # the shape for sampled chats (--temp > 0)
-  redrafter-mlx autotune --prompts my_prompts.jsonl --num-prompts 6   # tune on your workload
+  # your own prompts, one JSON object per line ("prompt", "text" or "turns"), to tune for your
+  # workload (prompt-lookup beams pay where answers repeat the prompt)
+  printf '%s\\n' '{"prompt": "Explain what a hash map is."}' '{"prompt": "Write a limerick."}' \\
+      > my_prompts.jsonl
+  redrafter-mlx autotune --prompts my_prompts.jsonl --num-prompts 2 --lookup 0,2,4,8
   redrafter-mlx autotune --full-grid --repetitions 2   # exhaustive grid, for comparison
   redrafter-mlx autotune --show                   # stored profiles
 """
@@ -209,7 +211,7 @@ def main(args: argparse.Namespace) -> None:
         check_writable(store_path().parent, "profile store")  # replaced by rename
         if store_path().is_dir():
             fail(f"profile store {store_path()} is a folder")
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=True)
     console.print(f"chip: {chip_info()}")
     flags.say_drafter(runtime)
     try:

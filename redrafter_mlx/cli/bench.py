@@ -31,10 +31,13 @@ EXAMPLES = """examples:
   redrafter-mlx bench --num-prompts 5 --beam-width 1 --beam-length 2,3,4 --min-prob 0,0.3
   redrafter-mlx bench --num-prompts 5 --beam-width 4 --beam-length 5 --search-width 1,8,16
   redrafter-mlx bench --turns 2 --num-prompts 5 --beam-width 2 --beam-length 4
-  redrafter-mlx bench --prompts ../shared/data/specbench_dev.jsonl --num-prompts 40 \
-      --beam-width 2 --beam-length 4 --lookup 0,4     # per category; lookup alone and with W2
+  # Spec-Bench's prompts (github.com/hemingkx/Spec-Bench), every 10th line: 8 per category
+  curl -LO https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl
+  awk 'NR % 10 == 1' question.jsonl > specbench48.jsonl
+  redrafter-mlx bench --prompts specbench48.jsonl --num-prompts 48 --beam-width 2 \\
+      --beam-length 4 --lookup 0,4     # per category; lookup alone and with W2
   redrafter-mlx bench --model mlx-community/Qwen3-0.6B-4bit --lookup 4   # no drafter: lookup only
-  redrafter-mlx bench --prompts my_prompts.jsonl --temp 0.7 --seed 0 --repetitions 3
+  redrafter-mlx bench --prompts specbench48.jsonl --temp 0.7 --seed 0 --repetitions 3
   REDRAFTER_NO_OPENBLAS=1 redrafter-mlx bench --num-prompts 1 --beam-width 1 --beam-length 3
   REDRAFTER_NO_SMALLROWS=1 redrafter-mlx bench --num-prompts 2   # without the small-row kernel
 """
@@ -268,7 +271,7 @@ def main(args: argparse.Namespace) -> None:
     atomic.check_writable(args.out, "--out")
     conversations = flags.read_conversations(args.prompts, args.num_prompts, args.turns)
     lookup = any(args.lookup or ())
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=not lookup)
+    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=not lookup)
     categories = [c.category for c in conversations]
     cfg = BenchConfig(
         shapes_from_args(args, runtime),

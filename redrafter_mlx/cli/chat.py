@@ -45,7 +45,8 @@ EXAMPLES = """examples:
   redrafter-mlx chat
   redrafter-mlx chat --system "Answer in one sentence." --beam-width 2 --beam-length 4
   redrafter-mlx chat --autoregressive --max-tokens 128
-  redrafter-mlx chat --lookup 4        (prompt-lookup beams too; without a drafter: alone)
+  redrafter-mlx chat --lookup 4      # prompt-lookup beams too (without a drafter: alone)
+  redrafter-mlx chat --model models/demo --max-tokens 32   # see demo-model --help
   printf 'My name is Ada.\\nWhat is my name?\\n' | redrafter-mlx chat
 """
 
@@ -687,7 +688,7 @@ def main(args: argparse.Namespace) -> None:
     ctrl_c.install()
     sys.stdin.reconfigure(errors="surrogateescape")  # a bad byte is one error line: check_text
     # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
+    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=False)
     flags.say_drafter(runtime, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(

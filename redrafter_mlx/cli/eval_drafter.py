@@ -36,7 +36,6 @@ from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
-from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH
 from redrafter_mlx.training import evaluate as ev
 from redrafter_mlx.tuning.profiles import fingerprint
@@ -48,17 +47,20 @@ EPILOG = """examples:
   # 40 MT-Bench first turns (every 2nd: 5 per category), replayed along greedy paths
   redrafter-mlx eval-drafter --num-prompts 40 --every 2 --simulate --paths-cache runs/mtb.json
 
-  # one shape, held-out ShareGPT prompts written by `train`, JSON output
-  redrafter-mlx eval-drafter --drafter runs/drafter --prompts runs/cache/heldout_prompts.jsonl \\
-      --beam-width 2 --beam-length 5 --json
+  # one shape, on the held-out prompts `train` left in its cache (its example in train --help),
+  # JSON output
+  redrafter-mlx eval-drafter --model models/demo --drafter drafters/demo \\
+      --prompts runs/distill-demo/heldout_prompts.jsonl --beam-width 2 --beam-length 5 --json
 
   # 4 beams picked from a 16-beam search against the plain 4-beam search, L 5
   redrafter-mlx eval-drafter --simulate --beam-width 4 --beam-length 5 --search-width 1,16
 
-  # Spec-Bench dev prompts (8 per category): W 2, L 4 without and with 4 prompt-lookup beams,
-  # tokens/step per category too
-  redrafter-mlx eval-drafter --prompts ../shared/data/specbench_dev.jsonl --num-prompts 40 \\
-      --simulate --beam-width 2 --beam-length 4 --lookup 0,4
+  # Spec-Bench's prompts (github.com/hemingkx/Spec-Bench), every 10th line: 8 per category;
+  # W 2, L 4 without and with 4 prompt-lookup beams, tokens/step per category too
+  curl -LO https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl
+  awk 'NR % 10 == 1' question.jsonl > specbench48.jsonl
+  redrafter-mlx eval-drafter --prompts specbench48.jsonl --num-prompts 48 --simulate \\
+      --beam-width 2 --beam-length 4 --lookup 0,4
 """
 
 
@@ -110,7 +112,7 @@ def main(args: argparse.Namespace) -> None:
         fail("--paths-cache is read and written by --simulate only: add --simulate")
     if args.paths_cache:
         check_writable(Path(args.paths_cache).parent, "--paths-cache")
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
+    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=True)
     flags.say_drafter(runtime)
     model, tokenizer, drafter = runtime.model, runtime.tokenizer, runtime.drafter.drafter
     args.model, args.drafter = runtime.model_id, runtime.drafter_id

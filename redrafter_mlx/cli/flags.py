@@ -17,6 +17,7 @@ from pathlib import Path
 
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
+from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH, load_conversations
 
 # SHAPE_FIELDS' flags, in their order
@@ -91,6 +92,35 @@ def floor(text: str) -> float:
 widths, lengths, floors = _list_of(at_least(1)), _list_of(at_least(2)), _list_of(floor)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's help: examples kept as written, and each flag's default shown where its
+    help does not already say it (argparse's ``ArgumentDefaultsHelpFormatter`` would also show
+    ``None`` and ``False``, which say nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or any(default is nothing for nothing in (None, False, True, argparse.SUPPRESS))
+            or default == []
+        ):
+            return text
+        return f"{text} (default: {shown_default(default)})"
+
+
+def shown_default(value: object) -> str:
+    """A default as a user would type it: ``0.7``, ``1,2,3``, ``128``; %-escaped for argparse."""
+    if isinstance(value, (list, tuple)):
+        text = ",".join(shown_default(v) for v in value)
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    else:
+        text = str(value)
+    return text.replace("%", "%%")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help="MLX model folder or hub id (default: embedded SmolLM2-135M)"
@@ -102,6 +132,19 @@ DRAFTER_HELP = (
     "drafter folder, Hub id (USER/NAME, cached for offline use) or none (default: the one "
     "found for the model: trained here, shipped in its redrafter/ folder, or none)"
 )
+
+
+def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> rt.Runtime:
+    """:func:`rt.load_runtime`, said first: loading takes seconds (minutes for a first
+    conversion or download) that would otherwise pass in silence."""
+    say_loading(model)
+    return rt.load_runtime(model, drafter, need_drafter=need_drafter)
+
+
+def say_loading(model: str | None) -> None:
+    """One stderr line before a model loads."""
+    name = model or "the embedded SmolLM2-135M-Instruct"
+    print(f"loading {name}...", file=sys.stderr, flush=True)
 
 
 def say_drafter(runtime, *, json_mode: bool = False, autoregressive: bool = False) -> None:

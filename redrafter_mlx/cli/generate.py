@@ -20,9 +20,10 @@ EXAMPLES = """examples:
   redrafter-mlx generate --prompt "What is the capital of France?"
   redrafter-mlx generate --prompt "Write a haiku about the sea." --beam-width 2 --beam-length 4
   redrafter-mlx generate --autoregressive --prompt "Tell me a joke." --json
-  redrafter-mlx generate --prompt "$(cat notes.txt) Summarise the notes above." --lookup 4
-  redrafter-mlx generate --model mlx-community/Qwen3-0.6B-4bit --lookup 4 --prompt "..."
+  redrafter-mlx generate --prompt "$(head -c 1500 README.md) Summarise the text above." --lookup 4
   echo "Summarise: MLX is an array framework." | redrafter-mlx generate --prompt - --temp 0.7
+  redrafter-mlx generate --model models/demo --prompt "Hi!" --max-tokens 16   # see demo-model
+  redrafter-mlx generate --model mlx-community/Qwen3-0.6B-4bit --prompt "Name three colours."
 """
 
 
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> None:
     if not prompt.strip():
         fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
     # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
-    runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
+    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=False)
     flags.say_drafter(runtime, json_mode=args.json, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(

