@@ -169,8 +169,8 @@ def _tools(value) -> list[dict]:
             raise h.invalid(where, "must be an object with a name and an input_schema")
         if tool.get("type") not in (None, "custom"):
             raise h.unsupported("tools", f"{where}: server tools ({h.shown(tool['type'])})")
-        fields = (tool.get(k) for k in ("name", "description", "input_schema"))
-        tools.append(h.function_tool(*fields, where))
+        fields = {k: tool[k] for k in ("name", "description", "input_schema") if k in tool}
+        tools.append(h.function_tool(fields, where, parameters="input_schema"))
     return tools
 
 

@@ -268,18 +268,19 @@ def unsupported(param: str, message: str) -> ApiError:
 # ---------------------------------------------------------------- tools
 
 
-def function_tool(name, description, parameters, where: str) -> dict:
-    """One tool in OpenAI's function format, the one chat templates read."""
+def function_tool(function: dict, where: str, *, parameters: str = "parameters") -> dict:
+    """One tool in OpenAI's function format, the one chat templates read: ``function``'s
+    fields in their order (templates print them as they come), ``parameters`` read from the
+    field of that name."""
+    name, description = function.get("name"), function.get("description")
     if not isinstance(name, str) or not name:
         raise invalid(f"{where}.name", "must be a non-empty string")
     if description is not None and not isinstance(description, str):
         raise invalid(f"{where}.description", "must be a string")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise invalid(f"{where}.parameters", "must be a JSON schema object")
-    function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
-    if description is not None:
-        function["description"] = description
-    return {"type": "function", "function": function}
+    if not isinstance(function.get(parameters, {}), dict):
+        raise invalid(f"{where}.{parameters}", "must be a JSON schema object")
+    renamed = {"parameters" if k == parameters else k: v for k, v in function.items()}
+    return {"type": "function", "function": renamed}
 
 
 def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits) -> tuple:
@@ -396,13 +397,13 @@ class Answer:
                     return
                 piece.text += rest[:at]
                 self._call, rest = "", rest[at + len(start) :]
-            else:
-                at = rest.find(end)
+            else:  # the closing tag may have begun in an earlier step: look in all of it
+                self._call += rest
+                at = self._call.find(end)
                 if at < 0:
-                    self._call += rest
                     break
-                self._close(self._call + rest[:at], piece)
-                rest = rest[at + len(end) :]
+                rest = self._call[at + len(end) :]
+                self._close(self._call[:at], piece)
         if final and self._call is not None:  # cut short (max_tokens, stop): try it anyway
             self._close(self._call, piece)
 

@@ -147,8 +147,7 @@ def _tools(value) -> list[dict]:
                 "tools",
                 "invalid_value",
             )
-        fields = (function.get(k) for k in ("name", "description", "parameters"))
-        tools.append(h.function_tool(*fields, f"{where}.function"))
+        tools.append(h.function_tool(function, f"{where}.function"))
     return tools
 
 
