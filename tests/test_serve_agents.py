@@ -49,7 +49,9 @@ def agents(tmp_path_factory, tool_model_path):
 
     def ready() -> bool:
         assert process.poll() is None, f"the server exited:\n{log.read_text()}"
-        found[:] = re.findall(r"serving Anthropic's Messages API at (http://\S+)/v1", log.read_text())
+        found[:] = re.findall(
+            r"serving Anthropic's Messages API at (http://\S+)/v1", log.read_text()
+        )
         return bool(found)
 
     try:
@@ -221,11 +223,11 @@ def test_messages_whole_streamed_and_stopped_equal_the_chat_answer(agents):
         max_tokens=12,
     )
     text = chat.choices[0].message.content
-    whole = client.messages.create(
-        model="m", max_tokens=12, system="Be brief.", messages=messages
-    )
+    whole = client.messages.create(model="m", max_tokens=12, system="Be brief.", messages=messages)
     assert [b.text for b in whole.content] == [text]
-    assert whole.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    assert whole.stop_reason == (
+        "max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn"
+    )
     usage = whole.usage
     assert usage.output_tokens == chat.usage.completion_tokens
     assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
@@ -263,7 +265,10 @@ def test_messages_errors_are_in_anthropic_s_shape_and_count_tokens_counts(agents
         ({"max_tokens": 0, "messages": user}, "max_tokens"),
         ({"max_tokens": 5, "messages": user, "extra_body": {"temperature": 1.5}}, "temperature"),
         ({"max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}, "role"),
-        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "image",
+        ),
     ]
     for fields, word in bad:
         with pytest.raises(anthropic.BadRequestError) as e:

@@ -96,7 +96,11 @@ def called(call_id: str = "call_1") -> dict:
 
 def answered(call_id: str = "call_1") -> list[dict]:
     """The conversation after the call's result came back."""
-    return [*QUESTION, called(call_id), {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
+    return [
+        *QUESTION,
+        called(call_id),
+        {"role": "tool", "tool_call_id": call_id, "content": RESULT},
+    ]
 
 
 def build(out: Path, embedded: Path, *, seconds: float = 20.0) -> Path:
