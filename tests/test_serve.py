@@ -4,6 +4,7 @@ module, started once)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -352,12 +353,11 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    pytest.importorskip("openai")
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0"]
-    command += ["--queue-size", str(QUEUE_SIZE), *SHAPE]
+@contextlib.contextmanager
+def serving(log: Path, *args: str, ready_line: str = "serving the OpenAI API at"):
+    """A `serve --port 0` process with ``args``, its stderr into ``log``: its
+    :class:`Served` once ``ready_line`` (then the URL) is printed; stopped after."""
+    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0", *args]
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while tests run
         process = subprocess.Popen(
             command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=stderr
@@ -366,7 +366,7 @@ def server(tmp_path_factory):
 
     def ready() -> bool:
         assert process.poll() is None, f"the server exited:\n{log.read_text()}"
-        found[:] = re.findall(r"serving the OpenAI API at (http://\S+)/v1", log.read_text())
+        found[:] = re.findall(rf"{ready_line} (http://[^/\s]+)", log.read_text())
         return bool(found)
 
     try:
@@ -375,6 +375,14 @@ def server(tmp_path_factory):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("openai")
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with serving(log, "--queue-size", str(QUEUE_SIZE), *SHAPE) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

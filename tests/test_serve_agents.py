@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 import tool_model
-from test_serve import ROOT, Served, env, wait_until
+from test_serve import Served, serving
 
 from redrafter_mlx.core.generate import StepResponse
 
@@ -39,27 +37,10 @@ def agents(tmp_path_factory, tool_model_path):
     pytest.importorskip("openai")
     pytest.importorskip("anthropic")
     log = tmp_path_factory.mktemp("serve-agents") / "server.log"
-    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0"]
-    command += ["--model", str(tool_model_path), "--drafter", "none", "--max-tokens", "64"]
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=stderr
-        )
-    found = []
-
-    def ready() -> bool:
-        assert process.poll() is None, f"the server exited:\n{log.read_text()}"
-        found[:] = re.findall(
-            r"serving Anthropic's Messages API at (http://\S+)/v1", log.read_text()
-        )
-        return bool(found)
-
-    try:
-        wait_until(ready, 120, "the server to start")
-        yield Served(found[0], log, process.pid)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    args = ["--model", str(tool_model_path), "--drafter", "none", "--max-tokens", "64"]
+    # the last line printed once ready: the Anthropic API's
+    with serving(log, *args, ready_line="serving Anthropic's Messages API at") as served:
+        yield served
 
 
 def anthropic_client(served: Served, **options):

@@ -77,7 +77,7 @@ def _prompt(body: dict, limits: Limits) -> tuple:
     if "messages" not in body:
         raise h.missing("messages")
     messages = _system(body.get("system")) + _messages(body["messages"])
-    tools = _tools(body.get("tools"))
+    tools = h.tool_list(body.get("tools"), _tool)
     return h.chat_prompt(messages, tools, _tool_choice(body.get("tool_choice"), tools), limits)
 
 
@@ -157,21 +157,14 @@ def _text_blocks(value, where: str) -> str:
     return "".join(h.text(b.get("text"), where) for b in blocks)
 
 
-def _tools(value) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise h.invalid("tools", "must be an array of tools")
-    tools = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise h.invalid(where, "must be an object with a name and an input_schema")
-        if tool.get("type") not in (None, "custom"):
-            raise h.unsupported("tools", f"{where}: server tools ({h.shown(tool['type'])})")
-        fields = {k: tool[k] for k in ("name", "description", "input_schema") if k in tool}
-        tools.append(h.function_tool(fields, where, parameters="input_schema"))
-    return tools
+def _tool(tool, where: str) -> dict:
+    """One of ``tools``: ``name``, ``description``, ``input_schema`` (no server tools)."""
+    if not isinstance(tool, dict):
+        raise h.invalid(where, "must be an object with a name and an input_schema")
+    if tool.get("type") not in (None, "custom"):
+        raise h.unsupported("tools", f"{where}: server tools ({h.shown(tool['type'])})")
+    fields = {k: tool[k] for k in ("name", "description", "input_schema") if k in tool}
+    return h.function_tool(fields, where, parameters="input_schema")
 
 
 def _tool_choice(value, tools: list[dict]):

@@ -283,6 +283,16 @@ def function_tool(function: dict, where: str, *, parameters: str = "parameters")
     return {"type": "function", "function": renamed}
 
 
+def tool_list(value, convert) -> list[dict]:
+    """``tools``: an array (None: none), each tool ``convert(tool, where)``-ed to OpenAI's
+    function format."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid("tools", "must be an array of tools")
+    return [convert(tool, f"tools[{i}]") for i, tool in enumerate(value)]
+
+
 def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits) -> tuple:
     """The service prompt of ``messages`` with ``tools`` (OpenAI's function format) offered
     as ``choice`` says: "auto", "none", "required", or a tool's name (that tool, called).

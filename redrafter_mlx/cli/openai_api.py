@@ -38,7 +38,7 @@ def parse_chat(body: dict, limits: Limits) -> Call:
     if "messages" not in body:
         raise h.missing("messages")
     messages = _messages(body["messages"])
-    tools = _tools(body.get("tools"))
+    tools = h.tool_list(body.get("tools"), _tool)
     prompt, offered, forced = h.chat_prompt(messages, tools, _tool_choice(body, tools), limits)
     top = None
     if h.boolean(body, "logprobs", False):
@@ -130,25 +130,13 @@ def _tool_calls(value, where: str) -> list[dict]:
     return calls
 
 
-def _tools(value) -> list[dict]:
-    """``tools``: functions, as OpenAI's API takes them."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise h.invalid("tools", "must be an array of tools")
-    tools = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type", "function") != "function":
-            raise ApiError(
-                400,
-                f"{where}: must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                "tools",
-                "invalid_value",
-            )
-        tools.append(h.function_tool(function, f"{where}.function"))
-    return tools
+def _tool(tool, where: str) -> dict:
+    """One of ``tools``: a function, as OpenAI's API takes it."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type", "function") != "function":
+        message = f"{where}: must be {{'type': 'function', 'function': {{'name': ...}}}}"
+        raise ApiError(400, message, "tools", "invalid_value")
+    return h.function_tool(function, f"{where}.function")
 
 
 def _tool_choice(body: dict, tools: list[dict]):

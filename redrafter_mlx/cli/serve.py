@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -78,7 +79,7 @@ class App:
     max_body_bytes: int = MAX_BODY_BYTES
     created: int = 0  # when the server started (the model's ``created``)
     apis: dict[str, api.Api] | None = None  # "openai", "anthropic"
-    count: object = None
+    count: Callable[[object], int] | None = None
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
