@@ -1,9 +1,12 @@
-"""`redrafter-mlx serve`: an OpenAI-compatible HTTP server that decodes with ReDrafter.
+"""`redrafter-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server that decodes with
+ReDrafter (docs/serving.md).
 
 Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (whole answers, or server-sent events with ``"stream": true``),
-``GET /v1/models`` and ``GET /health``. The model, drafter, autotune profile and sampling
-flags are chat's; a request's own fields (temperature, top_p, top_k, seed, max_tokens) win.
+``GET /v1/models`` and ``GET /health``; Anthropic's ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` (cli/anthropic_api.py). Tool calls and log-probs on both. The
+model, drafter, autotune profile and sampling flags are chat's; a request's own fields
+(temperature, top_p, top_k, seed, max_tokens) win.
 
 The HTTP stack is Python's own ``http.server`` (``ThreadingHTTPServer``: one thread per
 connection), the one mlx-lm's server is built on; its request handler is tied to mlx-lm's
@@ -60,6 +63,9 @@ EXAMPLES = """examples:
 
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+  curl http://127.0.0.1:8080/v1/messages -H 'Content-Type: application/json' \\
+    -d '{"max_tokens": 64, "messages": [{"role": "user", "content": "Name a colour."}]}'
+  ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=none your-agent
 """
 
 MAX_BODY_BYTES = 4 << 20  # a 128k-token conversation is about 0.5 MB of text
@@ -470,7 +476,8 @@ POST_ROUTES = {
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Serve the OpenAI API (chat and text completions) with ReDrafter decoding. "
+        description="Serve the OpenAI API (chat and text completions) and Anthropic's Messages "
+        "API with ReDrafter decoding, tool calls and log-probs (docs/serving.md). "
         "--max-tokens, --temp, --top-p, --top-k and --seed are the defaults of requests that do "
         "not set their own.",
         epilog=EXAMPLES,
