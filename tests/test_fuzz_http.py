@@ -20,7 +20,15 @@ from urllib.parse import urlsplit
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import FRANCE, MODEL, STORY, Served, reference, server  # noqa: F401 (fixtures)
+from test_serve import (  # noqa: F401 (fixtures)
+    FRANCE,
+    MODEL,
+    STORY,
+    Served,
+    reference,
+    runtime,
+    server,
+)
 
 EXAMPLES = int(os.environ.get("REDRAFTER_FUZZ_EXAMPLES", "25"))
 SOAK_SECONDS = float(os.environ.get("REDRAFTER_SOAK_SECONDS", "10"))

@@ -4,6 +4,7 @@ module, started once)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -352,12 +353,11 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    pytest.importorskip("openai")
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0"]
-    command += ["--queue-size", str(QUEUE_SIZE), *SHAPE]
+@contextlib.contextmanager
+def serving(log: Path, *args: str, ready_line: str = "serving the OpenAI API at"):
+    """A `serve --port 0` process with ``args``, its stderr into ``log``: its
+    :class:`Served` once ``ready_line`` (then the URL) is printed; stopped after."""
+    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0", *args]
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while tests run
         process = subprocess.Popen(
             command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=stderr
@@ -366,7 +366,7 @@ def server(tmp_path_factory):
 
     def ready() -> bool:
         assert process.poll() is None, f"the server exited:\n{log.read_text()}"
-        found[:] = re.findall(r"serving the OpenAI API at (http://\S+)/v1", log.read_text())
+        found[:] = re.findall(rf"{ready_line} (http://[^/\s]+)", log.read_text())
         return bool(found)
 
     try:
@@ -378,11 +378,26 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def server(tmp_path_factory):
+    pytest.importorskip("openai")
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with serving(log, "--queue-size", str(QUEUE_SIZE), *SHAPE) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    """The embedded model, loaded in this process."""
+    from redrafter_mlx.io import runtime as rt
+
+    return rt.load_runtime(None, None, need_drafter=False)
+
+
+@pytest.fixture(scope="module")
+def reference(runtime):
     """The library's greedy plain decoding in this process: what `generate` prints."""
     from redrafter_mlx.io import runtime as rt
 
-    runtime = rt.load_runtime(None, None, need_drafter=False)
     plain = rt.decoding(runtime, BeamShape(1, 2), mode=Mode.AUTOREGRESSIVE)
 
     def answer(prompt, max_tokens: int) -> tuple[str, str]:
@@ -481,6 +496,74 @@ def test_a_stop_string_ends_the_answer_before_it(server, reference):
         model=MODEL, messages=FRANCE, max_tokens=24, stop="Paris", stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == full[: full.index("Paris")]
+
+
+@pytest.mark.slow
+def test_logprobs_over_http_equal_mlx_lm_s_autoregressive_ones(server, runtime):
+    """Chat and text completions' log-probs (ReDrafter steps W1 L3, float32 on the CPU)
+    equal those of mlx-lm's own decoding within 1e-4: each token's, and its top 5."""
+    import mlx.core as mx
+    import mlx_lm
+    import numpy as np
+
+    from redrafter_mlx.io import runtime as rt
+
+    client = server.client()
+    done = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=16, logprobs=True, top_logprobs=5
+    )
+    ids = rt.encode_chat(runtime, FRANCE)
+    theirs = list(
+        mlx_lm.stream_generate(runtime.model, runtime.tokenizer, mx.array(ids), max_tokens=16)
+    )
+    entries = done.choices[0].logprobs.content
+    assert len(entries) == done.usage.completion_tokens
+    eos = runtime.tokenizer.eos_token_ids
+    theirs = [r for r in theirs if r.token not in eos]  # mlx-lm yields the EOS too
+    assert done.usage.redrafter["accepted_tokens"] > 0  # multi-token steps were read
+    for entry, want in zip(entries, theirs, strict=True):
+        row = np.array(want.logprobs)
+        assert entry.token == runtime.tokenizer.decode([want.token])
+        assert entry.logprob == pytest.approx(float(row[want.token]), abs=1e-4)
+        top = np.argsort(-row)[:5]
+        assert [t.token for t in entry.top_logprobs] == [
+            runtime.tokenizer.decode([int(t)]) for t in top
+        ]
+        np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], row[top], atol=1e-4)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=16, logprobs=True, top_logprobs=5, stream=True
+    )
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    # again from the cache (its prompt's last token fed alone): equal within float32 sums
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    np.testing.assert_allclose(
+        [e.logprob for e in streamed], [e.logprob for e in entries], atol=1e-4
+    )
+    text = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, logprobs=2)
+    np.testing.assert_allclose(
+        text.choices[0].logprobs.token_logprobs, [e.logprob for e in entries], atol=1e-4
+    )
+    np.testing.assert_allclose(
+        [list(t.values()) for t in text.choices[0].logprobs.top_logprobs],
+        [[t.logprob for t in e.top_logprobs[:2]] for e in entries],
+        atol=1e-4,
+    )
+
+
+@pytest.mark.slow
+def test_tools_for_a_template_without_tool_support_get_a_400_that_says_so(server):
+    import openai
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model=MODEL, messages=FRANCE, tools=[tool])
+    assert e.value.body["param"] == "tools"
+    assert "the chat template of smollm2-135m-instruct takes no tools" in e.value.body["message"]
 
 
 class Holder:
@@ -693,12 +776,12 @@ BAD_INPUTS = [
     ),
     ("n = 2", "/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n", "unsupported_value"),
     (
-        "logprobs",
+        "too many top_logprobs",
         "/v1/chat/completions",
-        {"messages": FRANCE, "logprobs": True},
+        {"messages": FRANCE, "logprobs": True, "top_logprobs": 11},
         400,
-        "logprobs",
-        "unsupported_value",
+        "top_logprobs",
+        "invalid_value",
     ),
     (
         "empty stop string",

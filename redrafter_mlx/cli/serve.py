@@ -1,9 +1,12 @@
-"""`redrafter-mlx serve`: an OpenAI-compatible HTTP server that decodes with ReDrafter.
+"""`redrafter-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server that decodes with
+ReDrafter (docs/serving.md).
 
 Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (whole answers, or server-sent events with ``"stream": true``),
-``GET /v1/models`` and ``GET /health``. The model, drafter, autotune profile and sampling
-flags are chat's; a request's own fields (temperature, top_p, top_k, seed, max_tokens) win.
+``GET /v1/models`` and ``GET /health``; Anthropic's ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` (cli/anthropic_api.py). Tool calls and log-probs on both. The
+model, drafter, autotune profile and sampling flags are chat's; a request's own fields
+(temperature, top_p, top_k, seed, max_tokens) win.
 
 The HTTP stack is Python's own ``http.server`` (``ThreadingHTTPServer``: one thread per
 connection), the one mlx-lm's server is built on; its request handler is tied to mlx-lm's
@@ -27,18 +30,29 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-from redrafter_mlx.cli import flags
-from redrafter_mlx.cli import openai_api as api
+from redrafter_mlx.cli import anthropic_api, flags
+from redrafter_mlx.cli import http_api as api
+from redrafter_mlx.cli import openai_api as openai
 from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
-from redrafter_mlx.core.service import Engine, GenerationService, Job, QueueFull, Sampling, Started
+from redrafter_mlx.core.service import (
+    Chat,
+    Engine,
+    GenerationService,
+    Job,
+    QueueFull,
+    Sampling,
+    Started,
+)
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
+from redrafter_mlx.io.templates import tool_format
 from redrafter_mlx.tuning.profiles import resolve_shape
 
 EXAMPLES = """examples:
@@ -49,6 +63,9 @@ EXAMPLES = """examples:
 
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+  curl http://127.0.0.1:8080/v1/messages -H 'Content-Type: application/json' \\
+    -d '{"max_tokens": 64, "messages": [{"role": "user", "content": "Name a colour."}]}'
+  ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=none your-agent
 """
 
 MAX_BODY_BYTES = 4 << 20  # a 128k-token conversation is about 0.5 MB of text
@@ -58,13 +75,17 @@ RETRY_AFTER_SECONDS = 1
 
 @dataclass
 class App:
-    """What every request handler shares."""
+    """What every request handler shares: the service, the limits requests are checked
+    against, the two APIs' formats, and ``count`` (a prompt -> its tokens, for
+    count_tokens)."""
 
     service: GenerationService
     limits: api.Limits
     shape_sources: dict[bool, str]  # where the greedy (False) and sampling (True) shapes came from
     max_body_bytes: int = MAX_BODY_BYTES
     created: int = 0  # when the server started (the model's ``created``)
+    apis: dict[str, api.Api] | None = None  # "openai", "anthropic"
+    count: Callable[[object], int] | None = None
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
@@ -91,7 +112,8 @@ class Server(ThreadingHTTPServer):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One connection's requests. Every error is OpenAI's JSON error object."""
+    """One connection's requests. Every error is the JSON error object of the API the path
+    belongs to (Anthropic's under ``/v1/messages``, OpenAI's elsewhere)."""
 
     protocol_version = "HTTP/1.1"  # keep-alive for whole answers; a stream closes its connection
     server_version = "redrafter-mlx"
@@ -104,6 +126,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wire = threading.Lock()  # the worker's probe (client_gone) against our writes
         self.responding = False  # the current request's answer has begun
         self.probed = False  # the current request's client was probed (client_gone)
+        self.api_name = "openai"  # whose error shape the current request gets
 
     def parse_request(self) -> bool:
         """http.server's, less HTTP/0.9: a two-word request line (as the rest of a body sent
@@ -122,8 +145,14 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes
 
-    def do_GET(self) -> None:
+    def route(self) -> str:
+        """The request's path, and whose API it belongs to (for its errors)."""
         path = urlsplit(self.path).path.rstrip("/")
+        self.api_name = "anthropic" if path.startswith("/v1/messages") else "openai"
+        return path
+
+    def do_GET(self) -> None:
+        path = self.route()
         app = self.server.app
         if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
             self.close_connection = True  # a body GET never reads: not to be the next request
@@ -133,7 +162,7 @@ class Handler(BaseHTTPRequestHandler):
             body = {"status": status, "busy": service.busy, "waiting": service.waiting}
             self.send_json(200 if service.alive else 503, body)
         elif path == "/v1/models":
-            self.send_json(200, api.models(app.limits, app.created))
+            self.send_json(200, openai.models(app.limits, app.created))
         elif path.startswith("/v1/models/"):
             self.send_model(unquote(path.removeprefix("/v1/models/")))
         elif path in POST_ROUTES:
@@ -143,14 +172,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.responding = self.probed = False  # a new request on a kept-alive connection
-        path = urlsplit(self.path).path.rstrip("/")
+        path = self.route()
         parse = POST_ROUTES.get(path)
+        app = self.server.app
         try:
             raw = self.read_body()  # first: unread, it would be taken for the next request
             if parse is None:
                 raise api.ApiError(404, f"no endpoint {path}", code="not_found")
-            call = parse(api.parse_json(raw), self.server.app.limits)
-            job = self.server.app.service.submit(call.request, client_gone=self.client_gone)
+            if path == COUNT_TOKENS:
+                self.send_json(
+                    200, {"input_tokens": self.count(parse(api.parse_json(raw), app.limits))}
+                )
+                return
+            call = parse(api.parse_json(raw), app.limits)
+            job = app.service.submit(call.request, client_gone=self.client_gone)
         except api.ApiError as e:
             self.send_api_error(e)
             return
@@ -168,7 +203,7 @@ class Handler(BaseHTTPRequestHandler):
         if name not in app.limits.model_ids:
             self.send_api_error(api.model_not_found(name, app.limits))
             return
-        self.send_json(200, api.models(app.limits, app.created)["data"][0])
+        self.send_json(200, openai.models(app.limits, app.created)["data"][0])
 
     # -- a request's answer
 
@@ -178,7 +213,7 @@ class Handler(BaseHTTPRequestHandler):
             started = job.start()
         except ReDrafterError as e:  # the prompt's fault: too long, or refused by the template
             code = "context_length_exceeded" if isinstance(e, ContextFull) else "invalid_value"
-            param = "messages" if call.kind == "chat" else "prompt"
+            param = "prompt" if call.kind == "text" else "messages"
             self.send_api_error(api.ApiError(400, str(e), param, code))
             return
         except Exception as e:
@@ -195,55 +230,63 @@ class Handler(BaseHTTPRequestHandler):
 
     def whole(self, call: api.Call, job: Job, started: Started) -> None:
         """The answer in one JSON response (sent once generation ends)."""
-        parts: list[str] = []
+        answer = self.new_answer(call)
         last: StepResponse | None = None
         try:
             for last in job.steps():
-                parts.append(last.text)
+                answer.add(last)
         except Exception as e:
             self.send_api_error(self.internal_error(e))
             return
         if last is None or last.finish_reason is None:  # cancelled: nobody to answer
             self.left(call, last)
             return
-        usage = self.usage(call, started, last)
-        model = self.server.app.limits.model_id
-        self.send_json(200, api.response(call, model, "".join(parts), last.finish_reason, usage))
-        self.log_generation(call, usage, last.finish_reason)
+        outcome = self.outcome(call, started, last)
+        self.send_json(200, self.protocol.response(call, answer, outcome))
+        self.log_generation(call, outcome, answer.finish_reason)
 
     def stream(self, call: api.Call, job: Job, started: Started) -> None:
-        """Server-sent events: a chunk per decode step with new text, the finish reason, the
-        usage (when asked), ``[DONE]``. The connection closes after it (no length known)."""
+        """Server-sent events as the API streams them: its first events, those of each decode
+        step with new text or tool calls, its last ones. The connection closes after it (no
+        length known)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
-        model = self.server.app.limits.model_id
-        if call.kind == "chat":
-            self.send_event(api.chunk(call, model, None, None, first=True))
+        answer, events = self.new_answer(call), self.protocol.stream(call, started)
+        self.send_events(events.begin())
         last: StepResponse | None = None
         try:
             for last in job.steps():
-                if last.text:
-                    self.send_event(api.chunk(call, model, last.text, None))
+                self.send_events(events.piece(answer.add(last)))
         except (ConnectionError, TimeoutError):  # a write failed: the client left
             job.cancel()
             self.left(call, last)
             return
         except Exception as e:  # the stream has begun: the error goes in it
-            self.send_event(self.internal_error(e).body())
+            self.send_events([self.protocol.stream_error(self.internal_error(e))])
             return
         if last is None or last.finish_reason is None:  # cancelled
             self.left(call, last)
             return
-        usage = self.usage(call, started, last)
-        self.send_event(api.chunk(call, model, None, last.finish_reason))
-        if call.include_usage:
-            self.send_event(api.usage_chunk(call, model, usage))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
-        self.log_generation(call, usage, last.finish_reason)
+        outcome = self.outcome(call, started, last)
+        self.send_events(events.end(answer, outcome))
+        self.log_generation(call, outcome, answer.finish_reason)
+
+    @property
+    def protocol(self) -> api.Api:
+        return self.server.app.apis[self.api_name]
+
+    def new_answer(self, call: api.Call) -> api.Answer:
+        return api.Answer(self.server.app.limits.tools, call.tools, call.forced_call)
+
+    def count(self, prompt) -> int:
+        """count_tokens: the prompt's tokens, encoded here (the tokenizer alone, no MLX)."""
+        try:
+            return self.server.app.count(prompt)
+        except ReDrafterError as e:
+            raise api.ApiError(400, str(e), "messages", "invalid_value") from None
 
     def left(self, call: api.Call, last: StepResponse | None) -> None:
         """The client went away mid-answer: its generation stopped (or stops at the next step)."""
@@ -251,9 +294,9 @@ class Handler(BaseHTTPRequestHandler):
         tokens = "" if last is None else f" after {last.stats.generation_tokens} tokens"
         self.log_message("%s: the client left%s; generation stopped", call.kind, tokens)
 
-    def usage(self, call: api.Call, started: Started, last: StepResponse) -> dict:
+    def outcome(self, call: api.Call, started: Started, last: StepResponse) -> api.Outcome:
         source = self.server.app.shape_source(started, call.request.sampling)
-        return api.usage(started, last.stats, source)
+        return api.Outcome(started, last.stats, source)
 
     # -- the wire
 
@@ -374,14 +417,23 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def send_event(self, body: dict) -> None:
-        self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+    def send_events(self, events: list[tuple]) -> None:
+        """Server-sent events, each ``(name or None, JSON object or text)``."""
+        if not events:
+            return
+        lines = []
+        for name, body in events:
+            data = body if isinstance(body, str) else json.dumps(body)
+            lines.append(f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n")
+        self.wfile.write("".join(lines).encode())
         self.wfile.flush()
 
     def send_api_error(self, error: api.ApiError, headers: dict | None = None) -> None:
         self.log_error("%d %s", error.status, error.message)
+        app = self.server.app
+        body = error.body() if app is None or app.apis is None else self.protocol.error_body(error)
         try:
-            self.send_json(error.status, error.body(), headers)
+            self.send_json(error.status, body, headers)
         except (ConnectionError, TimeoutError):
             self.close_connection = True
 
@@ -397,21 +449,26 @@ class Handler(BaseHTTPRequestHandler):
         message = f"internal error: {type(error).__name__}: {error}"
         return api.ApiError(500, message, code="internal_error", type="server_error")
 
-    def log_generation(self, call: api.Call, usage: dict, reason: str | None) -> None:
-        stats = usage["redrafter"]
+    def log_generation(self, call: api.Call, outcome: api.Outcome, reason: str | None) -> None:
         self.log_message(
             "%s: %d prompt tokens (%d cached), %d tokens, %.1f tok/s, %.2f tokens/step, %s",
             call.kind,
-            usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"],
-            usage["completion_tokens"],
-            stats["generation_tps"],
-            stats["tokens_per_step"],
+            outcome.prompt_tokens,
+            outcome.cached_tokens,
+            outcome.completion_tokens,
+            outcome.stats.generation_tps,
+            outcome.stats.tokens_per_step,
             reason,
         )
 
 
-POST_ROUTES = {"/v1/chat/completions": api.parse_chat, "/v1/completions": api.parse_completion}
+COUNT_TOKENS = "/v1/messages/count_tokens"
+POST_ROUTES = {
+    "/v1/chat/completions": openai.parse_chat,
+    "/v1/completions": openai.parse_completion,
+    "/v1/messages": anthropic_api.parse_messages,
+    COUNT_TOKENS: anthropic_api.parse_count,
+}
 
 
 # ---------------------------------------------------------------- command entry
@@ -419,7 +476,8 @@ POST_ROUTES = {"/v1/chat/completions": api.parse_chat, "/v1/completions": api.pa
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Serve the OpenAI API (chat and text completions) with ReDrafter decoding. "
+        description="Serve the OpenAI API (chat and text completions) and Anthropic's Messages "
+        "API with ReDrafter decoding, tool calls and log-probs (docs/serving.md). "
         "--max-tokens, --temp, --top-p, --top-k and --seed are the defaults of requests that do "
         "not set their own.",
         epilog=EXAMPLES,
@@ -515,6 +573,12 @@ def encoder(runtime: rt.Runtime):
     def encode(prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(runtime.tokenizer.encode(prompt))
+        if isinstance(prompt, Chat):
+            ids = rt.encode_chat(runtime, prompt.messages, prompt.tools)
+            prefix = prompt.answer_prefix
+            return ids + (
+                runtime.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+            )
         if prompt and isinstance(prompt[0], dict):
             return list(rt.encode_chat(runtime, prompt))
         return list(prompt)
@@ -530,6 +594,7 @@ def limits(args: argparse.Namespace, runtime: rt.Runtime) -> api.Limits:
         vocab_size=runtime.config.get("vocab_size"),
         max_tokens=args.max_tokens,
         sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed),
+        tools=tool_format(runtime.tokenizer),
     )
 
 
@@ -557,17 +622,24 @@ def main(args: argparse.Namespace) -> None:
         prompt_cache_bytes=args.prompt_cache_bytes,
     )
     engine = start_or_exit(service)
+    checks = limits(args, loaded.runtime)
     server.app = App(
         service,
-        limits(args, loaded.runtime),
+        checks,
         loaded.shape_sources,
         args.max_body_bytes,
         int(time.time()),
+        apis={
+            "openai": openai.OpenAI(checks.model_id, loaded.runtime.tokenizer),
+            "anthropic": anthropic_api.Anthropic(checks.model_id),
+        },
+        count=lambda prompt: len(encoder(loaded.runtime)(prompt)),
     )
     host, port = server.server_address[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"model {server.app.limits.model_id}, {mode(engine, loaded)}", file=sys.stderr)
-    print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
+    print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

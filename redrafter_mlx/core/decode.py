@@ -60,6 +60,13 @@ class Decoding:
     # Steps also return the target's log-probs of each emitted token (evaluated with the
     # step's one read: no extra host read, a log-softmax per emitted token more).
     logprobs: bool = False
+    # Steps also return each emitted token's log-prob and the k most likely tokens' (k this,
+    # 0 for none; None: off), picked on the device and read with the step's one read.
+    top_logprobs: int | None = None
+
+    @property
+    def any_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs is not None
 
 
 @dataclass
@@ -75,6 +82,29 @@ class Step:
     # (len(tokens), V): row i the target's log-probs the i-th token was chosen from (with
     # ``Decoding.logprobs``, else None)
     logprobs: mx.array | None = None
+    top_logprobs: TopLogprobs | None = None  # with ``Decoding.top_logprobs``, else None
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """What a server reports of ``n`` emitted tokens, read to the host: each token's log-prob
+    ``logprob (n,)`` and the ``k`` most likely tokens' ids ``ids (n, k)`` and log-probs
+    ``logprobs (n, k)``, most likely first."""
+
+    logprob: np.ndarray
+    ids: np.ndarray
+    logprobs: np.ndarray
+
+    @classmethod
+    def read(cls, arrays: tuple[mx.array, ...] | None, n: int | None = None):
+        """The host copy of :func:`top_logprobs`' arrays, already evaluated (by the step's
+        read: no new evaluation), their first ``n`` rows; None for None."""
+        if arrays is None:
+            return None
+        return cls(*(np.array(a)[:n] for a in arrays))
+
+    def __getitem__(self, rows: slice) -> TopLogprobs:
+        return TopLogprobs(self.logprob[rows], self.ids[rows], self.logprobs[rows])
 
 
 class PhaseTimer:
@@ -119,6 +149,7 @@ class DecodeState:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     steps: int = 0  # decode steps taken since the prefill
     pending_logprobs: mx.array | None = None  # (1, V) autoregressive, with Decoding.logprobs
+    pending_top: tuple | None = None  # autoregressive, with Decoding.top_logprobs
 
 
 @dataclass(frozen=True)
@@ -171,16 +202,21 @@ class Verifier:
         self.check(decoding)
         timer = timer or PhaseTimer()
         pending, context, logits = self._feed(cache, prompt, decoding.sampler, cancelled)
-        token_logprobs = log_softmax(logits) if decoding.logprobs else None
+        rows, top = emitted_logprobs(decoding, logits, pending[None])
         if not decoding.mode.speculative:
-            mx.async_eval(pending, *_present(token_logprobs))
+            mx.async_eval(pending, *_present(rows, *(top or ())))
             state = DecodeState(
-                cache, decoding, pending[None], timer=timer, pending_logprobs=token_logprobs
+                cache,
+                decoding,
+                pending[None],
+                timer=timer,
+                pending_logprobs=rows,
+                pending_top=top,
             )
             return state, None
-        keep = _present(token_logprobs)
+        keep = _present(rows, *(top or ()))
         state = self._drafted_state(cache, decoding, context, pending, keep, timer)
-        return state, Step([state.pending], logprobs=token_logprobs)
+        return state, Step([state.pending], logprobs=rows, top_logprobs=TopLogprobs.read(top))
 
     def probe(self, cache: KVCache, decoding: Decoding) -> DecodeState:
         """A speculative state after the cached tokens, as if the last of them were fed again:
@@ -265,22 +301,24 @@ class Verifier:
         emitted token is in the cache (its K/V written, committed) when the step returns, but
         for the last one a full context has no room for.
         """
-        cache, token, emitted_logprobs = state.cache, state.pending, state.pending_logprobs
+        cache, token = state.cache, state.pending
+        emitted = {"logprobs": state.pending_logprobs}
         if not self.has_room(cache, 1):
             if token is None:  # the context's last token was emitted by the previous step
                 self.check_room(cache, 1)  # raises ContextFull
             value = token.item()  # the context's last token: no K/V needed
-            last = Step([value], logprobs=emitted_logprobs)
+            last = Step([value], **emitted, top_logprobs=TopLogprobs.read(state.pending_top))
             return replace(state, pending=None, steps=state.steps + 1), last
         choice, _, logits = self._next_token(cache, token, state.decoding.sampler)  # its K/V
-        choice_logprobs = log_softmax(logits) if state.decoding.logprobs else None
-        mx.async_eval(choice, *_present(choice_logprobs))
+        rows, top = emitted_logprobs(state.decoding, logits, choice)
+        mx.async_eval(choice, *_present(rows, *(top or ())))
         value = token.item()  # host read: this token (the next one is computing)
         cache.commit([value])
+        step = Step([value], **emitted, top_logprobs=TopLogprobs.read(state.pending_top))
         new = replace(
-            state, pending=choice, steps=state.steps + 1, pending_logprobs=choice_logprobs
+            state, pending=choice, steps=state.steps + 1, pending_logprobs=rows, pending_top=top
         )
-        return new, Step([value], logprobs=emitted_logprobs)
+        return new, step
 
     def _speculative_step(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """pack -> verify -> accept -> compact -> draft from ``state``'s pending token, its
@@ -290,14 +328,19 @@ class Verifier:
         beams, tree, size = self._pack(state)
         hidden, logits, result = self._verify(state, beams, tree)
         # the log-probs along the accepted beam: row i is what its i-th emitted token came from
-        path_logprobs = log_softmax(logits[result.path]) if decoding.logprobs else None
+        path_logprobs, top = emitted_logprobs(
+            decoding,
+            logits[result.path],
+            _path_tokens(beams, result) if decoding.any_logprobs else None,
+        )
         if not tree.paths_in_place:
             cache.compact(result.path)
         cache.keep(result.last_node)  # recurrent layers: the accepted node's state
         timer.mark("compact", *cache.state())
         drafted, draft_syncs = self._draft(decoding, hidden[result.last_node], result.next_token)
         chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-        read, next_logprobs = self._read(decoding, chosen, drafted, _present(path_logprobs))
+        keep = _present(path_logprobs, *(top or ()))
+        read, next_logprobs = self._read(decoding, chosen, drafted, keep)
         timer.mark("draft")
         best, num_accepted, next_token = (int(x) for x in read[:3])
         root_and_accepted = beams[best, : num_accepted + 1].tolist()
@@ -310,6 +353,7 @@ class Verifier:
             syncs=1 + draft_syncs,
             accepted_from=accepted_source(beams, len(state.beams), best, num_accepted),
             logprobs=None if path_logprobs is None else path_logprobs[: num_accepted + 1],
+            top_logprobs=TopLogprobs.read(top, num_accepted + 1),
         )
         new = replace(
             state,
@@ -480,6 +524,41 @@ def accepted_source(beams: np.ndarray, drafted: int, best: int, num_accepted: in
 def _present(*arrays: mx.array | None) -> tuple[mx.array, ...]:
     """The arrays that are there (optional outputs, such as log-probs, to evaluate too)."""
     return tuple(a for a in arrays if a is not None)
+
+
+def emitted_logprobs(decoding: Decoding, logits: mx.array, tokens: mx.array | None):
+    """What ``decoding`` asks for of the tokens ``tokens (n,)`` chosen from ``logits (n, V)``,
+    lazily: ``(log-probs (n, V) or None, top_logprobs' arrays or None)``."""
+    if not decoding.any_logprobs:
+        return None, None
+    rows = log_softmax(logits)
+    k = decoding.top_logprobs
+    return (rows if decoding.logprobs else None), (
+        None if k is None else top_logprobs(rows, tokens, k)
+    )
+
+
+def top_logprobs(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, ...]:
+    """``logprobs (n, V)`` and the tokens chosen from them ``tokens (n,)`` -> their log-probs
+    ``(n,)``, the ``k`` most likely ids ``(n, k)`` and their log-probs ``(n, k)``, most likely
+    first, lazily (a partition over V on the device: only ``n * (2k + 1)`` numbers to read)."""
+    chosen = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k else None
+    if ids is None:
+        return chosen, mx.zeros((len(tokens), 0), mx.int32), mx.zeros((len(tokens), 0))
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return chosen, mx.take_along_axis(ids, order, -1), mx.take_along_axis(values, order, -1)
+
+
+def _path_tokens(beams: np.ndarray, result) -> mx.array:
+    """The tokens a step emits along the accepted beam, on the device, ``(L,)``: the beam's
+    accepted drafts, then the target's own next token at ``num_accepted`` (rows past it are
+    dropped after the read)."""
+    beam = mx.array(beams)[result.best].astype(mx.int32)
+    after = mx.concatenate([beam[1:], result.next_token.reshape(1).astype(mx.int32)])
+    at_next = mx.arange(after.shape[0]) == result.num_accepted
+    return mx.where(at_next, result.next_token.astype(mx.int32), after)
 
 
 def log_softmax(logits: mx.array) -> mx.array:

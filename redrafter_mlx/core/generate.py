@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
 from redrafter_mlx.core.cache import KVCache
-from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, Verifier
+from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, TopLogprobs, Verifier
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.stops import first_stop
 
@@ -90,6 +90,9 @@ class StepResponse:
     # (len(tokens), V): the target's log-probs each token was chosen from (None unless the
     # decoding asked for them, ``Decoding.logprobs``)
     logprobs: mx.array | None = None
+    # each token's log-prob and the most likely alternatives (``Decoding.top_logprobs``)
+    top_logprobs: TopLogprobs | None = None
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -228,7 +231,9 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
         text, shown = detokenizer.text[shown:end], max(shown, end)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         logprobs = None if step.logprobs is None else step.logprobs[: len(emitted)]
-        yield StepResponse(text, emitted, stats, reason, logprobs)
+        top = None if step.top_logprobs is None else step.top_logprobs[: len(emitted)]
+        matched = None if cut is None else _stop_at(detokenizer.text, stop_strings, cut)
+        yield StepResponse(text, emitted, stats, reason, logprobs, top, matched)
         if reason is not None:
             steps.close()
             return
@@ -268,6 +273,11 @@ def _find_stop_string(text: str, stop_strings: tuple[str, ...], since: int) -> i
     hits = [text.find(s, max(since - len(s) + 1, 0)) for s in stop_strings]
     hits = [h for h in hits if h >= 0]
     return min(hits) if hits else None
+
+
+def _stop_at(text: str, stop_strings: tuple[str, ...], cut: int) -> str:
+    """The stop string found at ``cut`` (the first listed, when several begin there)."""
+    return next(s for s in stop_strings if text.startswith(s, cut))
 
 
 def _stop_string_start(text: str, stop_strings: tuple[str, ...]) -> int:

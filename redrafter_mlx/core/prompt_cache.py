@@ -6,7 +6,8 @@ Agents and chat front ends interleave conversations (an agent and its sub-agent,
 with one cache every switch re-read the whole history. A request *extends* a session when it
 begins with all of that session's cached tokens but for a few at the end (a chat template may
 end the previous answer differently from how it was generated). A request that extends none
-gets a fresh session while there is room, else the least recently used one's cache.
+gets a fresh session while there is room, else the least recently used one's cache (rewound
+to the prefix it shares, if any: an agent's turn must not cost the conversation just used).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class PromptCache:
         session = self._extended(ids)
         if session is None and len(self.sessions) < self.max_sessions:
             session = self._new_session()
-        elif session is None:
-            session = self._best(ids) or self.sessions[0]
+        elif session is None:  # the least recently used one: not a conversation just used
+            session = self.sessions[0]
         if session in self.sessions:
             self.sessions.remove(session)
         self.sessions.append(session)
@@ -67,12 +68,6 @@ class PromptCache:
             if cached and shared >= len(cached) - TAIL and shared >= most:
                 found, most = session, shared
         return found
-
-    def _best(self, ids: list[int]) -> Session | None:
-        """The session sharing the longest prefix with ``ids`` (None when none shares any)."""
-        shared = [(common_prefix(s.cache.ids, ids), i) for i, s in enumerate(self.sessions)]
-        most, index = max(shared)
-        return self.sessions[index] if most else None
 
     @property
     def cached_bytes(self) -> int:

@@ -33,7 +33,20 @@ from redrafter_mlx.core.prompt_cache import PromptCache, check_bounds
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
-Prompt = list[dict] | str | list[int]  # chat messages, raw text or token ids
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat prompt with more than its messages: the ``tools`` the chat template shows the
+    model (OpenAI's function format; None: none), and ``answer_prefix``, text the answer
+    starts with after the template's generation prompt (a tool call's opening tag makes the
+    model call a tool)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    answer_prefix: str = ""
+
+
+Prompt = list[dict] | Chat | str | list[int]  # chat messages, raw text or token ids
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class Request:
     max_tokens: int = 256
     sampling: Sampling = Sampling()
     stop_strings: tuple[str, ...] = ()
+    # each token's log-prob and the k most likely tokens' (k this, up to 0; None: off)
+    top_logprobs: int | None = None
 
 
 @dataclass
@@ -75,11 +90,11 @@ class Engine:
     def _shape(self, sampling: Sampling) -> BeamShape:
         return self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
 
-    def decoding_for(self, sampling: Sampling) -> Decoding:
-        """A request's decoding: the mode, its shape, its sampler."""
+    def decoding_for(self, sampling: Sampling, top_logprobs: int | None = None) -> Decoding:
+        """A request's decoding: the mode, its shape, its sampler, the log-probs it reports."""
         shape = self._shape(sampling)
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
-        return Decoding(self.mode, shape, sampler)
+        return Decoding(self.mode, shape, sampler, top_logprobs=top_logprobs)
 
     def warm_up(self) -> None:
         """Compile what requests will run, so that answers do not stop to compile: the greedy
@@ -281,7 +296,7 @@ class GenerationService:
             ids,
             max_tokens=request.max_tokens,
             stop_strings=request.stop_strings,
-            decoding=engine.decoding_for(request.sampling),
+            decoding=engine.decoding_for(request.sampling, request.top_logprobs),
             cancelled=job.cancelled,
         )
         started = False

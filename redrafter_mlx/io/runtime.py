@@ -131,6 +131,11 @@ def decoding(
     return result
 
 
-def encode_chat(runtime: Runtime, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation with the model's chat template and a generation prompt."""
-    return apply_chat_template(runtime.tokenizer, messages, model_path=Path(runtime.model_id))
+def encode_chat(
+    runtime: Runtime, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of a conversation with the model's chat template and a generation prompt;
+    ``tools`` (OpenAI's function format) listed by the template."""
+    return apply_chat_template(
+        runtime.tokenizer, messages, model_path=Path(runtime.model_id), tools=tools
+    )

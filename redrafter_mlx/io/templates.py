@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,29 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(_hf_tokenizer(tokenizer), "chat_template", None))
 
 
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model takes tools: its chat template lists them; its answers call them between
+    ``start`` and ``end``, parsed by ``parse(text, tools)`` (mlx-lm's tool parser of the
+    family, which gives ``{"name", "arguments"}`` or a list of them). Without a parser
+    (None), calls stay in the answer's text."""
+
+    start: str | None = None
+    end: str | None = None
+    parse: Callable[[str, Any], Any] | None = None
+
+
+def tool_format(tokenizer: Any) -> ToolFormat | None:
+    """The model's :class:`ToolFormat` (mlx-lm's wrapper inferred its parser from the
+    template), or None when its chat template takes no tools."""
+    template = getattr(_hf_tokenizer(tokenizer), "chat_template", None)
+    if not isinstance(template, str) or "tools" not in template:
+        return None
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return ToolFormat()
+    return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+
 def is_vicuna(tokenizer: Any, name: str | None = None, model_type: str | None = None) -> bool:
     """Vicuna: no chat template, and ``vicuna`` in the name or a Llama 32000-token SentencePiece."""
     if has_chat_template(tokenizer):
@@ -92,9 +117,10 @@ def apply_chat_template(
     model_type: str | None = None,
     name: str | None = None,
     model_path: str | Path | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (with a generation prompt unless told otherwise), using the
-    right template.
+    right template; ``tools`` (OpenAI's function format) go to the tokenizer's own template.
 
     The tokenizer's own chat template wins; Vicuna models (``vicuna`` in ``name`` /
     ``model_path``, or a Llama with a 32000-token SentencePiece vocab) use Vicuna v1.1; other
@@ -105,12 +131,15 @@ def apply_chat_template(
         name = name or str(model_path)
         model_type = model_type or _model_type(model_path)
     if has_chat_template(tokenizer):
+        extra = {} if tools is None else {"tools": tools}
         ids = hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+    if tools is not None:
+        raise ConfigError("this model's chat template takes no tools")
     if is_vicuna(tokenizer, name, model_type):
         return encode_vicuna(tokenizer, messages, add_generation_prompt)
     return list(hf.encode("\n".join(m["content"] for m in messages)))
