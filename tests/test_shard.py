@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -42,15 +43,25 @@ def env(marker: str = "") -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "REDRAFTER_TEST_RUN": marker}
 
 
-def run(ranks: int, argv: list[str], stdin: str = "") -> str:
-    """Run to the end: its stdout and stderr together."""
-    done = subprocess.run(
-        launched(ranks, argv), cwd=ROOT, env=env(), input=stdin, capture_output=True,
-        text=True, timeout=TIMEOUT,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode == 0 and "Traceback" not in out and "WARN" not in out, out
-    return done.stdout
+def run(ranks: int, argv: list[str]) -> str:
+    """Run to the end: its stdout (stdout and stderr checked). stdin stays an open pipe:
+    mlx.launch spins a core polling a closed one."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            launched(ranks, argv), cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=out,
+            stderr=err, text=True,
+        )  # fmt: skip
+        try:
+            proc.wait(TIMEOUT)
+        finally:
+            proc.kill()
+            proc.stdin.close()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    text = stdout + stderr
+    assert proc.returncode == 0 and "Traceback" not in text and "WARN" not in text, text
+    return stdout
 
 
 @pytest.fixture(scope="module")
