@@ -14,6 +14,7 @@ import atexit
 import os
 import signal
 import sys
+import threading
 
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.io import runtime as rt
@@ -35,7 +36,18 @@ def follower(args: argparse.Namespace) -> bool:
         return False
     import mlx.core as mx
 
-    return mx.distributed.init().rank() != 0
+    if mx.distributed.init().rank() != 0:
+        return True
+    _ctrl_c_on_lead()
+    return False
+
+
+def _ctrl_c_on_lead() -> None:
+    """mlx.launch starts the ranks with Ctrl-C ignored (in the background of its shell):
+    rank 0 takes it back (the others end with it); only the main thread can."""
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
@@ -55,6 +67,7 @@ def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
     if orders.size > 1:
         _one_line_when_a_rank_is_lost(orders.rank, orders.size)
     if orders.lead:
+        _ctrl_c_on_lead()
         atexit.register(orders.stop)
         return runtime
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the run ends
