@@ -28,9 +28,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from redrafter_mlx.cli import flags
+from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.atomic import write_text
+from redrafter_mlx.core.distributed import MirroredSession, session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull
 from redrafter_mlx.core.generate import SOURCES, GenerationStats, StepResponse, tokens_per_step
 from redrafter_mlx.core.mode import Mode
@@ -635,6 +636,8 @@ class ChatUI:
             return "speedup: none (autoregressive mode, 1 token per step)"
         if totals.steps == 0:
             return "speedup: no decode steps yet"
+        if isinstance(self.session.session, MirroredSession):  # its probe runs on rank 0 only
+            return "speedup: not measured on a sharded target (see the answers' tokens/s)"
         try:
             single, step = time_steps(self.session.session)
         except ContextFull:
@@ -668,6 +671,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plain one-token-per-step decoding, no drafter (baseline)",
     )
+    sharding.add_shard_arg(parser)
     return parser
 
 
@@ -688,7 +692,7 @@ def main(args: argparse.Namespace) -> None:
     ctrl_c.install()
     sys.stdin.reconfigure(errors="surrogateescape")  # a bad byte is one error line: check_text
     # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
-    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=False)
+    runtime = sharding.load_runtime(args, need_drafter=False)  # rank 0 alone returns
     flags.say_drafter(runtime, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(
@@ -699,7 +703,7 @@ def main(args: argparse.Namespace) -> None:
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
     session = ChatSession(
-        Session(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed),
+        session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed),
         encoder(runtime),
         max_tokens=args.max_tokens,
         system=args.system and check_text(args.system, "--system"),

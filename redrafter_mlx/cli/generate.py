@@ -6,12 +6,12 @@ import argparse
 import json
 import sys
 
-from redrafter_mlx.cli import flags
+from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.decode import PhaseTimer
+from redrafter_mlx.core.distributed import session_for
 from redrafter_mlx.core.generate import GenerationStats
-from redrafter_mlx.core.session import Session
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text, read_stdin
 from redrafter_mlx.tuning.profiles import resolve_shape
@@ -24,6 +24,7 @@ EXAMPLES = """examples:
   echo "Summarise: MLX is an array framework." | redrafter-mlx generate --prompt - --temp 0.7
   redrafter-mlx generate --model models/demo --prompt "Hi!" --max-tokens 16   # see demo-model
   redrafter-mlx generate --model mlx-community/Qwen3-0.6B-4bit --prompt "Name three colours."
+  mlx.launch --hostfile hosts.json -- redrafter-mlx generate --shard tensor --prompt "Hi"
 """
 
 
@@ -52,6 +53,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "evaluates at phase boundaries: adds syncs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no stream")
+    sharding.add_shard_arg(parser)
     return parser
 
 
@@ -85,7 +87,7 @@ def main(args: argparse.Namespace) -> None:
     if not prompt.strip():
         fail("empty prompt" + (" on stdin" if args.prompt == "-" else ""))
     # without a drafter (none found, or --drafter none) it speculates with lookup beams alone
-    runtime = flags.load_runtime(args.model, args.drafter, need_drafter=False)
+    runtime = sharding.load_runtime(args, need_drafter=False)  # rank 0 alone returns
     flags.say_drafter(runtime, json_mode=args.json, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(
@@ -97,7 +99,7 @@ def main(args: argparse.Namespace) -> None:
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
-    session = Session(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
+    session = session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
     if args.raw:
         ids = runtime.tokenizer.encode(prompt)
     else:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-from redrafter_mlx.cli import anthropic_api, flags
+from redrafter_mlx.cli import anthropic_api, flags, sharding
 from redrafter_mlx.cli import http_api as api
 from redrafter_mlx.cli import openai_api as openai
 from redrafter_mlx.core.accept import is_greedy
@@ -523,6 +523,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plain one-token-per-step decoding, no drafter (baseline)",
     )
+    sharding.add_shard_arg(parser)
     return parser
 
 
@@ -549,7 +550,7 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
 
     def setup() -> Engine:
         # without a drafter (none found, or --drafter none): lookup beams alone
-        runtime = flags.load_runtime(args.model, args.drafter, need_drafter=False)
+        runtime = sharding.load_runtime(args, need_drafter=False)
         overrides = flags.shape_overrides(args)
         greedy, greedy_source = flags.lookup_when_no_drafter(
             runtime, *resolve_shape(runtime, overrides=overrides, sampling=False)
@@ -607,6 +608,8 @@ def listen(host: str, port: int) -> Server:
 
 @flags.reports_errors
 def main(args: argparse.Namespace) -> None:
+    if sharding.follower(args):  # ranks but 0 of --shard: run rank 0's orders, serve nothing
+        sharding.load_runtime(args, need_drafter=False)
     if not is_loopback(args.host):
         print(
             f"warning: --host {args.host} listens beyond this machine: anyone on the network "

@@ -51,6 +51,7 @@ def make_sampler(temp: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> Sampl
         return greedy
     sampler = mlx_lm_sampler(temp, top_p=top_p, top_k=top_k)
     sampler.reads_logits = not 0 < top_p < 1  # top-p sums probabilities: needs log-probs
+    sampler.settings = {"temp": temp, "top_p": top_p, "top_k": top_k}  # to make it again
     return sampler
 
 

@@ -283,6 +283,16 @@ class TreeLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self.cache.write(self.layer, keys, values)
 
+    @property
+    def keys(self) -> mx.array | None:
+        """The layer's key buffer: a pipeline stage of mlx-lm ties its send to the last layer's
+        (``cache[-1].keys = mx.depends(cache[-1].keys, h)``), so the cache runs the send."""
+        return self.cache.keys[self.layer]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.cache.keys[self.layer] = value
+
     def make_mask(
         self, n: int, *, window_size: int | None = None, return_array: bool = False, **_
     ) -> mx.array | str | None:

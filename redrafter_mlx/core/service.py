@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.decode import Decoding, Verifier
+from redrafter_mlx.core.distributed import session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.mode import Mode
@@ -105,7 +106,8 @@ class Engine:
 
     def new_session(self) -> Session:
         """A conversation's session (each request brings its own decoding)."""
-        return Session(self.verifier, self.tokenizer, self.decoding_for(Sampling()), warm=False)
+        # a sharded target's lead mirrors its sessions on the other ranks
+        return session_for(self.verifier, self.tokenizer, self.decoding_for(Sampling()), warm=False)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Every failure is a :class:`LoadError` whose message is one line naming the file 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from redrafter_mlx.io.embedded import cached_conversion
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
-def _load_weights(path: Path) -> nn.Module:
+def _load_weights(path: Path, prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
     from mlx_lm.utils import load_model
 
     files = sorted(path.glob("model*.safetensors"))
@@ -44,6 +45,8 @@ def _load_weights(path: Path) -> nn.Module:
     except Exception as e:
         raise LoadError(f"{path}: cannot load weights ({one_line(e)})") from e
     check_structure(model, path)
+    if prepare is not None:  # e.g. shard it: before its (lazy) weights are read
+        prepare(model)
     try:
         mx.eval(model.parameters())
     except Exception as e:
@@ -76,11 +79,17 @@ def gguf_to_folder(path: Path) -> Path:
         raise LoadError(str(e)) from e
 
 
-def load_target(path_or_repo: str | Path, *, tokenizer: bool = True):
+def load_target(
+    path_or_repo: str | Path,
+    *,
+    tokenizer: bool = True,
+    prepare: Callable[[nn.Module], None] | None = None,
+):
     """Load a target model: ``(model, tokenizer, config)``, parameters already evaluated.
 
     ``path_or_repo`` is an mlx-lm model folder, a Hugging Face hub id, or a ``.gguf`` file
     (converted once into the cache). With ``tokenizer=False`` the tokenizer is ``None``.
+    ``prepare`` changes the model before its weights are read (``io/sharded.py`` shards it).
     """
     path = resolve_path(path_or_repo)
     if path.is_file() and path.suffix == ".gguf":
@@ -88,7 +97,7 @@ def load_target(path_or_repo: str | Path, *, tokenizer: bool = True):
     elif path.is_file():
         raise LoadError(f"{path}: expected a model folder or a .gguf file")
     config = read_config(path)
-    model = _load_weights(path)
+    model = _load_weights(path, prepare)
     tok = _load_tokenizer(path, config) if tokenizer else None
     return model, tok, config
 

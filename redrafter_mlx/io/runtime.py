@@ -6,6 +6,7 @@ Library code: failures raise :mod:`redrafter_mlx.core.errors` exceptions with on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,16 +60,25 @@ class Runtime:
         )
 
 
-def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) -> Runtime:
+def load_runtime(
+    model: str | None,
+    drafter: str | None,
+    *,
+    need_drafter: bool,
+    prepare: Callable[[nn.Module], None] | None = None,
+    plan: Plan | None = None,
+) -> Runtime:
     """Load the target (embedded default when None) and its drafter (found by
-    :func:`find_drafter` when None), evaluated and checked against each other."""
+    :func:`find_drafter` when None), evaluated and checked against each other. ``prepare``
+    changes the target before its weights are read (a sharded load); ``plan``: the device's
+    unless given."""
     for flag, value in (("--model", model), ("--drafter", drafter)):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag}: an empty path (leave the flag out for the default)")
-    plan = plan_for()  # chosen once: every command takes it from the runtime
+    plan = plan or plan_for()  # chosen once: every command takes it from the runtime
     try:
         model_path = model or str(default_model_path())
-        target, tokenizer, config = load_target(model_path)
+        target, tokenizer, config = load_target(model_path, prepare=prepare)
         embedded = not model or is_embedded_model(model)
         choice = find_drafter(
             drafter,

@@ -1,0 +1,154 @@
+"""A target sharded over 2 ranks (``mlx.launch``, ring backend, localhost) decodes what one
+process decodes: tensor and pipeline parallel (a tiny Qwen2, which mlx-lm splits both ways),
+greedy with drafter beams, with lookup beams alone and autoregressive; seeded sampling the same
+on every rank; and a killed rank ends the run.
+
+Every process imports this checkout (``PYTHONPATH``, ``cwd``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import shared_data
+from families import model_folder
+from test_distributed import LAUNCH, free_ports, rank_pid
+
+from redrafter_mlx.core.drafter import random_drafter, save_drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240
+CHAT = ["--beam-width", "2", "--beam-length", "3", "--max-tokens", "12"]
+
+
+def launched(ranks: int, argv: list[str]) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, *argv]
+    port = str(free_ports(ranks))
+    launch = ["--hosts", "127.0.0.1", "-n", str(ranks), "--backend", "ring", "-p", port]
+    return [sys.executable, "-c", LAUNCH, *launch, "--", sys.executable, *argv]
+
+
+def env(marker: str = "") -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "REDRAFTER_TEST_RUN": marker}
+
+
+def run(ranks: int, argv: list[str]) -> str:
+    """Run to the end: its stdout (stdout and stderr checked). stdin stays an open pipe:
+    mlx.launch spins a core polling a closed one."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            launched(ranks, argv), cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=out,
+            stderr=err, text=True,
+        )  # fmt: skip
+        try:
+            proc.wait(TIMEOUT)
+        finally:
+            proc.kill()
+            proc.stdin.close()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    text = stdout + stderr
+    assert proc.returncode == 0 and "Traceback" not in text and "WARN" not in text, text
+    return stdout
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny Qwen2 (SentencePiece tokenizer, ChatML template) and a random drafter."""
+    root = tmp_path_factory.mktemp("shard")
+    model = model_folder("qwen2", root / "model", shared_data("vicuna-7b-v1.3-tokenizer"))
+    config = json.loads((model / "config.json").read_text())
+    save_drafter(random_drafter(config["hidden_size"], config["vocab_size"], seed=1), root / "d")
+    return root, model, root / "d"
+
+
+def test_two_ranks_decode_what_one_process_decodes(folders):
+    """Both shardings in one launch; the one-process answers in this process."""
+    import shard_worker
+
+    from redrafter_mlx.io.runtime import load_runtime
+
+    root, model, drafter = folders
+    one = shard_worker.lead(load_runtime(str(model), str(drafter), need_drafter=True))
+    worker = str(ROOT / "tests" / "shard_worker.py")
+    run(2, [worker, str(model), str(drafter), "tensor,pipeline", str(root)])
+    for sharding in ("tensor", "pipeline"):
+        lead = json.loads((root / f"rank0-{sharding}.json").read_text())
+        follower = json.loads((root / f"rank1-{sharding}.json").read_text())
+        greedy = {k: v for k, v in one.items() if not k.startswith("sampled")}
+        assert {k: lead[k] for k in greedy} == greedy, sharding
+        # rank 1 decoded every answer rank 0 did, the stopped one to its end
+        answers = list(lead.values())
+        stopped = list(lead).index("stopped")
+        assert len(follower) == len(answers)
+        assert follower[stopped][:3] == answers[stopped] and len(follower[stopped]) == 12
+        assert [a for i, a in enumerate(follower) if i != stopped] == [
+            a for i, a in enumerate(answers) if i != stopped
+        ], sharding
+        assert lead["sampled"] != lead["drafter"]  # it did sample
+    assert len(set(map(tuple, one.values()))) > 3  # the cases differ
+
+
+def in_process(argv: list[str], capsys, monkeypatch, stdin: str = "") -> str:
+    """One process's stdout, the command run here (no process to start)."""
+    from redrafter_mlx.cli import main
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+    main(argv)
+    return capsys.readouterr().out
+
+
+def test_generate_on_two_ranks_prints_one_answer_the_one_process_answer(
+    folders, capsys, monkeypatch
+):
+    _, model, drafter = folders
+    argv = ["generate", "--model", str(model), "--drafter", str(drafter)]
+    argv += [*CHAT, "--lookup", "1", "--prompt", "Hello there", "--json"]
+    one = json.loads(in_process(argv, capsys, monkeypatch))
+    out = run(2, ["-m", "redrafter_mlx", *argv, "--shard", "pipeline"]).strip().splitlines()
+    assert len(out) == 1  # rank 0 alone prints
+    assert json.loads(out[0])["tokens"] == one["tokens"]
+    assert one["steps"] < len(one["tokens"])  # drafts were accepted
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+def test_chat_on_two_ranks_then_a_killed_rank_ends_the_run(folders, tmp_path, capsys, monkeypatch):
+    """Rank 0 reads the lines and answers as one process does; SIGKILL rank 1 and the run
+    ends (mlx.launch ends rank 0) with a line naming it, no traceback."""
+    _, model, drafter = folders
+    argv = ["chat", "--model", str(model), "--drafter", str(drafter), *CHAT]
+    expected = in_process(argv, capsys, monkeypatch, stdin="Hello there\n")
+    argv = ["-m", "redrafter_mlx", *argv]
+    marker, log = uuid.uuid4().hex, tmp_path / "chat.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            launched(2, [*argv, "--shard", "tensor"]), cwd=ROOT, env=env(marker),
+            stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    try:
+        proc.stdin.write("Hello there\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT
+        while expected.strip() not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        os.kill(rank_pid(marker, 1), signal.SIGKILL)
+        proc.wait(60)  # it ends by itself, nobody closed its input
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    text = log.read_text()
+    assert "rank 1" in text and "Traceback" not in text, text
