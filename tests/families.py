@@ -84,28 +84,26 @@ FAMILIES: dict[str, dict] = {
 # Hybrid families: attention layers among layers with recurrent state (Gated DeltaNet, short
 # convolutions, Mamba2), and Mamba2 alone. Sizes keep every state array small but non-trivial
 # (grouped heads, a convolution wider than one token).
+GATED_DELTA = {  # Gated DeltaNet layers: grouped key heads, a 4-wide convolution
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
 HYBRIDS: dict[str, dict] = {
     "qwen3_5": {
         "model_type": "qwen3_5",
         "num_hidden_layers": 4,
         "full_attention_interval": 2,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **GATED_DELTA,
     },
     "qwen3_5_moe": {
         "model_type": "qwen3_5_moe",
         "num_hidden_layers": 2,
         "full_attention_interval": 2,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **GATED_DELTA,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
@@ -118,12 +116,7 @@ HYBRIDS: dict[str, dict] = {
         "model_type": "qwen3_next",
         "num_hidden_layers": 2,
         "full_attention_interval": 2,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **GATED_DELTA,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,

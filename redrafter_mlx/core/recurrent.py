@@ -78,9 +78,12 @@ class StateStore:
             del self.snapshots[o]  # states of tokens no longer in the cache
 
     def arrays(self) -> list[mx.array]:
-        """Arrays to evaluate to materialise the states."""
+        """Arrays to evaluate to materialise the states (the snapshots' too: what the states
+        hold in memory), each once."""
         groups = self.committed + self.staged + self.nodes
-        return [x for states in groups if states is not None for x in states if x is not None]
+        groups += [states for kept in self.snapshots.values() for states in kept]
+        found = {id(x): x for states in groups if states is not None for x in states}
+        return [x for x in found.values() if x is not None]
 
 
 class StateSlot:
