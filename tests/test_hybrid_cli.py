@@ -25,7 +25,8 @@ def test_a_drafter_trained_on_a_hybrid_decodes_exactly_from_the_command_line(
     source, conversations, tmp_path, capsys
 ):
     """train (teacher-forced, or on the target's own answers) -> generate with the drafter,
-    equal to --autoregressive -> eval-drafter, on a Gated DeltaNet hybrid's folder."""
+    equal to --autoregressive -> eval-drafter -> bench (exact against mlx-lm), on a Gated
+    DeltaNet hybrid's folder."""
     model = model_folder("qwen3_5", tmp_path / "qwen3_5", shared_data(TOKENIZER))
     flags = train_flags(model, conversations, tmp_path)
     if source == "self":
@@ -46,3 +47,13 @@ def test_a_drafter_trained_on_a_hybrid_decodes_exactly_from_the_command_line(
         "--max-tokens", "16", "--beam-width", "2", "--beam-length", "3", "--json",
     ])  # fmt: skip
     assert report
+    if source == "teacher":  # bench against mlx-lm on the same pair: every row exact
+        out = tmp_path / "bench"
+        main([
+            "bench", "--model", str(model), "--drafter", drafter, "--prompts", str(prompts),
+            "--num-prompts", "1", "--max-tokens", "12", "--repetitions", "1",
+            "--beam-width", "2", "--beam-length", "3", "--timed-prompts", "0", "--out", str(out),
+        ])  # fmt: skip
+        rows = json.loads((out / "bench.json").read_text())["results"]
+        assert {r["kind"] for r in rows} >= {"mlx-lm", "redrafter"}, rows
+        assert all(r["exact"] for r in rows), rows

@@ -282,3 +282,29 @@ def test_timing_steps_leaves_a_hybrid_conversation_as_it_was():
         if len(got) >= 20:
             break
     assert got[:20] == want[4:24]
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_the_python_api_on_a_plain_mlx_lm_hybrid_equals_mlx_lm(lookup):
+    """``redrafter_mlx.stream_generate`` on a hybrid loaded as mlx-lm builds it (no drafter):
+    mlx-lm's tokens, text and, in float32, log-probs."""
+    import mlx_lm
+    from conftest import toy_tokenizer
+    from families import build_config
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    import redrafter_mlx
+
+    model = build_config({**config("qwen3_5"), "vocab_size": 64}, seed=3)
+    tokenizer, prompt = toy_tokenizer(), "w5 w17 w33 w2 w41 w5 w17"
+    options = {"max_tokens": 20, "sampler": mlx_lm_sampler(0.0)}
+    theirs = list(mlx_lm.stream_generate(model, tokenizer, prompt, **options))
+    ours = list(
+        redrafter_mlx.stream_generate(
+            model, tokenizer, prompt, lookup=lookup, logprobs=True, **options
+        )
+    )
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
