@@ -459,21 +459,14 @@ def test_drafter_model_pt_converts(tmp_path):
 # bad inputs: one-line messages, nothing left on disk
 
 
-QWEN3_NEXT = {
-    "model_type": "qwen3_next",
-    "linear_num_value_heads": 2,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 2,
-    "num_experts_per_tok": 1,
-    "decoder_sparse_step": 1,
-    "shared_expert_intermediate_size": 32,
-    "mlp_only_layers": [],
-    "moe_intermediate_size": 32,
-    "partial_rotary_factor": 0.25,
+RWKV7 = {  # a tiny RWKV-7: recurrent layers the tree verification is not tested on
+    "model_type": "rwkv7",
+    "norm_eps": 1e-5,
     "head_dim": 16,
+    "a_low_rank_dim": 8,
+    "v_low_rank_dim": 8,
+    "gate_low_rank_dim": 8,
+    "decay_low_rank_dim": 8,
 }
 
 
@@ -487,8 +480,8 @@ def bad_hf(kind: str, tiny: Path, tmp: Path) -> Path:
         cfg["model_type"] = "gpt_bogus"
     elif kind == "shape":
         cfg["intermediate_size"] = 6
-    elif kind == "hybrid":  # a tiny Qwen3-Next: linear-attention (recurrent) layers
-        cfg.update(QWEN3_NEXT)
+    elif kind == "untested-recurrent":
+        cfg.update(RWKV7)
     elif kind == "dynamic-rope":
         cfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     elif kind == "truncated":
@@ -507,7 +500,7 @@ BAD_HF = {
     "architecture": "unsupported architecture",
     "shape": "do not match config",
     "truncated": "truncated safetensors",
-    "hybrid": "layer 0 is Qwen3NextGatedDeltaNet, a layer with recurrent state",
+    "untested-recurrent": "unsupported: rwkv7 has recurrent layers .* not tested on",
     "dynamic-rope": "unsupported: dynamic RoPE",
 }
 
