@@ -58,7 +58,7 @@ STAND_INS = {
         "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4,
     },
-    "nemotron_h (Mamba2 3:1)": {
+    "nemotron_h (Mamba2 4 of 8)": {
         "model_type": "nemotron_h",
         "hybrid_override_pattern": ["M", "-", "M", "-", "M", "*", "M", "-"],
         "attention_bias": False,
