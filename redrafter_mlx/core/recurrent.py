@@ -32,15 +32,17 @@ class StateStore:
 
     ``committed[i]``: layer ``i``'s state after the committed tokens (None: no token yet);
     ``staged[i]``: its state after the last forward's tokens, committed by :meth:`commit`;
-    ``nodes[i]``: every node's state after a tree forward, ``(T, ...)`` per array, until
-    :meth:`keep` stages the accepted node's. ``snapshots`` map an offset to the committed
-    states there: the only offsets a cache with recurrent layers can rewind to.
+    ``nodes[i]``: every node's state after a tree forward, ``(T, ...)`` per array in depth
+    order (``node_rows (T,)``: each node's row), until :meth:`keep` stages the accepted
+    node's. ``snapshots`` map an offset to the committed states there: the only offsets a
+    cache with recurrent layers can rewind to.
     """
 
     def __init__(self, count: int, max_snapshots: int = 4):
         self.committed: list[States | None] = [None] * count
         self.staged: list[States | None] = [None] * count
         self.nodes: list[States | None] = [None] * count
+        self.node_rows: mx.array | None = None
         self.snapshots: dict[int, list[States | None]] = {0: [None] * count}
         self.max_snapshots = max_snapshots
 
@@ -49,9 +51,10 @@ class StateStore:
 
     def keep(self, node: mx.array) -> None:
         """Stage node ``node ()`` of the last tree forward (lazily: a device index)."""
+        row = self.node_rows[node[None]]
         for i, states in enumerate(self.nodes):
             if states is not None:
-                self.staged[i] = [mx.take(x, node[None], axis=0) for x in states]
+                self.staged[i] = [mx.take(x, row, axis=0) for x in states]
 
     def commit(self) -> None:
         """The staged states become the committed ones."""
@@ -59,7 +62,7 @@ class StateStore:
             if states is not None:
                 self.committed[i] = states
         self.staged = [None] * len(self)
-        self.nodes = [None] * len(self)
+        self.nodes, self.node_rows = [None] * len(self), None
 
     def snapshot(self, offset: int) -> None:
         """Remember the committed states as the states at ``offset`` (arrays are immutable:
@@ -73,7 +76,7 @@ class StateStore:
         """Committed states := the snapshot at ``offset`` (KeyError when there is none)."""
         self.committed = list(self.snapshots[offset])
         self.staged = [None] * len(self)
-        self.nodes = [None] * len(self)
+        self.nodes, self.node_rows = [None] * len(self), None
         for o in [o for o in self.snapshots if o > offset]:
             del self.snapshots[o]  # states of tokens no longer in the cache
 
@@ -141,10 +144,13 @@ class StateSlot:
             previous = list(cache.cache)
             order.append(nodes)
             states.append(previous)
-        inverse = mx.array(np.argsort(np.concatenate(order)))
+        inverse = mx.array(np.argsort(np.concatenate(order)))  # node -> its row, depth order
         out = mx.concatenate(outs)[inverse]  # (T, 1, H') in node order
-        per_node = [mx.concatenate(parts)[inverse] for parts in zip(*states, strict=True)]
-        self.store.nodes[self.index] = per_node
+        # the states stay in depth order (no copy into node order): keep() finds a node's row
+        self.store.nodes[self.index] = [
+            mx.concatenate(parts) for parts in zip(*states, strict=True)
+        ]
+        self.store.node_rows = inverse
         return out.swapaxes(0, 1)
 
 
