@@ -35,7 +35,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 from mlx_lm.models.cache import KVCache as MlxKVCache
 
 from redrafter_mlx.core.cache import KVCache
-from redrafter_mlx.core.recurrent import StateSlot, wrap_mixers
+from redrafter_mlx.core.recurrent import Levels, StateSlot, wrap_mixers
 from redrafter_mlx.core.tree import Tree
 
 # A chain of new tokens after the cache, each attending to the cache and the chain up to it:
@@ -172,8 +172,7 @@ class Forward:
     def __init__(self, model: nn.Module):
         self.model = _with_token_rope(structural_copy(model))
         self.layout = cache_layout(model)
-        self.recurrent = slot_counts(self.layout)[1] > 0
-        if self.recurrent:
+        if slot_counts(self.layout)[1]:
             for layer in inner_model(self.model).layers:
                 wrap_mixers(layer)
 
@@ -203,14 +202,16 @@ class Forward:
 
     def run(self, tokens, positions, mask, cache: KVCache, compiled: bool, tree=None):
         """The forward itself, after the cache has room (what a device's plan replaces)."""
+        # recurrent layers run a tree by depth: grouped once for all of them
+        levels = (
+            None if tree is None or cache.states is None else Levels.of(tree.parents, tree.depths)
+        )
 
         def layer_cache(slot):
             if isinstance(slot, list):
                 return CacheList(*(layer_cache(s) for s in slot))
             if isinstance(slot, RecurrentSlot):
-                if tree is None:
-                    return StateSlot(cache.states, slot.index, slot.size)
-                return StateSlot(cache.states, slot.index, slot.size, tree.parents, tree.depths)
+                return StateSlot(cache.states, slot.index, slot.size, levels)
             return TreeLayerCache(cache, slot.index, positions, mask, slot.window)
 
         caches = [layer_cache(slot) for slot in self.layout]

@@ -18,6 +18,7 @@ prefill, with whatever fast kernel the device has).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,17 +90,45 @@ class StateStore:
         return [x for x in found.values() if x is not None]
 
 
+@dataclass(frozen=True)
+class Levels:
+    """A packed tree grouped by depth, the same for every recurrent layer of one forward:
+    ``nodes[d]`` the nodes of depth ``d`` (``(n_d,)``), ``parents[d]`` each one's parent's row
+    among depth ``d - 1``'s nodes (None at depth 0: they start from the committed state), and
+    ``node_rows (T,)`` each node's row when the depths are concatenated in order."""
+
+    nodes: list[mx.array]
+    parents: list[mx.array | None]
+    node_rows: mx.array
+
+    @classmethod
+    def of(cls, parents: np.ndarray, depths: np.ndarray) -> Levels:
+        """The levels of a tree with ``parents (T,)`` (-1: the root) and ``depths (T,)``."""
+        row = np.zeros(len(parents), np.int64)  # each node's row among its depth's
+        nodes, parent_rows = [], []
+        for depth in range(int(depths.max()) + 1):
+            level = np.flatnonzero(depths == depth)
+            row[level] = np.arange(len(level))
+            nodes.append(level)
+            parent_rows.append(None if depth == 0 else _index(row[parents[level]]))
+        node_rows = _index(np.argsort(np.concatenate(nodes)))
+        return cls([_index(n) for n in nodes], parent_rows, node_rows)
+
+
+def _index(rows: np.ndarray) -> mx.array:
+    return mx.array(rows.astype(np.int32))
+
+
 class StateSlot:
     """One recurrent layer's cache as the model passes it to the layer, for one forward.
 
-    ``parents`` is None for a chain of tokens, else the tree's ``(T,)`` parent of each node
-    (-1: the committed state) and ``depths (T,)``. ``make_mask`` returns None: the layer never
-    sees padding (a chain is run whole, a tree one token per sequence).
+    ``levels`` is None for a chain of tokens, else the tree's :class:`Levels`. ``make_mask``
+    returns None: the layer never sees padding (a chain is run whole, a tree one token per
+    sequence).
     """
 
-    def __init__(self, store: StateStore, index: int, size: int, parents=None, depths=None):
-        self.store, self.index, self.size = store, index, size
-        self.parents, self.depths = parents, depths
+    def __init__(self, store: StateStore, index: int, size: int, levels: Levels | None = None):
+        self.store, self.index, self.size, self.levels = store, index, size, levels
 
     def __getitem__(self, i: int):
         committed = self.store.committed[self.index]
@@ -111,7 +140,7 @@ class StateSlot:
     def run(self, mixer: nn.Module, call: dict, input_name: str) -> mx.array:
         """Run ``mixer`` (its keyword arguments ``call``; its input ``(1, T, H)`` under
         ``input_name``) over this forward's tokens -> its output ``(1, T, H')``."""
-        if self.parents is None:
+        if self.levels is None:
             cache = self._arrays_cache(self.store.committed[self.index])
             out = mixer(**{**call, "cache": cache})
             self.store.staged[self.index] = list(cache.cache)
@@ -128,35 +157,22 @@ class StateSlot:
         """Depth by depth: the nodes of depth d as a batch of one-token sequences, each from
         its parent's state; every node's state is kept in ``store.nodes``."""
         x = call[input_name][0]  # (T, H)
-        committed = self.store.committed[self.index]
-        order, outs, states = [], [], []
-        row = np.zeros(len(self.parents), np.int64)  # each node's row among its depth's
-        previous: States | None = None
-        for depth in range(int(self.depths.max()) + 1):
-            nodes = np.flatnonzero(self.depths == depth)
-            row[nodes] = np.arange(len(nodes))
-            if depth == 0:
-                start = None if committed is None else _gather(committed, np.zeros(len(nodes)))
-            else:
-                start = _gather(previous, row[self.parents[nodes]])
+        levels, previous = self.levels, self.store.committed[self.index]
+        outs, states = [], []
+        for nodes, parents in zip(levels.nodes, levels.parents, strict=True):
+            if parents is None:  # depth 0: the committed state, once per node
+                parents = mx.zeros(nodes.shape, mx.int32)
+            start = None if previous is None else [s[parents] for s in previous]
             cache = self._arrays_cache(start)
-            outs.append(mixer(**{**call, input_name: x[mx.array(nodes)][:, None], "cache": cache}))
+            outs.append(mixer(**{**call, input_name: x[nodes][:, None], "cache": cache}))
             previous = list(cache.cache)
-            order.append(nodes)
             states.append(previous)
-        inverse = mx.array(np.argsort(np.concatenate(order)))  # node -> its row, depth order
-        out = mx.concatenate(outs)[inverse]  # (T, 1, H') in node order
         # the states stay in depth order (no copy into node order): keep() finds a node's row
         self.store.nodes[self.index] = [
             mx.concatenate(parts) for parts in zip(*states, strict=True)
         ]
-        self.store.node_rows = inverse
-        return out.swapaxes(0, 1)
-
-
-def _gather(states: States, rows: np.ndarray) -> States:
-    index = mx.array(rows.astype(np.int32))
-    return [x[index] for x in states]
+        self.store.node_rows = levels.node_rows
+        return mx.concatenate(outs)[levels.node_rows].swapaxes(0, 1)  # (1, T, H') node order
 
 
 class TreeMixer(nn.Module):
@@ -188,10 +204,9 @@ def takes_cache(module: nn.Module) -> bool:
         return False
 
 
-def wrap_mixers(layer: nn.Module) -> int:
+def wrap_mixers(layer: nn.Module) -> None:
     """Wrap every outermost submodule of ``layer`` that takes a cache in :class:`TreeMixer`
-    (in place: ``layer`` is a structural copy); returns how many were wrapped."""
-    count = 0
+    (in place: ``layer`` is a structural copy)."""
     for name, child in layer.children().items():
         children = child if isinstance(child, list) else [child]
         for i, module in enumerate(children):
@@ -203,7 +218,5 @@ def wrap_mixers(layer: nn.Module) -> int:
                     child[i] = wrapped
                 else:
                     layer[name] = wrapped
-                count += 1
             else:
-                count += wrap_mixers(module)
-    return count
+                wrap_mixers(module)
