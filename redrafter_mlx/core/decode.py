@@ -532,10 +532,10 @@ def emitted_logprobs(decoding: Decoding, logits: mx.array, tokens: mx.array | No
     if not decoding.any_logprobs:
         return None, None
     rows = log_softmax(logits)
-    k = decoding.top_logprobs
-    return (rows if decoding.logprobs else None), (
-        None if k is None else top_logprobs(rows, tokens, k)
+    top = (
+        None if decoding.top_logprobs is None else top_logprobs(rows, tokens, decoding.top_logprobs)
     )
+    return (rows if decoding.logprobs else None), top
 
 
 def top_logprobs(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, ...]:
@@ -543,9 +543,9 @@ def top_logprobs(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array
     ``(n,)``, the ``k`` most likely ids ``(n, k)`` and their log-probs ``(n, k)``, most likely
     first, lazily (a partition over V on the device: only ``n * (2k + 1)`` numbers to read)."""
     chosen = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
-    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k else None
-    if ids is None:
+    if not k:
         return chosen, mx.zeros((len(tokens), 0), mx.int32), mx.zeros((len(tokens), 0))
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
     values = mx.take_along_axis(logprobs, ids, axis=-1)
     order = mx.argsort(-values, axis=-1)
     return chosen, mx.take_along_axis(ids, order, -1), mx.take_along_axis(values, order, -1)
