@@ -96,7 +96,7 @@ generate: setup
 # The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
 # specialisation: REDRAFTER_CPU_TUNING=0); `make test ARGS=...` runs only what ARGS names.
 EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
-	tests/test_hybrids.py tests/test_switch.py tests/test_e2e.py tests/test_lookup.py
+	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py
 
 test: setup
 	$(RUN) $(PY) -m pytest -q $(ARGS)

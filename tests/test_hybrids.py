@@ -2,6 +2,10 @@
 Mamba2 alone, through mlx-lm's own classes (tests/families.py's HYBRIDS): trees verified with
 recurrent state along each node's path, exactly.
 
+Each test names its plans (the generic one Metal and CUDA run, and this CPU's), so the file is
+not in ``make test``'s second pass (``REDRAFTER_CPU_TUNING=0``), which would run it again as it
+is.
+
 The reference is mlx-lm itself: its forward over each root-to-node path, and its own greedy
 generation.
 """
@@ -118,10 +122,16 @@ def test_drafter_and_lookup_beams_equal_autoregressive(hybrid):
     prompt = PREFIX * 3  # repeats, so lookup beams find matches
     want = mlx_lm_greedy(model, prompt, TOKENS)
     runs = {
-        "autoregressive": run_steps(model, prompt, autoregressive=True),
-        "drafter": run_steps(model, prompt, drafter, BeamShape(3, 4, lookup=1)),
-        "lookup": run_steps(model, prompt, None, BeamShape(1, 4, lookup=2)),
+        (plan, "autoregressive"): run_steps(model, prompt, autoregressive=True, plan=PLANS[plan])
+        for plan in PLANS
     }
+    for plan in PLANS:
+        runs[plan, "drafter"] = run_steps(
+            model, prompt, drafter, BeamShape(3, 4, lookup=1), plan=PLANS[plan]
+        )
+        runs[plan, "lookup"] = run_steps(
+            model, prompt, None, BeamShape(1, 4, lookup=2), plan=PLANS[plan]
+        )
     for how, steps in runs.items():
         got = []
         for step in steps:
@@ -131,13 +141,15 @@ def test_drafter_and_lookup_beams_equal_autoregressive(hybrid):
         assert got[:TOKENS] == want, (name, how)
 
 
-def test_chat_turns_reuse_the_state_and_equal_autoregressive(hybrid):
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_chat_turns_reuse_the_state_and_equal_autoregressive(hybrid, plan):
     """A follow-up turn feeds only its new tokens (the state at the end of the last answer
     is the cache's), and the answers equal an autoregressive chat's."""
     name, model = hybrid
     hidden, vocab = llm.target_dims(model)
     drafter = BeamDrafter(random_drafter(hidden, vocab, seed=5), llm.embedding(model))
-    fast, slow = session(model, drafter, max_tokens=12), session(model, max_tokens=12)
+    fast = session(model, drafter, max_tokens=12, plan=PLANS[plan])
+    slow = session(model, max_tokens=12)
     last_prompt = 0
     for question in ("abc", "defgh", "i"):
         before = list(fast.session.cache.ids)
