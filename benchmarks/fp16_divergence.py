@@ -26,7 +26,8 @@ import mlx.core as mx
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_verifier
 from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoding, Verifier
+from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.core.generate import decode_steps
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.shape import BeamShape

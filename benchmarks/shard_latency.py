@@ -102,7 +102,7 @@ def timed(session, decoding, tokens: int, answers: int) -> dict:
 
 
 def rank_run(model: str, shard: str, delay: float, args: argparse.Namespace) -> None:
-    from redrafter_mlx.core.decode import Decoding
+    from redrafter_mlx.core.step import Decoding
     from redrafter_mlx.core.distributed import follow, session_for
     from redrafter_mlx.core.mode import Mode
     from redrafter_mlx.core.shape import BeamShape

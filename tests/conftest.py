@@ -137,9 +137,9 @@ def verifier_for(model, drafter=None, plan=None, max_context=None):
 def decoding_of(drafter=None, shape=None, sampler=None, *, autoregressive=False):
     """The :class:`Decoding` of a run with ``drafter`` (or None) at ``shape``."""
     from redrafter_mlx.core.accept import greedy
-    from redrafter_mlx.core.decode import Decoding
     from redrafter_mlx.core.mode import Mode
     from redrafter_mlx.core.shape import BeamShape
+    from redrafter_mlx.core.step import Decoding
 
     shape = BeamShape() if shape is None else shape
     autoregressive = autoregressive or (drafter is None and not shape.lookup)
@@ -164,7 +164,7 @@ def run_steps(
 
     verifier = verifier_for(model, drafter, plan, max_context)
     decoding = decoding_of(drafter, shape, sampler, autoregressive=autoregressive)
-    cache = verifier.new_cache() if cache is None else cache
+    cache = verifier.new_sequence() if cache is None else cache
     return decode_steps(verifier, cache, prompt, decoding)
 
 

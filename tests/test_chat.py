@@ -212,7 +212,7 @@ def test_second_turn_prefills_only_new_tokens(target):
     first = ask(chat, "hello there")
     assert chat.last.prompt_tokens == len(toy_template(chat.messages[:1]))
     assert chat.last.reused_tokens == 0
-    before = list(chat.session.cache.ids)
+    before = list(chat.session.sequence.ids)
     second = ask(chat, "and again")
     conversation = [
         {"role": "user", "content": "hello there"},
@@ -263,7 +263,7 @@ def test_interrupted_answer_stays_in_history(target):
     shown = next(responses).text + next(responses).text
     responses.close()  # what Ctrl-C does
     assert chat.messages[-1] == {"role": "assistant", "content": shown}
-    assert chat.session.cache.offset == len(chat.session.cache.ids)
+    assert chat.session.sequence.offset == len(chat.session.sequence.ids)
     ask(chat, "next")
     assert chat.last.reused_tokens > 0 and len(chat.messages) == 4
 
@@ -295,7 +295,7 @@ def test_reset_and_system_prompt(target):
     assert chat.last.reused_tokens == 0  # the system prompt comes first: nothing shared
     assert chat.conversation()[0] == {"role": "system", "content": "be brief"}
     chat.reset()
-    assert chat.messages == [] and chat.session.cache.offset == 0
+    assert chat.messages == [] and chat.session.sequence.offset == 0
     ask(chat, "hi")
     assert chat.last.prompt_tokens == len(toy_template(chat.conversation()[:2]))
 

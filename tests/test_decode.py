@@ -14,7 +14,8 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 from scipy.stats import chisquare
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import decode, llm
+from redrafter_mlx.core import llm
+from redrafter_mlx.core import speculative as tree_step
 from redrafter_mlx.core.accept import choose, greedy
 from redrafter_mlx.core.accept import make_sampler as our_sampler
 from redrafter_mlx.core.draft import BeamDrafter, beam_search, select_paths
@@ -154,8 +155,8 @@ def test_oracle_drafter_gets_full_beams(target, width, length, plan):
 
 def test_one_host_read_per_step(target, beam_drafter, monkeypatch):
     reads = []
-    real = decode._host_read
-    monkeypatch.setattr(decode, "_host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    real = tree_step.host_read
+    monkeypatch.setattr(tree_step, "host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
     _, steps = speculative(target, beam_drafter, PROMPT, 40, 4, 4)
     assert len(reads) == steps + 1  # one per step, plus the one after prefill
 
@@ -177,7 +178,7 @@ def answers_to_the_context_end(model, drafter, shape, prompt, limit):
     answers = []
     for speculative in (False, True):
         verifier = verifier_for(model, drafter, max_context=limit)
-        cache, out = verifier.new_cache(), []
+        cache, out = verifier.new_sequence(), []
         steps = run_steps(
             model,
             prompt,
@@ -363,7 +364,7 @@ VOCAB = 8
 
 
 def _target_probs(model, sampler_filter, temp, prefix):
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     n = len(prefix)
     hidden = llm.forward(model, mx.array(prefix), mx.arange(n), llm.chain_mask(0, n), cache)
     logits = llm.lm_head(model, hidden[-1])
@@ -441,7 +442,7 @@ def test_prompts_run_uncompiled_and_only_decode_steps_compile(traces):
     model = tiny_llama(seed=5)
     verifier = verifier_for(model, plan=CPU_PLAN)
     decoding = decoding_of()
-    cache = verifier.new_cache()
+    cache = verifier.new_sequence()
     state, _ = verifier.prefill(cache, [3, 5, 7, 11, 13], decoding)  # any prompt length
     assert not traces  # no kernels built for the prompt
     verifier.step(state)  # a one-token decode step runs the compiled halves
@@ -479,6 +480,7 @@ def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
     """mlx-lm's samplers are compiled at import (invisible to ``traces``) and traced per row
     count: the warm-up must sample at each count an answer does, beyond 32-row trees too."""
     from redrafter_mlx.core import accept as accept_module
+    from redrafter_mlx.core import decode
 
     seen, real = [], accept_module.choose
 
@@ -522,11 +524,11 @@ def test_timing_steps_mid_answer_changes_nothing(temp):
     def answer(timed: bool) -> tuple[list[int], list[int]]:
         decoding = decoding_of(drafter, BeamShape(3, 4), our_sampler(temp))
         session = Session(verifier_for(model, drafter), None, decoding, seed=7, warm=False)
-        cache = session.cache
+        cache = session.sequence
         steps = session.steps(PROMPT)
         first, _ = take(steps, 12)
         if timed:
-            before = (cache.offset, list(cache.ids))
+            before = (cache.offset, cache.ids)
             single, step = time_steps(session, reps=2)
             assert 0 < single and 0 < step
             assert (cache.offset, cache.ids) == before

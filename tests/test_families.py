@@ -51,7 +51,7 @@ def random_beams(rng: np.random.Generator, width: int, length: int, vocab: int) 
 def test_tree_verify_equals_mlx_lm_on_each_path(family, plan):
     name, model = family
     rng = np.random.default_rng(len(name))
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     n = len(PREFIX)
     llm.forward(model, mx.array(PREFIX), mx.arange(n), llm.chain_mask(0, n), cache)
     cache.commit(PREFIX)

@@ -148,7 +148,7 @@ def test_logprobs_equal_mlx_lm_s_token_by_token(model, shape, monkeypatch):
     import mlx_lm
 
     import redrafter_mlx
-    from redrafter_mlx.core import decode
+    from redrafter_mlx.core import speculative as tree_step
 
     tokenizer = toy_tokenizer()
     theirs = list(mlx_lm.stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=20))
@@ -163,8 +163,8 @@ def test_logprobs_equal_mlx_lm_s_token_by_token(model, shape, monkeypatch):
             "lookup": shape.lookup,
         }
     )
-    reads, real = [], decode._host_read
-    monkeypatch.setattr(decode, "_host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    reads, real = [], tree_step.host_read
+    monkeypatch.setattr(tree_step, "host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
     ours = list(
         redrafter_mlx.stream_generate(
             model, tokenizer, PROMPT, max_tokens=20, logprobs=True, **options

@@ -50,7 +50,7 @@ def hybrid(request):
 
 
 def prefilled(model, prefix):
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     n = len(prefix)
     llm.forward(model, mx.array(prefix), mx.arange(n), llm.CAUSAL, cache)
     cache.commit(prefix)
@@ -152,7 +152,7 @@ def test_chat_turns_reuse_the_state_and_equal_autoregressive(hybrid, plan):
     slow = session(model, max_tokens=12)
     last_prompt = 0
     for question in ("abc", "defgh", "i"):
-        before = list(fast.session.cache.ids)
+        before = list(fast.session.sequence.ids)
         assert ask(fast, question) == ask(slow, question), name
         prompt = toy_template(fast.messages[:-1])
         shared = common_prefix(before, prompt)  # the toy tokenizer re-encodes answers anew
@@ -173,8 +173,8 @@ def test_a_cache_rewinds_only_to_states_it_holds():
     cache.commit([7, 8])
     with pytest.raises(ValueError, match="cannot rewind to 8 tokens"):
         cache.rewind(8)
-    assert cache.reuse_prefix(PREFIX + [7, 8, 9]) == 9  # the live state: nothing to re-read
-    assert cache.reuse_prefix(PREFIX + [7, 5, 5]) == len(PREFIX)  # back to the snapshot
+    assert cache.reuse_prefix(PREFIX + [7, 8, 9]) == (9, 0)  # the live state: nothing to re-read
+    assert cache.reuse_prefix(PREFIX + [7, 5, 5]) == (len(PREFIX), 1)  # back to the snapshot
     after_snapshot = llm.forward(model, mx.array([7]), mx.array([7]), None, cache)
     fresh = prefilled(model, PREFIX)
     want = llm.forward(model, mx.array([7]), mx.array([7]), None, fresh)
@@ -265,7 +265,7 @@ def test_a_step_keeps_only_the_accepted_nodes_state(hybrid):
     name, model = hybrid
     hidden, vocab = llm.target_dims(model)
     drafter = BeamDrafter(random_drafter(hidden, vocab, seed=2), llm.embedding(model))
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     steps = run_steps(model, PREFIX, drafter, BeamShape(4, 4), cache=cache)
     next(steps), next(steps), next(steps)
     states = cache.states
@@ -284,9 +284,9 @@ def test_timing_steps_leaves_a_hybrid_conversation_as_it_was():
     verifier = verifier_for(model, drafter)
     session = Session(verifier, None, decoding_of(drafter, BeamShape(2, 3)), warm=False)
     next(session.steps(PREFIX))  # the prompt, and the first drafts from it
-    ids = list(session.cache.ids)
+    ids = list(session.sequence.ids)
     time_steps(session, reps=1)
-    assert session.cache.ids == ids
+    assert list(session.sequence.ids) == ids
     want = mlx_lm_greedy(model, PREFIX, 24)
     got = []
     for step in session.steps(PREFIX + want[:4]):

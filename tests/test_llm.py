@@ -24,7 +24,7 @@ PREFIX = [3, 14, 15, 9, 2, 6]
 
 def _sequential(model, tokens):
     """Hidden states and logits of a fresh causal forward over ``tokens``."""
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     n = len(tokens)
     hidden = llm.forward(model, mx.array(tokens), mx.arange(n), llm.chain_mask(0, n), cache)
     return hidden, llm.lm_head(model, hidden), cache
@@ -61,12 +61,12 @@ def test_compaction_equals_recomputed_kv():
     beams = np.array([[7, 1, 2, 3], [7, 1, 4, 5], [7, 6, 2, 3]])
     tree, _, _, cache = _verify_tree(model, beams)
     keep = 3  # root + 2 accepted drafts of beam 1
-    cache.compact(mx.array(tree.unpack[1]))
+    cache.stage(mx.array(tree.unpack[1]))
     cache.commit(beams[1, :keep].tolist())
     _, _, ref = _sequential(model, PREFIX + beams[1, :keep].tolist())
     n = len(PREFIX) + keep
-    assert cache.offset == n and cache.ids == PREFIX + beams[1, :keep].tolist()
-    for got, want in zip(cache.keys + cache.values, ref.keys + ref.values, strict=True):
+    assert cache.offset == n and list(cache.ids) == PREFIX + beams[1, :keep].tolist()
+    for got, want in zip(cache.kv.arrays(), ref.kv.arrays(), strict=True):
         np.testing.assert_allclose(got[..., :n, :], want[..., :n, :], atol=1e-5)
 
 
@@ -93,8 +93,8 @@ def test_autoregressive_equals_mlx_lm(seed):
 def test_quantized_target_gets_float_cache_and_same_tokens():
     model = tiny_llama(seed=2)
     nn.quantize(model, group_size=32, bits=8)
-    cache = llm.make_cache(model)
-    assert cache.dtype == mx.float32
+    cache = llm.new_sequence(model)
+    assert cache.kv.dtype == mx.float32
     assert _ours_greedy(model, PREFIX, 24) == _mlx_lm_greedy(model, PREFIX, 24)
 
 
@@ -122,7 +122,7 @@ def test_compiled_small_forwards_equal_module_forward(quantized, plan):
             hidden = forwards[max_rows](
                 mx.array(tokens[n:]), mx.arange(n, n + t), llm.chain_mask(n, t), cache
             )
-            results.append((hidden, cache.keys[1][..., : n + t, :]))
+            results.append((hidden, cache.kv.keys[1][..., : n + t, :]))
         (got, got_keys), (want, want_keys) = results
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(got_keys, want_keys, atol=1e-4, rtol=1e-4)
@@ -151,12 +151,12 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
     for t in (1, 2, 40):  # compiled decode steps and a module-run prompt
         results = []
         for flag in (True, False):
-            cache = llm.make_cache(model)
+            cache = llm.new_sequence(model)
             positions = mx.arange(100, 100 + t)  # after 100 (empty) cached positions
             cache.commit([0] * 100)
             mask = llm.chain_mask(100, t)
             hidden = forwards[flag](mx.arange(t) % 64, positions, mask, cache)
-            results.append((hidden, cache.keys[0][..., 100 : 100 + t, :]))
+            results.append((hidden, cache.kv.keys[0][..., 100 : 100 + t, :]))
         (got, got_keys), (want, want_keys) = results
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
 
@@ -185,7 +185,7 @@ def test_fused_projections_keep_module_weights():
     model = tiny_llama(seed=3)
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     forward = make_forward(model, CPU_PLAN)
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     tokens, mask = mx.array([1, 2]), llm.chain_mask(0, 2)
     mx.eval(forward(tokens, mx.arange(2), mask, cache))
     for params in (model.parameters(), forward.model.parameters()):

@@ -24,10 +24,8 @@ from test_decode import (
 )
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import decode
+from redrafter_mlx.core import speculative as tree_step
 from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoding
-from redrafter_mlx.core.decode import accepted_source as _source
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.lookup import NgramIndex
@@ -35,6 +33,8 @@ from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
+from redrafter_mlx.core.speculative import accepted_source as _source
+from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.core.tree import verified_size
 from redrafter_mlx.tuning.measure import time_steps
 
@@ -172,8 +172,8 @@ def test_drafter_and_lookup_beams_share_the_tree(small):
 def test_one_host_read_per_step_with_lookup_beams(small, with_drafter, monkeypatch):
     model, drafter = small
     reads = []
-    real = decode._host_read
-    monkeypatch.setattr(decode, "_host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    real = tree_step.host_read
+    monkeypatch.setattr(tree_step, "host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
     shape = BeamShape(2, 4, lookup=3)
     _, steps, _ = decode_with(model, drafter if with_drafter else None, [1, 2, 3], 40, shape)
     assert len(reads) == steps + 1  # one per step, plus the one after prefill
@@ -217,9 +217,9 @@ def test_timing_a_lookup_step_leaves_the_index_and_cache_as_they_were(small):
     for beams in (drafter, None):
         decoding = decoding_of(beams, BeamShape(2, 4, lookup=3))
         session = Session(verifier_for(model, beams), None, decoding, warm=False)
-        cache, steps = session.cache, session.steps([1, 2, 3])
+        cache, steps = session.sequence, session.steps([1, 2, 3])
         first, _ = take(steps, 12)
-        before = (cache.offset, list(cache.ids))
+        before = (cache.offset, cache.ids)
         assert min(time_steps(session, reps=2)) > 0
         assert (cache.offset, cache.ids) == before
         assert first + take(steps, 24)[0] == autoregressive(model, [1, 2, 3], 36)
@@ -229,7 +229,7 @@ def test_without_drafter_or_lookup_there_is_nothing_to_speculate_with(small):
     model, _ = small
     verifier = verifier_for(model)
     with pytest.raises(ValueError, match="drafter or lookup"):
-        verifier.prefill(verifier.new_cache(), [1, 2], Decoding(Mode.LOOKUP, BeamShape(2, 4)))
+        verifier.prefill(verifier.new_sequence(), [1, 2], Decoding(Mode.LOOKUP, BeamShape(2, 4)))
     with pytest.raises(ValueError, match="no drafter"):
         Mode.choose(drafter=False, shape=BeamShape(2, 4))
 

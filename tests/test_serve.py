@@ -192,7 +192,7 @@ def test_a_client_that_leaves_during_the_prompt_stops_it_between_chunks(target, 
     prompt = [5 + i % 50 for i in range(80)]  # 10 chunks
     job = service.submit(Request(prompt, max_tokens=8), client_gone)
     assert job.start() is None and job.outcome == "cancelled"
-    assert service.session.cache.offset == 16  # two chunks fed, stopped before the third
+    assert service.session.sequence.offset == 16  # two chunks fed, stopped before the third
     again = service.submit(Request(prompt, max_tokens=8))
     assert again.start().cached_tokens == 16
     assert [t for s in again.steps() for t in s.tokens] == reference_tokens(target, prompt, 8)

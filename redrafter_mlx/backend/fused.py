@@ -18,9 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
-from redrafter_mlx.core.cache import KVCache
 from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
 from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.sequence import View
 
 GENERIC = Plan()
 
@@ -198,10 +198,10 @@ class FusedForward(Forward):
         self.shared_rope = plan.rope_tables and _one_rope(layers)
         self.dtype = compute_dtype(self.model)
 
-    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool, tree=None) -> mx.array:
-        plan, model = self.plan, self.model
+    def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
+        plan, model, mask, positions = self.plan, self.model, view.mask, view.positions
         if isinstance(mask, str):
-            mask = chain_mask(cache.offset, tokens.shape[0])
+            mask = chain_mask(view.offset, tokens.shape[0])
         h = model.model.embed_tokens(tokens)[None]
         small = compiled and tokens.shape[0] <= plan.compiled_max_rows
         before, after = (self.layers.before, self.layers.after) if small else self.eager
@@ -213,10 +213,11 @@ class FusedForward(Forward):
         every = plan.async_layers
         for i, layer in enumerate(layers):
             queries, keys, values = before[i](h, *rope_args)
-            keys, values = cache.write(i, keys, values)
+            keys, values = view.write(i, keys, values)
             scale = layer.self_attn.scale
             out = attention(queries, keys, values, scale, mask, plan.grouped_attention)
             h = after[i](h, out)
+            view.record(i, h)
             if every and (i + 1) % every == 0 and i + 1 < len(layers):
                 mx.async_eval(h)  # start computing while Python builds the next layers
         return model.model.norm(h)[0]

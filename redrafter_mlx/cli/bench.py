@@ -15,8 +15,8 @@ from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core import atomic
 from redrafter_mlx.core.accept import is_greedy
-from redrafter_mlx.core.decode import PHASES
 from redrafter_mlx.core.shape import BeamShape, shape_grid
+from redrafter_mlx.core.step import PHASES
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH
 from redrafter_mlx.tuning.measure import BenchConfig, bench_methods, run_bench

@@ -1,7 +1,7 @@
 """`redrafter-mlx chat`: a terminal chat with ReDrafter that reuses the conversation's KV cache.
 
-One ``KVCache`` lives for the whole session. Each turn templates the full conversation, keeps the
-longest prefix the cache already holds (``cache.ids``), rewinds to it and feeds only the rest.
+One ``Sequence`` lives for the whole session. Each turn templates the full conversation, keeps
+the longest prefix the sequence already holds, rewinds to it and feeds only the rest.
 When the conversation outgrows the model's context the oldest turns are dropped (the cache then
 re-prefills from the first differing token). Ctrl-C stops an answer and keeps what was shown.
 

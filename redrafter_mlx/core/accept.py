@@ -61,7 +61,12 @@ def choose(logits: mx.array, sampler: Sampler) -> mx.array:
     row: about 0.5 ms per row for a 49k vocabulary on the CPU backend, as much as the draw."""
     if sampler is greedy or getattr(sampler, "reads_logits", False):
         return sampler(logits)
-    return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return sampler(log_softmax(logits))
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """Logits ``(..., V)`` -> log-probs ``(..., V)``: the one log-softmax of the package."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def accepted_lengths(drafted: mx.array, targets: mx.array) -> mx.array:

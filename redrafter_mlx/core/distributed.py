@@ -34,12 +34,13 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.core.accept import greedy, make_sampler
-from redrafter_mlx.core.decode import Decoding, PhaseTimer, Verifier
+from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.step import Decoding, PhaseTimer
 
 
 class PeerFailed(ReDrafterError):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.drafter import Drafter
 from redrafter_mlx.core.errors import ConfigError
 
@@ -154,10 +155,6 @@ def best(scores: mx.array, width: int) -> mx.array:
 def by_source(rows: mx.array, source: mx.array) -> mx.array:
     """``rows (..., B, n)`` gathered by ``source (..., W)`` beam indices -> ``(..., W, n)``."""
     return mx.take_along_axis(rows, source[..., None], axis=-2)
-
-
-def log_softmax(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 class BeamDrafter:

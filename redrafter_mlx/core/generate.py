@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from redrafter_mlx.core.cache import KVCache
-from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, TopLogprobs, Verifier
+from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.sequence import Sequence
+from redrafter_mlx.core.step import Decoding, PhaseTimer, Step, TopLogprobs
 from redrafter_mlx.core.stops import first_stop
 
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm: 256 tokens)
@@ -148,7 +149,7 @@ def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationRespons
 
 def decode_steps(
     verifier: Verifier,
-    cache: KVCache,
+    sequence: Sequence,
     prompt: list[int],
     decoding: Decoding,
     *,
@@ -157,7 +158,7 @@ def decode_steps(
 ) -> Iterator[Step]:
     """The decode loop: the prefill's first token, then one :class:`Step` per decode step,
     until the context is full (ContextFull) or the caller stops iterating."""
-    state, first = verifier.prefill(cache, prompt, decoding, timer=timer, cancelled=cancelled)
+    state, first = verifier.prefill(sequence, prompt, decoding, timer=timer, cancelled=cancelled)
     if first is not None:
         yield first
     while True:
@@ -171,7 +172,7 @@ def stream_steps(
     prompt: list[int],
     decoding: Decoding,
     *,
-    cache: KVCache,
+    sequence: Sequence,
     max_tokens: int = 256,
     stop_strings: tuple[str, ...] = (),
     timer: PhaseTimer | None = None,
@@ -179,7 +180,7 @@ def stream_steps(
 ) -> Iterator[StepResponse]:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids), one response per step.
 
-    ``cache`` may already hold a prefix (a chat); ``prompt`` is then only the new tokens.
+    ``sequence`` may already hold a prefix (a chat); ``prompt`` is then only the new tokens.
     Stop strings are looked for token by token and text that may begin one is held back, so
     the text and tokens returned do not depend on how tokens were grouped into steps: a
     ReDrafter answer stops exactly where the autoregressive one does. ``cancelled`` is asked
@@ -189,7 +190,7 @@ def stream_steps(
     working set meanwhile (a no-op elsewhere), and returns MLX's cached buffers to the system
     every ``CLEAR_CACHE_EVERY`` steps (each cache growth leaves the old buffers there).
     """
-    steps = decode_steps(verifier, cache, prompt, decoding, timer=timer, cancelled=cancelled)
+    steps = decode_steps(verifier, sequence, prompt, decoding, timer=timer, cancelled=cancelled)
     with wired_limit(verifier.model):
         yield from _stream_steps(steps, tokenizer, len(prompt), max_tokens, stop_strings)
 

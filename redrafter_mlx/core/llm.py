@@ -9,7 +9,8 @@ tree verification (a packed tree of draft tokens).
 :class:`Forward` runs the model's own ``model.model(tokens, cache=...)`` (any mlx-lm
 architecture whose layers are attention layers) on a structural copy of the model (the same
 weight arrays, new module objects: the caller's model is never changed): each layer gets a
-:class:`TreeLayerCache` that writes its K/V into our :class:`KVCache`, hands the layer the tree
+:class:`TreeLayerCache` that writes its K/V through the forward's
+:class:`~redrafter_mlx.core.sequence.View` of the sequence, hands the layer the tree
 mask through ``make_mask`` (windowed for sliding-window layers, by position), and whose
 ``offset`` is the tokens' positions; each RoPE module of the copy is wrapped
 (:class:`TokenRope`) to rotate every token at its own position by moving the tokens to the
@@ -34,8 +35,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 from mlx_lm.models.cache import KVCache as MlxKVCache
 
-from redrafter_mlx.core.cache import KVCache
-from redrafter_mlx.core.recurrent import Levels, StateSlot, wrap_mixers
+from redrafter_mlx.core.recurrent import StateSlot, wrap_mixers
+from redrafter_mlx.core.sequence import Sequence, View
 from redrafter_mlx.core.tree import Tree
 
 # A chain of new tokens after the cache, each attending to the cache and the chain up to it:
@@ -140,11 +141,11 @@ def _flatten(layout):
             yield item
 
 
-def make_cache(model: nn.Module) -> KVCache:
-    """An empty pre-allocating cache for ``model`` (each attention layer shaped by its first
-    write), with recurrent state for its recurrent layers."""
+def new_sequence(model: nn.Module) -> Sequence:
+    """An empty sequence for ``model``: pre-allocating K/V for its attention layers (each
+    shaped by its first write), recurrent state for its recurrent layers."""
     attention, recurrent = slot_counts(cache_layout(model))
-    return KVCache(attention, compute_dtype(model), recurrent)
+    return Sequence(attention, compute_dtype(model), recurrent)
 
 
 def structural_copy(module: nn.Module) -> nn.Module:
@@ -175,13 +176,14 @@ class Forward:
         if slot_counts(self.layout)[1]:
             for layer in inner_model(self.model).layers:
                 wrap_mixers(layer)
+        self._view: View | None = None  # the running forward's (for its taps)
 
     def __call__(
         self,
         tokens: mx.array,
         positions: mx.array,
         mask: mx.array | str | None,
-        cache: KVCache,
+        sequence: Sequence,
         *,
         compiled: bool = True,
         tree: Tree | None = None,
@@ -191,40 +193,92 @@ class Forward:
         ``mask (T, S + T)`` is boolean (True = may attend), ``None`` means attend to everything
         (one token), :data:`CAUSAL` a chain after the cache (a prompt). ``tree``: the packed
         tree the tokens are (recurrent layers follow its parents; None: a chain). K/V and
-        recurrent states are written after ``cache.offset`` and not committed.
+        recurrent states are written after ``sequence.offset`` and not committed.
         ``compiled=False`` asks a device's forward to keep this call uncompiled: prompts have
         arbitrary lengths, and each new T would compile new kernels (seconds of g++ on CPU,
         during which Ctrl-C is ignored).
         """
-        cache.reserve(tokens.shape[0])
-        positions = positions.astype(mx.int32)
-        return self.run(tokens, positions, mask, cache, compiled, tree)
+        return self.tapped(tokens, positions, mask, sequence, compiled=compiled, tree=tree)[0]
 
-    def run(self, tokens, positions, mask, cache: KVCache, compiled: bool, tree=None):
-        """The forward itself, after the cache has room (what a device's plan replaces)."""
-        # recurrent layers run a tree by depth: grouped once for all of them
-        levels = (
-            None if tree is None or cache.states is None else Levels.of(tree.parents, tree.depths)
-        )
+    def tapped(
+        self,
+        tokens: mx.array,
+        positions: mx.array,
+        mask: mx.array | str | None,
+        sequence: Sequence,
+        *,
+        compiled: bool = True,
+        tree: Tree | None = None,
+        taps: tuple[int, ...] = (),
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """:meth:`__call__`, and the hidden states after each layer in ``taps`` (layer
+        indices) ``{layer: (T, H)}`` (what drafters reading several layers take)."""
+        view = sequence.begin(positions.astype(mx.int32), mask, tree)
+        view.taps = frozenset(taps)
+        hidden = self.run(tokens, view, compiled)
+        return hidden, view.hidden
+
+    def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
+        """The forward itself, through ``view`` (what a device's plan replaces). The generic
+        forward runs eagerly whatever ``compiled`` says: its shapes vary per call."""
+        del compiled
 
         def layer_cache(slot):
             if isinstance(slot, list):
                 return CacheList(*(layer_cache(s) for s in slot))
             if isinstance(slot, RecurrentSlot):
-                return StateSlot(cache.states, slot.index, slot.size, levels)
-            return TreeLayerCache(cache, slot.index, positions, mask, slot.window)
+                return StateSlot(view, slot.index, slot.size)
+            return TreeLayerCache(view, slot.index, slot.window)
 
         caches = [layer_cache(slot) for slot in self.layout]
-        return inner_model(self.model)(tokens[None], cache=caches)[0]
+        self._add_taps(view.taps)
+        self._view = view
+        try:
+            return inner_model(self.model)(tokens[None], cache=caches)[0]
+        finally:
+            self._view = None
+
+    def _add_taps(self, taps: frozenset[int]) -> None:
+        """Wrap the layers in ``taps`` (once each) so their outputs reach the running view."""
+        layers = inner_model(self.model).layers
+        for i in taps:
+            if not isinstance(layers[i], Tap):
+                layers[i] = Tap(layers[i], i, self._record)
+
+    def _record(self, layer: int, hidden: mx.array) -> None:
+        if self._view is not None:
+            self._view.record(layer, hidden)
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         """:func:`lm_head` of this forward's model."""
         return lm_head(self.model, hidden)
 
 
-def forward(model: nn.Module, tokens, positions, mask, cache: KVCache) -> mx.array:
+def forward(model: nn.Module, tokens, positions, mask, sequence: Sequence) -> mx.array:
     """One generic :class:`Forward` call (builds the forward each time: for one-off uses)."""
-    return Forward(model)(tokens, positions, mask, cache)
+    return Forward(model)(tokens, positions, mask, sequence)
+
+
+class Tap(nn.Module):
+    """A layer whose output ``(1, T, H)`` is also handed to ``record(index, output)``; every
+    other attribute is the layer's."""
+
+    def __init__(self, layer: nn.Module, index: int, record):
+        super().__init__()
+        self.inner = layer
+        self._tap = (index, record)
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        index, record = self._tap
+        record(index, out)
+        return out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
 
 
 class TokenRope(nn.Module):
@@ -267,7 +321,8 @@ def _with_token_rope(model: nn.Module) -> nn.Module:
 
 
 class TreeLayerCache:
-    """One layer's cache as mlx-lm's attention modules use it, over our :class:`KVCache`.
+    """One layer's cache as mlx-lm's attention modules use it, over a forward's
+    :class:`~redrafter_mlx.core.sequence.View`.
 
     ``offset`` is the positions ``(T,)`` (for :class:`TokenRope`), ``update_and_fetch`` writes
     the layer's new K/V ``(1, K, T, D)`` and returns ``(1, K, S + T, D)``, ``make_mask`` returns
@@ -276,29 +331,29 @@ class TreeLayerCache:
     Cached tokens sit at positions ``0 .. S - 1``.
     """
 
-    def __init__(self, cache: KVCache, layer: int, positions, mask, window=None):
-        self.cache, self.layer = cache, layer
-        self.offset = positions
-        self.mask, self.window = mask, window
+    def __init__(self, view: View, layer: int, window=None):
+        self.view, self.layer = view, layer
+        self.offset = view.positions
+        self.mask, self.window = view.mask, window
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self.cache.write(self.layer, keys, values)
+        return self.view.write(self.layer, keys, values)
 
     @property
     def keys(self) -> mx.array | None:
         """The layer's key buffer: a pipeline stage of mlx-lm ties its send to the last layer's
         (``cache[-1].keys = mx.depends(cache[-1].keys, h)``), so the cache runs the send."""
-        return self.cache.keys[self.layer]
+        return self.view.keys(self.layer)
 
     @keys.setter
     def keys(self, value: mx.array) -> None:
-        self.cache.keys[self.layer] = value
+        self.view.tie_keys(self.layer, value)
 
     def make_mask(
         self, n: int, *, window_size: int | None = None, return_array: bool = False, **_
     ) -> mx.array | str | None:
         size, keep = (window_size, 0) if window_size else (self.window or (None, 0))
-        mask, s = self.mask, self.cache.offset
+        mask, s = self.mask, self.view.offset
         if isinstance(mask, str) and (size is not None or return_array):
             mask = chain_mask(s, n)  # the model (or the window) needs it as an array
         if size is None:

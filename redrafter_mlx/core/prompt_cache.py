@@ -63,7 +63,7 @@ class PromptCache:
         last :data:`TAIL`), the one sharing most first."""
         found, most = None, 0
         for session in self.sessions:
-            cached = session.cache.ids
+            cached = session.sequence.ids
             shared = common_prefix(cached, ids)
             if cached and shared >= len(cached) - TAIL and shared >= most:
                 found, most = session, shared
@@ -84,4 +84,4 @@ def check_bounds(max_sessions: int, max_bytes: int | None) -> None:
 
 def session_bytes(session: Session) -> int:
     """Bytes of a session's KV cache (its allocated capacity)."""
-    return sum(a.nbytes for a in session.cache.state())
+    return sum(a.nbytes for a in session.sequence.arrays())

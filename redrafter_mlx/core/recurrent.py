@@ -50,6 +50,16 @@ class StateStore:
     def __len__(self) -> int:
         return len(self.committed)
 
+    def stage(self, layer: int, states: States) -> None:
+        """Layer ``layer``'s state after a chain's last token (committed by :meth:`commit`)."""
+        self.staged[layer] = states
+
+    def hold_nodes(self, layer: int, states: States, node_rows: mx.array) -> None:
+        """Every node's state of a tree forward for ``layer`` (rows ``node_rows``), until
+        :meth:`keep` stages the accepted node's."""
+        self.nodes[layer] = states
+        self.node_rows = node_rows
+
     def keep(self, node: mx.array) -> None:
         """Stage node ``node ()`` of the last tree forward (lazily: a device index)."""
         row = self.node_rows[node[None]]
@@ -120,18 +130,17 @@ def _index(rows: np.ndarray) -> mx.array:
 
 
 class StateSlot:
-    """One recurrent layer's cache as the model passes it to the layer, for one forward.
-
-    ``levels`` is None for a chain of tokens, else the tree's :class:`Levels`. ``make_mask``
-    returns None: the layer never sees padding (a chain is run whole, a tree one token per
-    sequence).
+    """One recurrent layer's cache as the model passes it to the layer, for one forward
+    (``view``: the forward's :class:`~redrafter_mlx.core.sequence.View`; its ``levels`` None
+    for a chain of tokens, else the tree grouped by depth). ``make_mask`` returns None: the
+    layer never sees padding (a chain is run whole, a tree one token per sequence).
     """
 
-    def __init__(self, store: StateStore, index: int, size: int, levels: Levels | None = None):
-        self.store, self.index, self.size, self.levels = store, index, size, levels
+    def __init__(self, view, index: int, size: int):
+        self.view, self.index, self.size = view, index, size
 
     def __getitem__(self, i: int):
-        committed = self.store.committed[self.index]
+        committed = self.view.committed_states(self.index)
         return None if committed is None else committed[i]
 
     def make_mask(self, n: int, **_) -> None:
@@ -140,10 +149,10 @@ class StateSlot:
     def run(self, mixer: nn.Module, call: dict, input_name: str) -> mx.array:
         """Run ``mixer`` (its keyword arguments ``call``; its input ``(1, T, H)`` under
         ``input_name``) over this forward's tokens -> its output ``(1, T, H')``."""
-        if self.levels is None:
-            cache = self._arrays_cache(self.store.committed[self.index])
+        if self.view.levels is None:
+            cache = self._arrays_cache(self.view.committed_states(self.index))
             out = mixer(**{**call, "cache": cache})
-            self.store.staged[self.index] = list(cache.cache)
+            self.view.stage_states(self.index, list(cache.cache))
             return out
         return self._run_tree(mixer, call, input_name)
 
@@ -155,9 +164,9 @@ class StateSlot:
 
     def _run_tree(self, mixer: nn.Module, call: dict, input_name: str) -> mx.array:
         """Depth by depth: the nodes of depth d as a batch of one-token sequences, each from
-        its parent's state; every node's state is kept in ``store.nodes``."""
+        its parent's state; every node's state is held until the step keeps one."""
         x = call[input_name][0]  # (T, H)
-        levels, previous = self.levels, self.store.committed[self.index]
+        levels, previous = self.view.levels, self.view.committed_states(self.index)
         outs, states = [], []
         for nodes, parents in zip(levels.nodes, levels.parents, strict=True):
             if parents is None:  # depth 0: the committed state, once per node
@@ -168,10 +177,7 @@ class StateSlot:
             previous = list(cache.cache)
             states.append(previous)
         # the states stay in depth order (no copy into node order): keep() finds a node's row
-        self.store.nodes[self.index] = [
-            mx.concatenate(parts) for parts in zip(*states, strict=True)
-        ]
-        self.store.node_rows = levels.node_rows
+        self.view.node_states(self.index, [mx.concatenate(p) for p in zip(*states, strict=True)])
         return mx.concatenate(outs)[levels.node_rows].swapaxes(0, 1)  # (1, T, H') node order
 
 

@@ -1,10 +1,11 @@
 """A :class:`Session` is one conversation with a :class:`~redrafter_mlx.core.decode.Verifier`:
-the KV cache of its tokens, the decoding it runs now (mode, beam shape, sampler), warmed up
-whenever that changes, and generation that reuses the longest cached prefix of each prompt.
+the :class:`~redrafter_mlx.core.sequence.Sequence` of its tokens, the decoding it runs now
+(mode, beam shape, sampler), warmed up whenever that changes, and generation that reuses the
+longest cached prefix of each prompt.
 
 Chat, the server, bench, autotune's measurement, eval-drafter's real loop and the Python API
 all generate through it. Stopping early (closing the generator, Ctrl-C, a client gone) leaves
-the conversation intact: the cache holds what was committed, token ids and K/V together.
+the conversation intact: the sequence holds what was committed, ids, K/V and states together.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from redrafter_mlx.core.cache import common_prefix
-from redrafter_mlx.core.decode import Decoding, PhaseTimer, Step, Verifier
+from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import Cancelled
 from redrafter_mlx.core.generate import StepResponse, decode_steps, stream_steps
+from redrafter_mlx.core.step import Decoding, PhaseTimer, Step
 
 
 class Session:
-    """A conversation's cache and decoding over one verifier.
+    """A conversation's sequence and decoding over one verifier.
 
     ``seed`` re-seeds MLX's generator after each warm-up (whose draws would otherwise shift
     the answers); ``warm``: warm the first decoding up now (False where the caller has
@@ -41,11 +42,11 @@ class Session:
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.seed = seed
-        self.cache = verifier.new_cache()
+        self.sequence = verifier.new_sequence()
         self._decoding = decoding
-        self.reused = 0  # prompt tokens the last generation found in the cache
-        # of the prompt tokens the cache shared, those fed again: recurrent layers keep their
-        # state only at the end of each prompt and at the cache's end, not at every token
+        self.reused = 0  # prompt tokens the last generation found in the sequence
+        # of the prompt tokens the sequence shared, those fed again: recurrent layers keep
+        # their state only at the end of each prompt and at the sequence's end
         self.reread = 0
         if warm:
             self.warm_up()
@@ -75,14 +76,13 @@ class Session:
 
     def reset(self) -> None:
         """Forget the conversation's tokens."""
-        self.cache.rewind(0)
+        self.sequence.rewind(0)
 
     def prepare(self, ids: list[int]) -> list[int]:
-        """Rewind the cache to the longest prefix it shares with ``ids`` (a whole prompt) and
-        return the tokens still to feed (at least one: its hidden state predicts the answer)."""
-        shared = min(common_prefix(self.cache.ids, ids), len(ids) - 1)
-        self.reused = self.cache.reuse_prefix(ids)
-        self.reread = max(shared - self.reused, 0)
+        """Rewind the sequence to the longest prefix it shares with ``ids`` (a whole prompt)
+        and return the tokens still to feed (at least one: its hidden state predicts the
+        answer)."""
+        self.reused, self.reread = self.sequence.reuse_prefix(ids)
         return ids[self.reused :]
 
     def generate(
@@ -105,7 +105,7 @@ class Session:
             self.tokenizer,
             new,
             decoding or self._decoding,
-            cache=self.cache,
+            sequence=self.sequence,
             max_tokens=max_tokens,
             stop_strings=stop_strings,
             timer=timer,
@@ -120,4 +120,4 @@ class Session:
         """The raw decode loop after ``ids`` (prefix reused): the prefill's first token, then
         one :class:`Step` per decode step, no stop rule (eval-drafter counts them itself)."""
         new = self.prepare(ids)
-        return decode_steps(self.verifier, self.cache, new, decoding or self._decoding)
+        return decode_steps(self.verifier, self.sequence, new, decoding or self._decoding)

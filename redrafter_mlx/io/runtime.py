@@ -15,7 +15,7 @@ import mlx.nn as nn
 from redrafter_mlx.backend.plan import build_verifier, plan_for
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
-from redrafter_mlx.core.decode import Decoding, Verifier
+from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
@@ -23,6 +23,7 @@ from redrafter_mlx.core.llm import compute_dtype, embedding
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
 from redrafter_mlx.io.embedded import default_model_path, is_embedded_model
 from redrafter_mlx.io.load import load_target

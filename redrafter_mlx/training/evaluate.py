@@ -36,7 +36,7 @@ import numpy as np
 from redrafter_mlx.backend.plan import build_verifier
 from redrafter_mlx.core import atomic, llm
 from redrafter_mlx.core.accept import accepted_lengths, greedy
-from redrafter_mlx.core.decode import Decoding, Step, Verifier, accepted_source
+from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
 from redrafter_mlx.core.drafter import Drafter
 from redrafter_mlx.core.errors import ConfigError
@@ -45,6 +45,8 @@ from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.speculative import accepted_source
+from redrafter_mlx.core.step import Decoding, Step
 from redrafter_mlx.core.stops import through_stop
 from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template
@@ -381,9 +383,9 @@ def greedy_path(
 def path_hidden(forward: llm.Forward, ids: list[int]) -> mx.array:
     """The target's final-norm hidden (n, H) over a whole path of n token ids, one uncompiled
     forward (path lengths vary: nothing to compile)."""
-    n, cache = len(ids), llm.make_cache(forward.model)
+    n, sequence = len(ids), llm.new_sequence(forward.model)
     mask = llm.chain_mask(0, n)
-    return forward(mx.array(ids), mx.arange(n), mask, cache, compiled=False)
+    return forward(mx.array(ids), mx.arange(n), mask, sequence, compiled=False)
 
 
 # ----------------------------------------------------------------------------- paths cache

@@ -25,6 +25,7 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn
 
 from redrafter_mlx.core import llm
+from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.io.load import eos_ids
@@ -252,7 +253,7 @@ def teacher_force(model, ids: list[int], topk: int) -> Record:
     logits = llm.lm_head(model, hidden).astype(mx.float32)
     out = {"hidden": hidden.astype(mx.float16), "argmax": mx.argmax(logits, axis=-1)}
     if topk:
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logp = log_softmax(logits)
         top = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
         out["topk_ids"] = top.astype(mx.int32)
         out["topk_logp"] = mx.take_along_axis(logp, top, axis=-1).astype(mx.float16)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from redrafter_mlx.core.accept import log_softmax
+
 
 def unrolled_features(drafter, context: mx.array, embeds: mx.array) -> mx.array:
     """Teacher-forced drafter: ``context (B, H)``, input embeddings ``(B, P, H)`` -> the last
@@ -50,7 +52,7 @@ def loss_fn(
     so the ranks' mean loss is the whole batch's)."""
     features = unrolled_features(drafter, context, embeds)
     logits = drafter.score(features).astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logp = log_softmax(logits)
     loss = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if soft is not None and soft_weight > 0:
         loss = (1 - soft_weight) * loss - soft_weight * (mx.exp(soft) * logp).sum(-1)

@@ -16,6 +16,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.drafter import lm_head_rows
 from redrafter_mlx.core.llm import embedding, target_dims
 from redrafter_mlx.training.drafter_init import initial_drafter
@@ -71,7 +72,7 @@ class Trainer:
             nxt = mx.array(ex.data["hidden"][b["idx"]]).astype(mx.float32)
         if self.soft_weight > 0 and self.rows is not None:
             logits = nxt @ self.rows.T
-            soft = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            soft = log_softmax(logits)
         if self.drafter.args.head != "target":  # only a target-head drafter predicts hiddens
             nxt = None
         labels = mx.array(np.maximum(draft, 0).astype(np.int32))

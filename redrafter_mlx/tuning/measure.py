@@ -30,11 +30,14 @@ import numpy as np
 
 from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_off
 from redrafter_mlx.core import llm
-from redrafter_mlx.core.decode import PHASES, Decoding, PhaseTimer, Verifier
+from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.generate import SOURCES, tokens_per_step
 from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.speculative import TreeState, drafted_state
+from redrafter_mlx.core.step import PHASES, Decoding, PhaseTimer
 from redrafter_mlx.core.tree import pack_beams, verified_size
 from redrafter_mlx.io.runtime import Runtime, decoding, encode_chat
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
@@ -288,14 +291,15 @@ def timed_runs(
     return totals
 
 
-def forward_seconds(forward: llm.Forward, cache, count: int, *, compiled: bool = True) -> float:
-    """Wall time of one target forward + LM head over ``count`` new tokens after the cache."""
+def forward_seconds(forward: llm.Forward, sequence, count: int, *, compiled: bool = True) -> float:
+    """Wall time of one target forward + LM head over ``count`` new tokens after the
+    sequence (written as scratch, not committed)."""
     tokens = mx.zeros((count,), mx.int32)
-    positions = mx.arange(cache.offset, cache.offset + count)
-    mask = llm.chain_mask(cache.offset, count) if count > 1 else None
+    positions = mx.arange(sequence.offset, sequence.offset + count)
+    mask = llm.chain_mask(sequence.offset, count) if count > 1 else None
     chain = pack_beams(np.arange(count)[None])  # as a step verifies it (recurrent layers: by depth)
     tic = time.perf_counter()
-    hidden = forward(tokens, positions, mask, cache, compiled=compiled, tree=chain)
+    hidden = forward(tokens, positions, mask, sequence, compiled=compiled, tree=chain)
     mx.eval(forward.lm_head(hidden))
     return time.perf_counter() - tic
 
@@ -306,14 +310,14 @@ def forward_cost_ratio(
     """Time of a forward over ``count`` tokens / a one-token forward, medians of interleaved
     runs after ``context`` cached tokens. Speedup is bounded by tokens/step / this ratio."""
     forward = verifier.forward
-    cache = verifier.new_cache()
+    sequence = verifier.new_sequence()
     tokens = mx.arange(context) % 100 + 10
     prefix = llm.chain_mask(0, context)
-    mx.eval(forward(tokens, mx.arange(context), prefix, cache))
-    cache.commit(list(range(context)))
+    mx.eval(forward(tokens, mx.arange(context), prefix, sequence))
+    sequence.commit(list(range(context)))
     one, many = [], []
     for rep in range(repetitions + 1):
-        pair = (forward_seconds(forward, cache, 1), forward_seconds(forward, cache, count))
+        pair = (forward_seconds(forward, sequence, 1), forward_seconds(forward, sequence, count))
         if rep:  # the first pair is warm-up
             one.append(pair[0])
             many.append(pair[1])
@@ -324,7 +328,7 @@ def draft_cost_ratio(runtime: Runtime, shape: BeamShape, *, repetitions: int = 7
     """Time of one beam search at ``shape`` / a one-token target forward (both medians). The
     search runs to full depth: where a ``min_prob`` floor stops it depends on the step."""
     model, drafter, forward = runtime.model, runtime.drafter, runtime.verifier.forward
-    cache = runtime.verifier.new_cache()
+    sequence = runtime.verifier.new_sequence()
     context = mx.zeros((llm.target_dims(model)[0],), llm.compute_dtype(model))
     pending = mx.array(10)
     drafts, forwards = [], []
@@ -332,42 +336,48 @@ def draft_cost_ratio(runtime: Runtime, shape: BeamShape, *, repetitions: int = 7
         tic = time.perf_counter()
         mx.eval(drafter(context, pending, **replace(shape, min_prob=0.0).search_options()))
         drafts.append(time.perf_counter() - tic)
-        forwards.append(forward_seconds(forward, cache, 1))
+        forwards.append(forward_seconds(forward, sequence, 1))
     return statistics.median(drafts[1:]) / statistics.median(forwards[1:])
 
 
 def time_steps(session: Session, reps: int = 4) -> tuple[float, float]:
     """Seconds of a one-token step and of a step of the session's speculative decoding at the
-    cache's length, timed alike: interleaved, each warmed up, each ending in its host read.
+    sequence's length, timed alike: interleaved, each warmed up, each ending in its host read.
 
-    Both write only scratch K/V after ``cache.offset`` and the cache is rewound after each
-    step, so the conversation is intact; MLX's random stream comes out where it was. The
-    drafted beams come from the last cached token's hidden state, so the tree's size is the
-    one this shape verifies there.
+    Both write only scratch K/V after the sequence, and the sequence is restored to its mark
+    after each speculative step, so the conversation is intact; MLX's random stream comes out
+    where it was. The drafted beams come from the last cached token's hidden state, so the
+    tree's size is the one this shape verifies there.
     """
-    verifier, cache, decoding = session.verifier, session.cache, session.decoding
+    verifier, sequence, decoding = session.verifier, session.sequence, session.decoding
     if not decoding.mode.speculative:
         raise ValueError("timing a speculative step needs a drafter or lookup beams")
-    verifier.check_room(cache, decoding.shape.length + 1)
+    verifier.check_room(sequence, decoding.shape.length + 1)
     with _same_random_stream():  # sampled answers after the timing stay as without it
-        return _time_steps(verifier, cache, decoding, reps)
+        return _time_steps(verifier, sequence, decoding, reps)
 
 
-def _time_steps(verifier: Verifier, cache, decoding: Decoding, reps: int) -> tuple[float, float]:
-    offset = cache.offset
-    cache.snapshot()  # recurrent layers: their state can come back only from a snapshot
-    state = verifier.probe(cache, decoding)
-    token = mx.array([cache.ids[-1] if cache.ids else 0])
+def probe(verifier: Verifier, sequence: Sequence, decoding: Decoding) -> TreeState:
+    """A speculative state after the sequence, as if its last token were fed again (its
+    forward writes only scratch K/V): what a step at this length verifies."""
+    token = mx.array([sequence.last_id or 0])
+    choice, hidden, _ = verifier.next_token(sequence, token, decoding.sampler)
+    pending = mx.array(int(np.array(choice)[0]), mx.int32)  # host read: the probe's token
+    return drafted_state(verifier, sequence, decoding, hidden[-1], pending)
+
+
+def _time_steps(verifier: Verifier, sequence, decoding: Decoding, reps: int):
+    mark = sequence.mark()
+    state = probe(verifier, sequence, decoding)
+    token = mx.array([sequence.last_id or 0])
 
     def one_token() -> None:
-        choice, _ = verifier.one_token(cache, token, decoding.sampler)
+        choice, _, _ = verifier.next_token(sequence, token, decoding.sampler)
         np.array(choice)  # host read: a step ends when its token is on the host
 
     def speculative() -> None:
         verifier.step(state)
-        cache.rewind(offset)
-        if state.index is not None:
-            state.index.rewind(offset)
+        sequence.restore(mark)  # the same state can step again
 
     seconds = {one_token: 0.0, speculative: 0.0}
     for rep in range(reps + 1):  # the first round warms up

@@ -1,0 +1,207 @@
+"""The speculative step: pack -> verify -> accept -> stage -> draft, then one host read.
+
+Legend: W drafted beams, k lookup beams, L beam length, T tree nodes, H hidden, V vocab.
+
+Each step makes exactly one host read: the accepted beam, its accepted count, the next pending
+token and the *next* step's beams, all in one array; everything between two reads is one lazy
+graph. With a path-probability floor (``BeamShape.min_prob``) and the plan's early stop the
+drafter also reads its best score after each depth but the last, to stop drafting as soon as
+nothing deeper could be verified (``Step.syncs`` counts those reads). Lookup beams
+(:mod:`redrafter_mlx.core.lookup`) are proposed on the host from the sequence's n-gram index
+after the read: the same tree, verify and acceptance, no extra read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from redrafter_mlx.core.accept import accept
+from redrafter_mlx.core.sequence import Sequence
+from redrafter_mlx.core.step import Decoding, Emitted, PhaseTimer, Step, emitted_logprobs, host_read
+from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask, verified_size
+
+
+@dataclass(frozen=True)
+class TreeState:
+    """Between two speculative steps: the host's next token ``pending``, the beams drafted for
+    it ``drafted (W, L)`` (no rows without a drafter) and, when the shape's floor prunes the
+    tree, their drafted tokens' log-probs ``floor_logprobs (W, L - 1)`` (else None);
+    ``version`` the sequence's when this state was made."""
+
+    sequence: Sequence
+    decoding: Decoding
+    pending: int
+    drafted: np.ndarray
+    floor_logprobs: np.ndarray | None
+    version: int
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    steps: int = 0
+
+
+def drafted_state(
+    verifier,
+    sequence: Sequence,
+    decoding: Decoding,
+    context: mx.array,
+    pending: mx.array,
+    emitted: Emitted | None = None,
+    timer: PhaseTimer | None = None,
+) -> TreeState:
+    """The state of ``pending ()`` drafted from the hidden state ``context (H,)``, after one
+    host read (``emitted``'s arrays evaluated with it)."""
+    drafted, _ = draft(verifier, decoding, context, pending)
+    keep = () if emitted is None else emitted.arrays()
+    read, floor_logprobs = read_step(decoding, pending[None], drafted, keep)
+    beams = _beams(decoding, read[1:])
+    timer = timer or PhaseTimer()
+    return TreeState(
+        sequence, decoding, int(read[0]), beams, floor_logprobs, sequence.version, timer
+    )
+
+
+def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
+    """One step from ``state``'s pending token, its drafted beams and its lookup beams."""
+    sequence, timer, decoding = state.sequence, state.timer, state.decoding
+    timer.start()
+    beams, tree, size = pack(verifier, state)
+    hidden, logits, result = verify(verifier, state, beams, tree)
+    path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
+    emitted = emitted_logprobs(decoding, logits[result.path], path_tokens)
+    sequence.stage(None if tree.paths_in_place else result.path, result.last_node)
+    timer.mark("compact", *sequence.arrays())
+    drafted, draft_syncs = draft(verifier, decoding, hidden[result.last_node], result.next_token)
+    chosen = mx.stack([result.best, result.num_accepted, result.next_token])
+    read, floor_logprobs = read_step(decoding, chosen, drafted, emitted.arrays())
+    timer.mark("draft")
+    best, num_accepted, next_token = (int(x) for x in read[:3])
+    root_and_accepted = beams[best, : num_accepted + 1].tolist()
+    sequence.commit(root_and_accepted)
+    step = emitted.read(
+        root_and_accepted[1:] + [next_token],
+        num_accepted + 1,
+        tree_size=size,
+        syncs=1 + draft_syncs,
+        accepted_from=accepted_source(beams, len(state.drafted), best, num_accepted),
+    )
+    new = TreeState(
+        sequence,
+        decoding,
+        next_token,
+        _beams(decoding, read[3:]),
+        floor_logprobs,
+        sequence.version,
+        timer,
+        state.steps + 1,
+    )
+    return new, step
+
+
+def pack(verifier, state: TreeState) -> tuple[np.ndarray, Tree, int]:
+    """The step's beams ``(W + k, L)`` (cut short near the context's end), their packed,
+    pruned and padded tree, and its size before padding."""
+    sequence, shape = state.sequence, state.decoding.shape
+    beams, logprobs = with_lookup(state)
+    verifier.check_room(sequence, 1)  # the root's position
+    room = verifier.room(sequence)
+    if room is not None and room < beams.shape[1]:  # near the context's end: shorter
+        beams = beams[:, :room]  # beams, so the answer stops where the autoregressive one does
+        logprobs = None if logprobs is None else logprobs[:, : room - 1]
+    tree = pack_beams(beams)
+    if logprobs is not None:
+        tree = prune(tree, logprobs, shape.min_prob, verifier.plan.tree_sizes)
+    size = tree.size
+    return beams, pad_tree(tree, verified_size(size, verifier.plan.tree_sizes)), size
+
+
+def verify(verifier, state: TreeState, beams: np.ndarray, tree: Tree):
+    """One target forward over ``tree`` (K/V into the sequence's scratch) and the acceptance
+    of ``beams``, lazily -> ``(hidden (T, H), logits (T, V), Acceptance)``."""
+    sequence, timer = state.sequence, state.timer
+    mask = tree_mask(tree, sequence.offset)
+    positions = mx.array(sequence.offset + tree.depths)
+    timer.mark("pack", mask)
+    compiled = verifier.compiles(tree.size, state.decoding)
+    hidden = verifier.forward(
+        mx.array(tree.tokens), positions, mask, sequence, compiled=compiled, tree=tree
+    )
+    logits = verifier.forward.lm_head(hidden)
+    timer.mark("verify", logits)
+    pruned = tree.unpack < 0  # never accepted: a token id no choice can equal
+    result = accept(
+        mx.array(np.where(pruned, -1, beams)),
+        mx.array(np.maximum(tree.unpack, 0)),
+        logits,
+        state.decoding.sampler,
+    )
+    timer.mark("accept", result.num_accepted, result.next_token)
+    return hidden, logits, result
+
+
+def draft(verifier, decoding: Decoding, context: mx.array, token: mx.array):
+    """The drafter's beams ``(W, L)`` (and log-probs) of the decoding's shape from the hidden
+    state ``context (H,)`` and the pending ``token ()``, lazily, and the host reads the search
+    made; ``(None, None), 0`` without a drafter."""
+    if not decoding.mode.drafted:
+        return (None, None), 0
+    options = verifier.search_options(decoding.shape)
+    beams, logprobs, syncs = verifier.drafter.search(context, token, **options)
+    return (beams, logprobs), syncs
+
+
+def read_step(decoding: Decoding, values: mx.array, drafted: tuple, keep=()):
+    """The step's one host read: ``values`` then the drafted beams flattened (int), plus the
+    drafted tokens' log-probs when the tree is pruned by them (None otherwise); ``keep``'s
+    arrays are evaluated with it and stay on the device."""
+    beams, logprobs = drafted
+    ints = values.astype(mx.int32)
+    if beams is not None:
+        ints = mx.concatenate([ints, beams.reshape(-1)])
+    if beams is None or not decoding.shape.min_prob:
+        return host_read(ints, keep=keep), None
+    return host_read(ints, logprobs, keep=keep)
+
+
+def with_lookup(state: TreeState) -> tuple[np.ndarray, np.ndarray | None]:
+    """The drafted beams ``(W, L)`` followed by the lookup beams of the pending token
+    ``(k, L)`` (their tokens score log-prob 0: a floor never prunes them); the root alone
+    ``(1, 1)`` when there is no beam at all."""
+    shape, pending = state.decoding.shape, state.pending
+    beams, logprobs = state.drafted, state.floor_logprobs
+    if shape.lookup:
+        found = state.sequence.index.propose(pending, shape.lookup, shape.length)
+        beams = np.concatenate([beams, found])
+        if logprobs is not None:
+            logprobs = np.concatenate([logprobs, np.zeros((len(found), beams.shape[1] - 1))])
+    if not len(beams):
+        return np.full((1, 1), pending, np.int32), logprobs
+    return beams, logprobs
+
+
+def accepted_source(beams: np.ndarray, drafted: int, best: int, num_accepted: int) -> str | None:
+    """Which beams of ``beams (W + k, L)`` (the first ``drafted`` the drafter's, the rest
+    lookup's) hold the ``num_accepted`` tokens accepted from beam ``best``: "drafter",
+    "lookup", "both", or None when none was accepted."""
+    if not num_accepted:
+        return None
+    accepted = beams[best, 1 : num_accepted + 1]
+    holds = (beams[:, 1 : num_accepted + 1] == accepted).all(axis=1)
+    from_drafter, from_lookup = bool(holds[:drafted].any()), bool(holds[drafted:].any())
+    return "both" if from_drafter and from_lookup else "drafter" if from_drafter else "lookup"
+
+
+def _beams(decoding: Decoding, values: np.ndarray) -> np.ndarray:
+    """The drafted beams ``(W, L)`` of a read (``(0, L)`` without a drafter)."""
+    return values.reshape(-1, decoding.shape.length)
+
+
+def _path_tokens(beams: np.ndarray, result) -> mx.array:
+    """The tokens a step emits along the accepted beam, on the device, ``(L,)``: the beam's
+    accepted drafts, then the target's own next token at ``num_accepted`` (rows past it are
+    dropped after the read)."""
+    beam = mx.array(beams)[result.best].astype(mx.int32)
+    after = mx.concatenate([beam[1:], result.next_token.reshape(1).astype(mx.int32)])
+    at_next = mx.arange(after.shape[0]) == result.num_accepted
+    return mx.where(at_next, result.next_token.astype(mx.int32), after)
