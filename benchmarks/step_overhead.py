@@ -55,7 +55,10 @@ def timer(model, drafter, shape: BeamShape):
     which decode core it runs."""
     try:
         from redrafter_mlx.backend.plan import build_verifier
-        from redrafter_mlx.core.step import Decoding
+        try:
+            from redrafter_mlx.core.step import Decoding
+        except ImportError:  # before #41
+            from redrafter_mlx.core.decode import Decoding
         from redrafter_mlx.core.mode import Mode
         from redrafter_mlx.core.session import Session
         from redrafter_mlx.tuning.measure import time_steps

@@ -278,7 +278,10 @@ class Tap(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.inner, name)
+            inner = self.get("inner")  # absent while __init__ sets it
+            if inner is None:
+                raise
+            return getattr(inner, name)
 
 
 class TokenRope(nn.Module):

@@ -14,12 +14,14 @@ sequence (:class:`Part`). Its operations keep them in step, in the order a step 
     seq.commit(ids)                           # ids, index, recurrent states, parts: together
     reused, reread = seq.reuse_prefix(ids)    # the one way back to a prefix
 
-No other module writes their fields. ``version`` counts the changes, so a decode state made
-at one version can tell when the sequence has moved on without it (a spent state).
+No other module writes their fields. ``version`` is new after every change, so a decode
+state made at one version can tell when the sequence has moved on without it (a spent
+state).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +30,8 @@ import mlx.core as mx
 from redrafter_mlx.core.cache import KVStore, common_prefix
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.recurrent import Levels, States, StateStore
+
+_VERSIONS = itertools.count()  # every change of any sequence gets a number of its own
 
 
 class Part(Protocol):
@@ -50,7 +54,7 @@ class Sequence:
         self._ids: list[int] = []
         self._index: NgramIndex | None = None
         self.parts: list[Part] = []
-        self.version = 0
+        self.version = next(_VERSIONS)
 
     # -- reading
 
@@ -119,7 +123,7 @@ class Sequence:
             self._index.extend(ids)
         for part in self.parts:
             part.commit(ids)
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     # -- going back
 
@@ -153,7 +157,7 @@ class Sequence:
         for part in self.parts:
             part.rewind(length)
         del self._ids[length:]
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def reuse_prefix(self, ids: list[int]) -> tuple[int, int]:
         """Rewind to the longest prefix shared with ``ids`` (a whole prompt's token ids) that

@@ -1,0 +1,130 @@
+"""The sequence owns a step's state: ids, n-gram index, drafter parts and K/V move together,
+a spent decode state cannot be stepped, and a forward taps chosen layers' hidden states."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import decoding_of, tiny_llama, verifier_for
+
+from redrafter_mlx.core import llm
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.lookup import NgramIndex
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.step import SpentState
+
+PROMPT = [5, 9, 2, 5, 9, 3, 5, 9, 2]
+
+
+class RecordingPart:
+    """A drafter's per-sequence part that remembers what the sequence told it."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+
+    def commit(self, ids):
+        self.ids.extend(ids)
+
+    def rewind(self, length):
+        del self.ids[length:]
+
+    def arrays(self):
+        return []
+
+
+def fed(model, ids):
+    sequence = llm.new_sequence(model)
+    n = len(ids)
+    mx.eval(llm.forward(model, mx.array(ids), mx.arange(n), llm.CAUSAL, sequence))
+    sequence.commit(ids)
+    return sequence
+
+
+def test_index_and_parts_follow_commits_and_rewinds():
+    model = tiny_llama(seed=1)
+    sequence = fed(model, PROMPT[:4])
+    part = RecordingPart()
+    sequence.parts.append(part)
+    part.ids = list(sequence.ids)
+    index = sequence.index  # built now, from the ids so far; kept in step afterwards
+    positions = mx.arange(4, len(PROMPT))
+    mx.eval(llm.forward(model, mx.array(PROMPT[4:]), positions, llm.CAUSAL, sequence))
+    sequence.commit(PROMPT[4:])
+    assert sequence.index is index and index.tokens == PROMPT == part.ids
+    fresh = NgramIndex(PROMPT)
+    np.testing.assert_array_equal(index.propose(5, 2, 3), fresh.propose(5, 2, 3))
+    sequence.rewind(5)
+    assert index.tokens == PROMPT[:5] == part.ids == list(sequence.ids)
+    np.testing.assert_array_equal(index.propose(9, 2, 3), NgramIndex(PROMPT[:5]).propose(9, 2, 3))
+
+
+def test_reuse_prefix_keeps_one_token_to_feed():
+    sequence = fed(tiny_llama(seed=1), PROMPT)
+    assert sequence.reuse_prefix(PROMPT) == (len(PROMPT) - 1, 0)
+    assert sequence.offset == len(PROMPT) - 1
+    assert sequence.reuse_prefix([5, 9, 7]) == (2, 0)
+
+
+def test_a_spent_state_cannot_step_and_a_restored_one_can():
+    model = tiny_llama(seed=2)
+    drafter = BeamDrafter(random_drafter(64, 64, seed=3), model.model.embed_tokens)
+    verifier = verifier_for(model, drafter)
+    sequence = verifier.new_sequence()
+    state, _ = verifier.prefill(sequence, PROMPT, decoding_of(drafter, BeamShape(2, 3)))
+    mark = sequence.mark()
+    following, step = verifier.step(state)
+    with pytest.raises(SpentState):
+        verifier.step(state)
+    sequence.restore(mark)
+    _, again = verifier.step(state)
+    assert again.tokens == step.tokens
+    with pytest.raises(SpentState):  # the sequence went back past it
+        verifier.step(following)
+
+
+def test_an_autoregressive_state_is_spent_once_stepped():
+    model = tiny_llama(seed=2)
+    verifier = verifier_for(model)
+    sequence = verifier.new_sequence()
+    state, first = verifier.prefill(sequence, PROMPT, decoding_of(autoregressive=True))
+    assert first is None
+    verifier.step(state)
+    with pytest.raises(SpentState):
+        verifier.step(state)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_taps_equal_the_model_run_to_that_layer(layer):
+    """A forward's tap of layer i is the residual stream after layer i, as mlx-lm's own layers
+    compute it; the final hidden state is unchanged by tapping."""
+    model = tiny_llama(seed=4, layers=3)
+    forward = verifier_for(model).forward
+    tokens = mx.array(PROMPT)
+    positions = mx.arange(len(PROMPT))
+    plain = forward(tokens, positions, llm.CAUSAL, llm.new_sequence(model), compiled=False)
+    hidden, taps = forward.tapped(
+        tokens, positions, llm.CAUSAL, llm.new_sequence(model), compiled=False, taps=(layer,)
+    )
+    h = model.model.embed_tokens(tokens[None])
+    for block in model.model.layers[: layer + 1]:
+        h = block(h, "causal", None)
+    assert set(taps) == {layer}
+    np.testing.assert_allclose(taps[layer], h[0], atol=1e-4)
+    np.testing.assert_allclose(hidden, plain, atol=1e-5)
+
+
+def test_taps_of_a_verified_tree_step():
+    """Tapping a compiled one-token step (what a drafter reading several layers asks of
+    each verify forward) gives the same as tapping the prompt's last position."""
+    model = tiny_llama(seed=4, layers=3)
+    forward = verifier_for(model).forward
+    whole = llm.new_sequence(model)
+    _, taps = forward.tapped(
+        mx.array(PROMPT), mx.arange(len(PROMPT)), llm.CAUSAL, whole, compiled=False, taps=(1,)
+    )
+    sequence = fed(model, PROMPT[:-1])
+    n = len(PROMPT) - 1
+    _, last = forward.tapped(mx.array(PROMPT[-1:]), mx.array([n]), None, sequence, taps=(1,))
+    np.testing.assert_allclose(last[1][0], taps[1][-1], atol=1e-4)
