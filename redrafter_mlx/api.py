@@ -157,7 +157,8 @@ def stream_generate(
     mode = Mode.choose(
         drafter=verifier.drafter is not None,
         shape=shape,
-        autoregressive=autoregressive or (verifier.drafter is None and not shape.lookup),
+        autoregressive=autoregressive,
+        plain_fallback=True,
     )
     decoding = Decoding(mode, shape, sampler or greedy, logprobs=logprobs)
     session = Session(verifier, tokenizer, decoding, seed=seed)

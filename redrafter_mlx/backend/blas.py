@@ -8,8 +8,8 @@ faster here (benchmarks/README.md):
 - Debian's OpenBLAS (``libopenblas0-pthread``), for every product;
 - ``csrc/smallrows.c``, built on first use with the system C compiler into the cache folder
   and preloaded before OpenBLAS: it takes the products of decode steps (1-8 activation rows
-  against a weight matrix, about 2x OpenBLAS's speed on x86-64 with AVX2) and passes every other
-  product on.
+  against a weight matrix, faster there than OpenBLAS on x86-64 with AVX2) and passes every
+  other product on.
 
 ``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either;
 ``REDRAFTER_CPU_TUNING=0`` out of both, and so does an installed CUDA backend with an NVIDIA

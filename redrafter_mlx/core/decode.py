@@ -127,6 +127,10 @@ class Verifier:
         room = self.room(sequence)
         return room is None or needed <= room
 
+    def prompt_fits(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of ``prompt_tokens`` leaves room for at least one new token."""
+        return self.max_context is None or prompt_tokens + 1 <= self.max_context
+
     def check_room(self, sequence: Sequence, needed: int) -> None:
         if not self.has_room(sequence, needed):
             raise ContextFull(

@@ -145,7 +145,7 @@ def expand(
 
 def best(scores: mx.array, width: int) -> mx.array:
     """Indices of the ``width`` largest of ``scores (..., N)``, best first -> ``(..., W)``."""
-    if width == 1:  # argmax keeps the first of tied maxima; ~4x cheaper than partition + sort
+    if width == 1:  # argmax keeps the first of tied maxima, and costs less than a sort
         return mx.argmax(scores, axis=-1, keepdims=True)
     top = mx.argpartition(-scores, kth=width - 1, axis=-1)[..., :width]
     order = mx.argsort(-mx.take_along_axis(scores, top, axis=-1), axis=-1)

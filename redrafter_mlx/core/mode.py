@@ -16,15 +16,26 @@ class Mode(str, Enum):
     AUTOREGRESSIVE = "autoregressive"
 
     @classmethod
-    def choose(cls, *, drafter: bool, shape: BeamShape, autoregressive: bool = False) -> Mode:
-        """The mode for a run with (or without) a ``drafter`` at ``shape``; ConfigError when
-        nothing would speculate and plain decoding was not asked for."""
+    def choose(
+        cls,
+        *,
+        drafter: bool,
+        shape: BeamShape,
+        autoregressive: bool = False,
+        plain_fallback: bool = False,
+    ) -> Mode:
+        """The mode for a run with (or without) a ``drafter`` at ``shape``. When nothing would
+        speculate and plain decoding was not asked for: autoregressive with
+        ``plain_fallback`` (the Python API, as mlx-lm without a draft model), else
+        ConfigError."""
         if autoregressive:
             return cls.AUTOREGRESSIVE
         if drafter:
             return cls.REDRAFTER
         if shape.lookup:
             return cls.LOOKUP
+        if plain_fallback:
+            return cls.AUTOREGRESSIVE
         raise ConfigError(
             "no drafter for this model: pass --drafter DIR (make one with `redrafter-mlx "
             "train`), --lookup K for prompt-lookup beams alone, or --autoregressive"

@@ -329,10 +329,10 @@ class GenerationService:
             raise ConfigError(f"the prompt cannot be encoded: {e}") from None
         if not ids:
             raise ConfigError("the prompt encodes to no tokens")
-        context = self.engine.verifier.max_context
-        if context is not None and len(ids) + 1 > context:
+        verifier = self.engine.verifier
+        if not verifier.prompt_fits(len(ids)):
             raise ContextFull(
-                f"the prompt is {len(ids)} tokens; the model's context is {context} "
+                f"the prompt is {len(ids)} tokens; the model's context is {verifier.max_context} "
                 "(with room for at least one new token)"
             )
         return ids

@@ -53,8 +53,8 @@ def drafted_state(
     """The state of ``pending ()`` drafted from the hidden state ``context (H,)``, after one
     host read (``emitted``'s arrays evaluated with it)."""
     drafted, _ = draft(verifier, decoding, context, pending)
-    keep = () if emitted is None else emitted.arrays()
-    read, floor_logprobs = read_step(decoding, pending[None], drafted, keep)
+    evaluated = () if emitted is None else emitted.arrays()
+    read, floor_logprobs = read_step(decoding, pending[None], drafted, evaluated)
     beams = _beams(decoding, read[1:])
     timer = timer or PhaseTimer()
     return TreeState(
@@ -151,17 +151,17 @@ def draft(verifier, decoding: Decoding, context: mx.array, token: mx.array):
     return (beams, logprobs), syncs
 
 
-def read_step(decoding: Decoding, values: mx.array, drafted: tuple, keep=()):
+def read_step(decoding: Decoding, values: mx.array, drafted: tuple, evaluated=()):
     """The step's one host read: ``values`` then the drafted beams flattened (int), plus the
-    drafted tokens' log-probs when the tree is pruned by them (None otherwise); ``keep``'s
+    drafted tokens' log-probs when the tree is pruned by them (None otherwise); ``evaluated``'s
     arrays are evaluated with it and stay on the device."""
     beams, logprobs = drafted
     ints = values.astype(mx.int32)
     if beams is not None:
         ints = mx.concatenate([ints, beams.reshape(-1)])
     if beams is None or not decoding.shape.min_prob:
-        return host_read(ints, keep=keep), None
-    return host_read(ints, logprobs, keep=keep)
+        return host_read(ints, evaluated=evaluated), None
+    return host_read(ints, logprobs, evaluated=evaluated)
 
 
 def with_lookup(state: TreeState) -> tuple[np.ndarray, np.ndarray | None]:

@@ -148,9 +148,9 @@ def top_logprobs(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array
     return chosen, mx.take_along_axis(ids, order, -1), mx.take_along_axis(values, order, -1)
 
 
-def host_read(*values: mx.array, keep=()) -> np.ndarray | tuple[np.ndarray, ...]:
+def host_read(*values: mx.array, evaluated=()) -> np.ndarray | tuple[np.ndarray, ...]:
     """The one place a decode step reads device values back to the host (one evaluation, of
-    ``keep``'s arrays too, which stay on the device)."""
-    mx.eval(*values, *keep)
+    ``evaluated``'s arrays too, which stay on the device)."""
+    mx.eval(*values, *evaluated)
     arrays = tuple(np.array(v) for v in values)
     return arrays[0] if len(arrays) == 1 else arrays

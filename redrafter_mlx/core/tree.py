@@ -110,8 +110,8 @@ def pad_tree(tree: Tree, size: int) -> Tree:
     """Append ``size - T`` inert nodes: token 0 at depth 0, attending only to the cache and
     themselves, never an ancestor of a real node and never in ``unpack`` (so never accepted).
 
-    Some BLAS kernels are much slower for some row counts than for a few more (OpenBLAS on
-    this project's x86 CPU: 12 rows cost 1.4x as much as 16); padding picks the cheaper shape.
+    Some BLAS kernels are much slower for some row counts than for a few more
+    (benchmarks/README.md); padding picks the cheaper shape.
     """
     extra = size - tree.size
     if extra <= 0:

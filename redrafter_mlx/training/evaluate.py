@@ -366,8 +366,9 @@ def greedy_path(
     otherwise ``real`` is None.
     """
     drafted = verifier.drafter is not None
-    mode = Mode.REDRAFTER if drafted else Mode.AUTOREGRESSIVE
-    decoding = Decoding(mode, BeamShape(*PATH_SHAPE), greedy)
+    shape = BeamShape(*PATH_SHAPE)
+    mode = Mode.choose(drafter=drafted, shape=shape, autoregressive=not drafted)
+    decoding = Decoding(mode, shape, greedy)
     session = Session(verifier, None, decoding, warm=False)
     steps = session.steps(prompt_ids)
     chunks = list(_emitted(steps, eos, max_tokens))

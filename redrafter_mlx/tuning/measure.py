@@ -176,13 +176,10 @@ def run_decoder(
     )
 
 
-METHOD_MODES = {AUTOREGRESSIVE: Mode.AUTOREGRESSIVE, LOOKUP: Mode.LOOKUP, REDRAFTER: Mode.REDRAFTER}
-
-
 def _decoding(runtime: Runtime, method: Method, *, temp: float) -> Decoding:
     """What ``method`` decodes with: lookup beams alone without the drafter."""
     shape = method.shape or runtime.plan.default_shape
-    return decoding(runtime, shape, temp=temp, mode=METHOD_MODES[method.kind])
+    return decoding(runtime, shape, temp=temp, mode=Mode(method.kind))  # our methods are modes
 
 
 def measure(
