@@ -38,7 +38,7 @@ from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
+from redrafter_mlx.core.session import Answer, Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding, PhaseTimer
 
@@ -202,33 +202,27 @@ class MirroredSession(Session):
         self.orders.send({"op": "reset", "session": self.key})
         super().reset()
 
-    def generate(
+    def answer(
         self,
         ids: list[int],
+        answer: Answer,
         *,
-        max_tokens: int = 256,
-        stop_strings: tuple[str, ...] = (),
-        decoding: Decoding | None = None,
         timer: PhaseTimer | None = None,
         cancelled=None,  # not asked: the other ranks could not stop with rank 0
     ) -> Iterator[StepResponse]:
-        decoding = decoding or self.decoding
         order = {
             "op": "generate",
             "session": self.key,
             "live": self.orders.live(),
             "ids": list(ids),
-            "max_tokens": max_tokens,
-            "stop_strings": list(stop_strings),
-            "decoding": decoding_order(decoding),
+            "max_tokens": answer.max_tokens,
+            "stop_strings": list(answer.stop_strings),
+            "decoding": decoding_order(answer.decoding),
             "random": random_state(),
         }
         self.orders.send(order)
         with self.orders.running():
-            steps = super().generate(
-                ids, max_tokens=max_tokens, stop_strings=stop_strings, decoding=decoding,
-                timer=timer,
-            )  # fmt: skip
+            steps = super().answer(ids, answer, timer=timer)
             for response in steps:
                 try:
                     yield response

@@ -11,7 +11,7 @@ the conversation intact: the sequence holds what was committed, ids, K/V and sta
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -19,6 +19,15 @@ from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import Cancelled
 from redrafter_mlx.core.generate import StepResponse, decode_steps, stream_steps
 from redrafter_mlx.core.step import Decoding, PhaseTimer, Step
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one answer is asked for: its token budget, stop strings and decoding."""
+
+    max_tokens: int
+    stop_strings: tuple[str, ...]
+    decoding: Decoding
 
 
 class Session:
@@ -99,15 +108,27 @@ class Session:
         step, after reusing its cached prefix. ``decoding``: this answer's own (already warmed
         up, e.g. a request's sampler), else the session's. ``cancelled`` is asked between
         prompt chunks: when it says so the generator ends with no response."""
+        answer = Answer(max_tokens, tuple(stop_strings), decoding or self._decoding)
+        return self.answer(ids, answer, timer=timer, cancelled=cancelled)
+
+    def answer(
+        self,
+        ids: list[int],
+        answer: Answer,
+        *,
+        timer: PhaseTimer | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Iterator[StepResponse]:
+        """:meth:`generate` with its answer's settings in one record."""
         new = self.prepare(ids)
         steps = stream_steps(
             self.verifier,
             self.tokenizer,
             new,
-            decoding or self._decoding,
+            answer.decoding,
             sequence=self.sequence,
-            max_tokens=max_tokens,
-            stop_strings=stop_strings,
+            max_tokens=answer.max_tokens,
+            stop_strings=answer.stop_strings,
             timer=timer,
             cancelled=cancelled,
         )
