@@ -104,8 +104,9 @@ def test_taps_equal_the_model_run_to_that_layer(layer):
     tokens = mx.array(PROMPT)
     positions = mx.arange(len(PROMPT))
     plain = forward(tokens, positions, llm.CAUSAL, llm.new_sequence(model), compiled=False)
-    hidden, taps = forward.tapped(
-        tokens, positions, llm.CAUSAL, llm.new_sequence(model), compiled=False, taps=(layer,)
+    taps = {layer: None}
+    hidden = forward(
+        tokens, positions, llm.CAUSAL, llm.new_sequence(model), compiled=False, taps=taps
     )
     h = model.model.embed_tokens(tokens[None])
     for block in model.model.layers[: layer + 1]:
@@ -120,11 +121,9 @@ def test_taps_of_a_verified_tree_step():
     each verify forward) gives the same as tapping the prompt's last position."""
     model = tiny_llama(seed=4, layers=3)
     forward = verifier_for(model).forward
-    whole = llm.new_sequence(model)
-    _, taps = forward.tapped(
-        mx.array(PROMPT), mx.arange(len(PROMPT)), llm.CAUSAL, whole, compiled=False, taps=(1,)
-    )
+    whole, taps, last = llm.new_sequence(model), {1: None}, {1: None}
+    forward(mx.array(PROMPT), mx.arange(len(PROMPT)), llm.CAUSAL, whole, compiled=False, taps=taps)
     sequence = fed(model, PROMPT[:-1])
     n = len(PROMPT) - 1
-    _, last = forward.tapped(mx.array(PROMPT[-1:]), mx.array([n]), None, sequence, taps=(1,))
+    forward(mx.array(PROMPT[-1:]), mx.array([n]), None, sequence, taps=last)
     np.testing.assert_allclose(last[1][0], taps[1][-1], atol=1e-4)

@@ -187,6 +187,7 @@ class Forward:
         *,
         compiled: bool = True,
         tree: Tree | None = None,
+        taps: dict[int, mx.array | None] | None = None,
     ) -> mx.array:
         """Run the target over ``tokens (T,)`` at ``positions (T,)`` -> final-norm hidden (T, H).
 
@@ -196,27 +197,15 @@ class Forward:
         recurrent states are written after ``sequence.offset`` and not committed.
         ``compiled=False`` asks a device's forward to keep this call uncompiled: prompts have
         arbitrary lengths, and each new T would compile new kernels (seconds of g++ on CPU,
-        during which Ctrl-C is ignored).
+        during which Ctrl-C is ignored). ``taps``: layer indices whose output ``(T, H)`` the
+        forward fills in (what drafters reading several layers take; costs nothing unasked).
         """
-        return self.tapped(tokens, positions, mask, sequence, compiled=compiled, tree=tree)[0]
-
-    def tapped(
-        self,
-        tokens: mx.array,
-        positions: mx.array,
-        mask: mx.array | str | None,
-        sequence: Sequence,
-        *,
-        compiled: bool = True,
-        tree: Tree | None = None,
-        taps: tuple[int, ...] = (),
-    ) -> tuple[mx.array, dict[int, mx.array]]:
-        """:meth:`__call__`, and the hidden states after each layer in ``taps`` (layer
-        indices) ``{layer: (T, H)}`` (what drafters reading several layers take)."""
         view = sequence.begin(positions.astype(mx.int32), mask, tree)
-        view.taps = frozenset(taps)
+        view.taps = frozenset(taps or ())
         hidden = self.run(tokens, view, compiled)
-        return hidden, view.hidden
+        if taps is not None:
+            taps.update(view.hidden)
+        return hidden
 
     def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
         """The forward itself, through ``view`` (what a device's plan replaces). The generic
