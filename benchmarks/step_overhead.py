@@ -55,6 +55,7 @@ def timer(model, drafter, shape: BeamShape):
     which decode core it runs."""
     try:
         from redrafter_mlx.backend.plan import build_verifier
+
         try:
             from redrafter_mlx.core.step import Decoding
         except ImportError:  # before #41

@@ -36,11 +36,11 @@ from redrafter_mlx.backend.plan import build_verifier, plan_for  # noqa: E402
 from redrafter_mlx.core.accept import Sampler, greedy  # noqa: E402
 from redrafter_mlx.core.decode import Verifier  # noqa: E402
 from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
-from redrafter_mlx.core.generate import GenerationResponse, token_responses  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
 from redrafter_mlx.core.session import Session  # noqa: E402
 from redrafter_mlx.core.shape import BeamShape  # noqa: E402
 from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.stream import GenerationResponse, token_responses  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.profiles import resolve_shape  # noqa: E402
 

@@ -160,7 +160,7 @@ def run_steps(
     autoregressive=False,
 ):
     """The decode loop's steps (the prefill's first token first) for ``prompt``."""
-    from redrafter_mlx.core.generate import decode_steps
+    from redrafter_mlx.core.stream import decode_steps
 
     verifier = verifier_for(model, drafter, plan, max_context)
     decoding = decoding_of(drafter, shape, sampler, autoregressive=autoregressive)

@@ -769,7 +769,7 @@ def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch
 def test_an_answer_cut_by_max_tokens_says_so_in_its_stats_line(looping, capsys):
     """The stats line of a cut answer looked like any other."""
     from redrafter_mlx.cli.chat import Turn
-    from redrafter_mlx.core.generate import GenerationStats
+    from redrafter_mlx.core.stream import GenerationStats
 
     model, beam = looping
     chat = small_session(model, beam, max_tokens=5)

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.generate import _stop_string_start
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.stream import _stop_string_start
 
 PROMPT = [5, 17, 33, 2, 41]
 

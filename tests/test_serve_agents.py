@@ -14,7 +14,7 @@ import pytest
 import tool_model
 from test_serve import Served, serving
 
-from redrafter_mlx.core.generate import StepResponse
+from redrafter_mlx.core.stream import StepResponse
 
 ANTHROPIC_TOOLS = [
     {

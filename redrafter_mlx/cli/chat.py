@@ -33,10 +33,10 @@ from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.distributed import MirroredSession, session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull
-from redrafter_mlx.core.generate import SOURCES, GenerationStats, StepResponse, tokens_per_step
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.stream import SOURCES, GenerationStats, StepResponse, tokens_per_step
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text
 from redrafter_mlx.tuning.measure import time_steps

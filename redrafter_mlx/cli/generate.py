@@ -10,8 +10,8 @@ from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.distributed import session_for
-from redrafter_mlx.core.generate import GenerationStats
 from redrafter_mlx.core.step import PhaseTimer
+from redrafter_mlx.core.stream import GenerationStats
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text, read_stdin
 from redrafter_mlx.tuning.profiles import resolve_shape

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from redrafter_mlx.core.errors import ConfigError
-from redrafter_mlx.core.generate import GenerationStats, StepResponse
 from redrafter_mlx.core.service import Chat, Request, Sampling, Started
 from redrafter_mlx.core.step import TopLogprobs
+from redrafter_mlx.core.stream import GenerationStats, StepResponse
 from redrafter_mlx.io.templates import ToolFormat, check_text
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API

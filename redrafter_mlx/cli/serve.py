@@ -40,7 +40,6 @@ from redrafter_mlx.cli import http_api as api
 from redrafter_mlx.cli import openai_api as openai
 from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
-from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.service import (
     Chat,
     Engine,
@@ -50,6 +49,7 @@ from redrafter_mlx.core.service import (
     Sampling,
     Started,
 )
+from redrafter_mlx.core.stream import StepResponse
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
 from redrafter_mlx.io.templates import tool_format

@@ -36,11 +36,11 @@ import numpy as np
 from redrafter_mlx.core.accept import greedy, make_sampler
 from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Answer, Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding, PhaseTimer
+from redrafter_mlx.core.stream import StepResponse
 
 
 class PeerFailed(ReDrafterError):

@@ -28,12 +28,12 @@ from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.distributed import session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
-from redrafter_mlx.core.generate import StepResponse
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.prompt_cache import PromptCache, check_bounds
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
+from redrafter_mlx.core.stream import StepResponse
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import Cancelled
-from redrafter_mlx.core.generate import StepResponse, decode_steps, stream_steps
 from redrafter_mlx.core.step import Decoding, PhaseTimer, Step
+from redrafter_mlx.core.stream import StepResponse, decode_steps, stream_steps
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The end-of-sequence rule: a run of tokens ends at its first EOS token.
 
-Generation (:mod:`redrafter_mlx.core.generate`) drops the EOS token from what it returns; the
+Generation (:mod:`redrafter_mlx.core.stream`) drops the EOS token from what it returns; the
 evaluators (:mod:`redrafter_mlx.training.evaluate`) keep it in the ids they compare. Both find
 the end here.
 """

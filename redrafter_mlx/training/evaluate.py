@@ -40,7 +40,6 @@ from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
 from redrafter_mlx.core.drafter import Drafter
 from redrafter_mlx.core.errors import ConfigError
-from redrafter_mlx.core.generate import SOURCES
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Session
@@ -48,6 +47,7 @@ from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.speculative import accepted_source
 from redrafter_mlx.core.step import Decoding, Step
 from redrafter_mlx.core.stops import through_stop
+from redrafter_mlx.core.stream import SOURCES
 from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template
 

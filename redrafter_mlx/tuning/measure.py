@@ -31,13 +31,13 @@ import numpy as np
 from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_off
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import Verifier
-from redrafter_mlx.core.generate import SOURCES, tokens_per_step
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.speculative import TreeState, drafted_state
 from redrafter_mlx.core.step import PHASES, Decoding, PhaseTimer
+from redrafter_mlx.core.stream import SOURCES, tokens_per_step
 from redrafter_mlx.core.tree import pack_beams, verified_size
 from redrafter_mlx.io.runtime import Runtime, decoding, encode_chat
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
