@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, None, need_drafter=False)
     forward = runtime.verifier.forward  # the device plan's forward (compiled halves on the CPU)
-    cache = runtime.verifier.new_cache()
+    cache = runtime.verifier.new_sequence()
     tokens = mx.arange(args.context) % 100 + 10
     prefix = llm.chain_mask(0, args.context)
     mx.eval(llm.forward(runtime.model, tokens, mx.arange(args.context), prefix, cache))

@@ -39,7 +39,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def tokens(verifier: Verifier, decoding: Decoding, prompt: list[int], n: int) -> list[int]:
-    steps = decode_steps(verifier, verifier.new_cache(), prompt, decoding)
+    steps = decode_steps(verifier, verifier.new_sequence(), prompt, decoding)
     out: list[int] = []
     for step in steps:
         out += step.tokens

@@ -61,7 +61,7 @@ def main() -> None:
     }
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        cache = llm.make_cache(model)
+        cache = llm.new_sequence(model)
         tokens = mx.arange(context) % 100 + 10
         mask = llm.chain_mask(0, context)
         mx.eval(llm.forward(model, tokens, mx.arange(context), mask, cache))

@@ -126,7 +126,7 @@ def seconds(forward, model, cache, tree: Tree) -> float:
 def curve(model, sizes: list[int], context: int, repetitions: int) -> dict[int, float]:
     """Each size's verify time over the one-token step's (medians, interleaved)."""
     forward = make_forward(model, GENERIC_PLAN)
-    cache = llm.make_cache(model)
+    cache = llm.new_sequence(model)
     prompt = [int(t) for t in np.arange(context) % 100 + 10]
     mx.eval(forward(mx.array(prompt), mx.arange(context), llm.CAUSAL, cache, compiled=False))
     cache.commit(prompt)

@@ -85,14 +85,14 @@ def _products(matrices: list[mx.array], count: int) -> list[mx.array]:
 def _attention(model, cache, count: int) -> list[mx.array]:
     """Every layer's attention for ``count`` new tokens over the cache (lazy)."""
     attn = model.model.layers[0].self_attn
-    d = cache.keys[0].shape[-1]
+    d = cache.kv.keys[0].shape[-1]
     queries = mx.ones((1, attn.n_heads, count, d))
     end = cache.offset + count
     mask = llm.chain_mask(cache.offset, count) if count > 1 else None
     cpu = mx.default_device() == mx.cpu
     return [
         attention(queries, k[..., :end, :], v[..., :end, :], attn.scale, mask, cpu)
-        for k, v in zip(cache.keys, cache.values, strict=True)
+        for k, v in zip(cache.kv.keys, cache.kv.values, strict=True)
     ]
 
 
@@ -107,7 +107,7 @@ def main() -> None:
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     model, drafter = runtime.model, runtime.drafter
     forward = runtime.verifier.forward  # the device plan's decode forward
-    cache = runtime.verifier.new_cache()
+    cache = runtime.verifier.new_sequence()
     tokens = mx.arange(args.context) % 100 + 10
     prefix = llm.chain_mask(0, args.context)
     mx.eval(forward(tokens, mx.arange(args.context), prefix, cache, compiled=False))
