@@ -200,8 +200,7 @@ class Forward:
         during which Ctrl-C is ignored). ``taps``: layer indices whose output ``(T, H)`` the
         forward fills in (what drafters reading several layers take; costs nothing unasked).
         """
-        view = sequence.begin(positions.astype(mx.int32), mask, tree)
-        view.taps = frozenset(taps or ())
+        view = sequence.begin(positions.astype(mx.int32), mask, tree, taps=taps or ())
         hidden = self.run(tokens, view, compiled)
         if taps is not None:
             taps.update(view.hidden)

@@ -91,16 +91,17 @@ class Sequence:
 
     # -- a forward, then a step's changes
 
-    def begin(self, positions: mx.array, mask, tree=None) -> View:
+    def begin(self, positions: mx.array, mask, tree=None, taps=()) -> View:
         """Room for the ``T`` tokens at ``positions (T,)`` after ``offset``, and the view each
         layer of their forward writes through (``tree``: the packed tree they are, which
-        recurrent layers follow; None: a chain)."""
+        recurrent layers follow; None: a chain; ``taps``: the layers whose output the forward
+        keeps)."""
         count = positions.shape[0]
         self.kv.reserve(self.offset, count)
         levels = None
         if tree is not None and self.states is not None:
             levels = Levels.of(tree.parents, tree.depths)
-        return View(self, positions, mask, levels)
+        return View(self, positions, mask, levels, frozenset(taps))
 
     def stage(self, path: mx.array | None, node: mx.array | None = None) -> None:
         """Stage a verified tree's accepted path: its K/V ``path (L,)`` (node indices; None:
