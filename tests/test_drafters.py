@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -304,3 +306,150 @@ def test_generate_without_a_drafter_for_the_model_says_so_and_uses_lookup_beams(
     )
     shape = "L=2 lookup 1 (default)" if cpu_plan == "1" else "L=4 lookup 1 (default; lookup 1: no"
     assert f"[lookup only {shape}" in found.err
+
+
+def write_registry(data) -> None:
+    drafters.registry_path().parent.mkdir(parents=True, exist_ok=True)
+    drafters.registry_path().write_text(json.dumps(data))
+
+
+def registry_entry(path, target, tokenizer) -> dict:
+    identity = drafters.ModelIdentity.of(target, CONFIG, tokenizer)
+    return {"path": path, "model": "m", "identity": dataclasses.asdict(identity)}
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        5,
+        {"drafters": 5},
+        {"drafters": {"path": "x"}},
+        {"drafters": [{"path": 5}]},
+        {"drafters": [{"path": ["a"]}]},
+        {"drafters": [{"path": None}]},
+        {"drafters": [{"path": ""}]},
+        {"drafters": [{"identity": "abc"}]},
+        {"drafters": [{"identity": ["abc"]}]},
+        {"drafters": [{"identity": None}]},
+    ],
+)
+def test_a_malformed_registry_or_entry_is_skipped_said_and_the_next_source_used(
+    tmp_path, monkeypatch, target, tokenizer, broken
+):
+    """Discovery goes on to the model's shipped drafter past a registry it cannot read, and
+    names what it skipped in one line (an entry with ``"path": ""`` used to mean the working
+    folder: here a model folder, which then failed to load as a drafter)."""
+    model = tmp_path / "model"
+    shipped = drafter_folder(model / "redrafter")
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    monkeypatch.chdir(model)
+    if isinstance(broken, dict) and isinstance(broken["drafters"], list):
+        entry = {**registry_entry(str(shipped), target, tokenizer), **broken["drafters"][0]}
+        broken = {"drafters": [entry]}
+    write_registry(broken)
+    choice = find(None, target=target, tokenizer=tokenizer, model=str(model))
+    assert choice.path == shipped and "shipped with the model" in choice.reason
+    line = choice.skipped_line()
+    assert line.startswith("note: drafter discovery skipped 1 unusable source: ")
+    assert str(drafters.registry_path()) in line and "\n" not in line
+
+
+@pytest.mark.parametrize("what", ["model", "config only", "truncated", "not a folder"])
+def test_a_registry_entry_that_holds_no_drafter_is_skipped_for_the_next_source(
+    tmp_path, target, tokenizer, what
+):
+    """An entry for this model whose folder is the model itself, a config.json alone or a cut
+    drafter is named and passed over: the drafter shipped with the model is used."""
+    model = tmp_path / "model"
+    shipped = drafter_folder(model / "redrafter")
+    if what == "model":
+        bad = model_folder(tmp_path / "target")
+    elif what == "config only":
+        bad = tmp_path / "config-only"
+        bad.mkdir()
+        shutil.copy(shipped / "config.json", bad)
+    elif what == "truncated":
+        bad = drafter_folder(tmp_path / "cut")
+        weights = bad / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        bad = tmp_path / "file"
+        bad.write_text("{}")
+    good = drafter_folder(tmp_path / "older")
+    entries = [registry_entry(str(p), target, tokenizer) for p in (good, bad)]  # bad: newest
+    write_registry({"drafters": entries})
+    choice = find(None, target=target, tokenizer=tokenizer, model=str(model))
+    assert choice.path == good and choice.reason.startswith("trained here")
+    assert choice.skipped == (f"{bad} (from {drafters.registry_path()}): " + {
+        "model": "not a drafter (its model.safetensors does not hold a drafter's tensors)",
+        "config only": "not a drafter (no model.safetensors)",
+        "truncated": choice.skipped[0].split("): ", 1)[1],
+        "not a folder": "not a folder",
+    }[what],)  # fmt: skip
+    assert "truncated safetensors" in choice.skipped[0] or what != "truncated"
+    load_drafter(choice.path, target)
+
+
+def test_generate_past_an_entry_that_is_no_drafter_answers_and_says_so_once(
+    tmp_path, capsys, monkeypatch
+):
+    """The registry names the model folder itself as this model's drafter: `generate` skips it
+    with one line and answers as without it (before: exit 1, "not a drafter config")."""
+    from redrafter_mlx.cli import main
+    from redrafter_mlx.io.load import load_target
+
+    folder = model_folder(tmp_path / "m16")
+    target, tok, config = load_target(folder)
+    identity = drafters.ModelIdentity.of(target, config, tok)
+    entry = {"path": str(folder), "model": str(folder), "identity": dataclasses.asdict(identity)}
+    write_registry({"drafters": [entry]})
+    prompt = ["--model", str(folder), "--prompt", "w5 w6 w7", "--max-tokens", "8"]
+    main(["generate", *prompt])
+    found = capsys.readouterr()
+    main(["generate", *prompt, "--autoregressive"])
+    assert found.out == capsys.readouterr().out
+    skipped = [line for line in found.err.splitlines() if "discovery skipped" in line]
+    assert skipped == [
+        f"note: drafter discovery skipped 1 unusable source: {folder} (from "
+        f"{drafters.registry_path()}): not a drafter (its model.safetensors does not hold a "
+        "drafter's tensors)"
+    ]
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from redrafter_mlx.io import drafters
+identity = drafters.ModelIdentity(64, 64, "c", "t")
+root = Path(sys.argv[1])
+(root / "ready").touch()
+while not (root.parent / "go").exists():  # both start together, imports done
+    time.sleep(0.01)
+for i in range(int(sys.argv[2])):
+    (root / str(i)).mkdir()
+    drafters.record_trained(root / str(i), identity, "m")
+"""
+
+
+def test_two_writers_recording_at_once_keep_every_entry(tmp_path):
+    """Two processes recording 40 drafters each: all 80 entries are kept (the registry is
+    read, merged and replaced under a lock; without it a few were lost)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        argv = [sys.executable, "-c", WRITER, str(tmp_path / name), "40"]
+        procs.append(subprocess.Popen(argv, env=env))
+    for name in ("a", "b"):
+        while not (tmp_path / name / "ready").exists():
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.01)
+    (tmp_path / "go").touch()
+    assert [p.wait(120) for p in procs] == [0, 0]
+    paths = {e["path"] for e in drafters.read_registry()}
+    assert len(paths) == 80

@@ -138,7 +138,17 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
     """:func:`rt.load_runtime`, said first: loading takes seconds (minutes for a first
     conversion or download) that would otherwise pass in silence."""
     say_loading(model)
-    return rt.load_runtime(model, drafter, need_drafter=need_drafter)
+    runtime = rt.load_runtime(model, drafter, need_drafter=need_drafter)
+    say_skipped(runtime)
+    return runtime
+
+
+def say_skipped(runtime) -> None:
+    """One stderr line naming the drafter sources discovery skipped (a broken registry entry,
+    a folder that holds no drafter), if any: they are worth mending, not worth stopping for."""
+    choice = getattr(runtime, "drafter_choice", None)
+    if choice is not None and (line := choice.skipped_line()):
+        print(line, file=sys.stderr)
 
 
 def say_loading(model: str | None) -> None:

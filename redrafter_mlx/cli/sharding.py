@@ -69,6 +69,7 @@ def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
     if orders.size > 1:
         _one_line_when_a_rank_is_lost(orders.rank, orders.size)
     if orders.lead:
+        flags.say_skipped(runtime)
         _ctrl_c_on_lead()
         atexit.register(orders.stop)
         return runtime
