@@ -199,27 +199,29 @@ def test_the_card_says_target_data_agreement_speed_license_and_how_to_load(
     assert find(None, target=target, tokenizer=tokenizer, model="x").path == folder.resolve()
 
 
-def test_upload_dry_run_writes_the_card_and_lists_the_files_without_the_network(
+def test_upload_dry_run_lists_the_files_and_writes_or_sends_nothing(
     tmp_path, monkeypatch, capsys, target, tokenizer
 ):
+    """--dry-run lists what would go (the card made for the repository among them) and leaves
+    the folder as it was: a README.md of the user's own is not replaced by the card."""
     import huggingface_hub
 
     from redrafter_mlx.cli import main
 
     folder = trained_folder(tmp_path, target, tokenizer)
+    (folder / "README.md").write_text("my own notes\n")
+    before = {f: f.read_bytes() for f in folder.rglob("*") if f.is_file()}
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
     repo = ["--repo", "you/tiny-redrafter", "--model", "org/tiny-4bit"]
     main(["upload", "--drafter", str(folder), *repo, "--dry-run"])
     out, err = capsys.readouterr()
     listed = [line.split("\t")[0] for line in out.splitlines()]
     assert listed == ["config.json", "model.safetensors", "target.json", "README.md"]
-    assert "would upload these 4 files" in err
-    card = (folder / "README.md").read_text()
-    assert "--model org/tiny-4bit --drafter you/tiny-redrafter " in card
-    assert "base_model: org/tiny-4bit" in card
+    assert "nothing written or sent; would upload these 4 files" in err
+    assert {f: f.read_bytes() for f in folder.rglob("*") if f.is_file()} == before
 
 
-def test_upload_creates_the_repo_and_sends_the_shared_files_only(
+def test_upload_creates_the_repo_and_sends_the_shared_files_and_the_card_only(
     tmp_path, monkeypatch, capsys, target, tokenizer
 ):
     import huggingface_hub
@@ -233,20 +235,71 @@ def test_upload_creates_the_repo_and_sends_the_shared_files_only(
             calls.append(("create", repo, kwargs["private"]))
             return f"https://huggingface.co/{repo}"
 
-        def upload_folder(self, **kwargs):
-            calls.append(("upload", kwargs["repo_id"], sorted(kwargs["allow_patterns"])))
+        def create_commit(self, **kwargs):
+            sent = {op.path_in_repo: op.path_or_fileobj for op in kwargs["operations"]}
+            calls.append(("commit", kwargs["repo_id"], sorted(sent)))
+            card.append(sent["README.md"].decode())
 
+    card = []
     folder = trained_folder(tmp_path, target, tokenizer)
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     main(["upload", "--drafter", str(folder), "--repo", "you/tiny-redrafter"])
     shared = sorted(["config.json", "model.safetensors", "target.json", "README.md"])
     assert calls == [
         ("create", "you/tiny-redrafter", False),
-        ("upload", "you/tiny-redrafter", shared),
+        ("commit", "you/tiny-redrafter", shared),
     ]
+    assert "--drafter you/tiny-redrafter " in card[0] and not (folder / "README.md").exists()
     with pytest.raises(SystemExit):
         main(["upload", "--drafter", str(tmp_path), "--repo", "you/x", "--dry-run"])
-    assert "no config.json or model.safetensors (not a drafter folder)" in capsys.readouterr().err
+    assert "not a drafter (no config.json or model.safetensors)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["model", "config only", "truncated"])
+def test_upload_refuses_a_folder_that_holds_no_drafter_before_writing_anything(
+    tmp_path, monkeypatch, capsys, target, tokenizer, what
+):
+    """A model folder given as --drafter used to get a drafter card written into it and
+    "would upload 3 files"; now nothing is written and the folder is named."""
+    import huggingface_hub
+
+    from redrafter_mlx.cli import main
+
+    if what == "model":
+        folder = model_folder(tmp_path / "model")
+    else:
+        folder = drafter_folder(tmp_path / "d")
+        if what == "config only":
+            (folder / "model.safetensors").unlink()
+        else:
+            weights = folder / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:-64])
+    before = sorted(folder.iterdir())
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
+    with pytest.raises(SystemExit) as ended:
+        main(["upload", "--drafter", str(folder), "--repo", "you/x", "--dry-run"])
+    assert ended.value.code == 1
+    assert sorted(folder.iterdir()) == before
+    err = capsys.readouterr().err
+    assert f"error: --drafter {folder}: not a drafter (" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("repo", ["foo/..", "a/.", "ü/é", "a/b-", "a/" + "b" * 200, "a", "a/b/c"])
+def test_upload_refuses_a_repo_name_the_hub_refuses_before_anything_else(
+    tmp_path, monkeypatch, capsys, target, tokenizer, repo
+):
+    import huggingface_hub
+
+    from redrafter_mlx.cli import main
+
+    folder = trained_folder(tmp_path, target, tokenizer)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
+    with pytest.raises(SystemExit):
+        main(["upload", "--drafter", str(folder), "--repo", repo])
+    err = capsys.readouterr().err
+    assert f"--repo {repo!r}: " in err
+    assert "1 to 96 characters of A-Z, a-z, 0-9, '-', '_' and '.'" in err
+    assert not (folder / "README.md").exists()
 
 
 def model_folder(out: Path, *, bits: int | None = None) -> Path:
