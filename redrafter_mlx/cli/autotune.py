@@ -241,7 +241,19 @@ def main(args: argparse.Namespace) -> None:
             save_profile(runtime_identity(runtime)[0] + (SAMPLING if args.temp else ""), entry)
         except OSError as e:
             fail(f"profile not saved: {os_error_text(e, str(store_path()))}")
+    saved = "not saved" if args.no_save else f"saved to {store_path()}"
     Console().print(
-        f"best: {result.best.describe()} "
-        f"({'not saved' if args.no_save else f'saved to {store_path()}'})"
+        f"best: {best_line(entry['table'][0])} ({saved})", highlight=False, soft_wrap=True
+    )
+
+
+def best_line(row: dict) -> str:
+    """The winning shape in full, from its table row (the table's first):
+    ``W=2 L=2 lookup K=4 min-prob p=0 search S=2 (plain), 173.7 tok/s estimated ...``."""
+    plain = row["search_width"] in (0, row["beam_width"])
+    search = f"{row['search_width']}{' (plain)' if plain else ''}"
+    return (
+        f"W={row['beam_width']} L={row['beam_length']} lookup K={row['lookup']} "
+        f"min-prob p={row['min_prob']:g} search S={search}, {row['estimated_tps']:g} tok/s "
+        f"estimated ({row['measured_tps']:g} measured)"
     )
