@@ -50,6 +50,27 @@ def non_negative(text: str) -> float:
     return value
 
 
+# A time budget's bound: a year (a budget beyond it is a typo, and its deadline a date that
+# the clock cannot show: 1e308 minutes overflowed time.localtime)
+MAX_MINUTES = 366 * 24 * 60
+
+
+def minutes(text: str) -> float:
+    """A time budget in minutes: finite, > 0 and at most :data:`MAX_MINUTES` (a flag left out
+    means no limit; 0 is refused, not read as "none")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of minutes, got {text} (leave the flag out for no limit)"
+        )
+    if value > MAX_MINUTES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_MINUTES:,} minutes (a year), got {text}")
+    return value
+
+
 BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 

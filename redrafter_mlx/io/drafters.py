@@ -311,11 +311,22 @@ def identity_record(identity: ModelIdentity, model: str) -> dict:
 
 
 def record_trained(folder: Path, identity: ModelIdentity, model: str, **extra) -> None:
-    """Write ``folder/target.json`` and add ``folder`` to the registry (replacing an older
-    entry for the same folder); both written atomically, the registry read, merged and
-    replaced under a lock so that concurrent writers (two ``train`` runs) lose no entry."""
+    """:func:`write_target_file`, then :func:`register`."""
+    write_target_file(folder, identity, model)
+    register(folder, identity, model, **extra)
+
+
+def write_target_file(folder: Path, identity: ModelIdentity, model: str) -> None:
+    """Write ``folder/target.json``: the identity of the model it was made for (atomic)."""
     folder = Path(folder).expanduser().resolve()
     write_text(folder / TARGET_FILE, json.dumps(identity_record(identity, model), indent=2) + "\n")
+
+
+def register(folder: Path, identity: ModelIdentity, model: str, **extra) -> None:
+    """Add ``folder`` to the registry (replacing an older entry for the same folder): read,
+    merged and replaced atomically under a lock, so that concurrent writers (two ``train``
+    runs) lose no entry. ``train`` registers a drafter last, once its card is written."""
+    folder = Path(folder).expanduser().resolve()
     written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     entry = {"path": str(folder), "model": model, "identity": asdict(identity)}
     with _locked(registry_path()):
