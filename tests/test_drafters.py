@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama, toy_tokenizer
+from conftest import model_folder, tiny_llama, toy_tokenizer
 
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
 from redrafter_mlx.core.errors import ReDrafterError
@@ -300,22 +300,6 @@ def test_upload_refuses_a_repo_name_the_hub_refuses_before_anything_else(
     assert f"--repo {repo!r}: " in err
     assert "1 to 96 characters of A-Z, a-z, 0-9, '-', '_' and '.'" in err
     assert not (folder / "README.md").exists()
-
-
-def model_folder(out: Path, *, bits: int | None = None) -> Path:
-    """The tiny Llama as an mlx-lm folder with the toy tokenizer; ``bits``: quantized as
-    ``mlx_lm.convert -q`` leaves it (quantized layers, ``quantization`` in config.json)."""
-    import mlx.nn as nn
-    from families import save
-
-    model = tiny_llama()
-    cfg = {**dict(vars(model.args)), "architectures": ["LlamaForCausalLM"]}
-    if bits:
-        nn.quantize(model, group_size=32, bits=bits)
-        cfg["quantization"] = {"group_size": 32, "bits": bits}
-    save(model, cfg, out)
-    toy_tokenizer()._tokenizer.save_pretrained(str(out))
-    return out
 
 
 def test_the_4bit_variant_of_a_model_loads_the_drafter_trained_for_it(tmp_path):

@@ -11,11 +11,11 @@ import time
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail, read_prompts
+from redrafter_mlx.cli.progress import progress as progress_for
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
 from redrafter_mlx.tuning.device import chip_info
@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> None:
     console.print(f"chip: {chip_info()}")
     flags.say_drafter(runtime)
     try:
-        with Progress(console=console, transient=True) as progress:
+        with progress_for(console) as progress:  # a bar, or lines into a pipe or log
             result, seconds = run_search(runtime, args, progress, texts)
     except KeyboardInterrupt:
         console.print("interrupted: the stored profile is unchanged")
