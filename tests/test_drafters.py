@@ -391,20 +391,27 @@ def test_a_malformed_registry_or_entry_is_skipped_said_and_the_next_source_used(
     assert str(drafters.registry_path()) in line and "\n" not in line
 
 
-@pytest.mark.parametrize("what", ["model", "config only", "truncated", "not a folder"])
+@pytest.mark.parametrize(
+    "what,why",
+    [
+        ("model", "not a drafter (its model.safetensors does not hold a drafter's tensors)"),
+        ("config only", "not a drafter (no model.safetensors)"),
+        ("truncated", "not a drafter ({bad}/model.safetensors: truncated safetensors file ("),
+        ("not a folder", "not a folder"),
+    ],
+)
 def test_a_registry_entry_that_holds_no_drafter_is_skipped_for_the_next_source(
-    tmp_path, target, tokenizer, what
+    tmp_path, target, tokenizer, what, why
 ):
-    """An entry for this model whose folder is the model itself, a config.json alone or a cut
-    drafter is named and passed over: the drafter shipped with the model is used."""
-    model = tmp_path / "model"
-    shipped = drafter_folder(model / "redrafter")
+    """The newest entry for this model names the model's own folder, a config.json alone, a
+    cut drafter or a file: it is named in ``skipped`` and the older entry's drafter is used
+    (the newest used to be returned, and loading it failed)."""
     if what == "model":
         bad = model_folder(tmp_path / "target")
     elif what == "config only":
         bad = tmp_path / "config-only"
         bad.mkdir()
-        shutil.copy(shipped / "config.json", bad)
+        (bad / "config.json").write_text(json.dumps(CONFIG))
     elif what == "truncated":
         bad = drafter_folder(tmp_path / "cut")
         weights = bad / "model.safetensors"
@@ -415,15 +422,11 @@ def test_a_registry_entry_that_holds_no_drafter_is_skipped_for_the_next_source(
     good = drafter_folder(tmp_path / "older")
     entries = [registry_entry(str(p), target, tokenizer) for p in (good, bad)]  # bad: newest
     write_registry({"drafters": entries})
-    choice = find(None, target=target, tokenizer=tokenizer, model=str(model))
+    choice = find(None, target=target, tokenizer=tokenizer, model=str(tmp_path / "model"))
     assert choice.path == good and choice.reason.startswith("trained here")
-    assert choice.skipped == (f"{bad} (from {drafters.registry_path()}): " + {
-        "model": "not a drafter (its model.safetensors does not hold a drafter's tensors)",
-        "config only": "not a drafter (no model.safetensors)",
-        "truncated": choice.skipped[0].split("): ", 1)[1],
-        "not a folder": "not a folder",
-    }[what],)  # fmt: skip
-    assert "truncated safetensors" in choice.skipped[0] or what != "truncated"
+    (skipped,) = choice.skipped
+    prefix = f"{bad} (from {drafters.registry_path()}): {why.format(bad=bad)}"
+    assert skipped.startswith(prefix), skipped
     load_drafter(choice.path, target)
 
 
