@@ -118,6 +118,22 @@ def toy_tokenizer():
     return TokenizerWrapper(hf)
 
 
+def model_folder(out: Path, *, bits: int | None = None) -> Path:
+    """The tiny Llama as an mlx-lm folder with the toy tokenizer; ``bits``: quantized as
+    ``mlx_lm.convert -q`` leaves it (quantized layers, ``quantization`` in config.json)."""
+    import mlx.nn as nn
+    from families import save
+
+    model = tiny_llama()
+    cfg = {**dict(vars(model.args)), "architectures": ["LlamaForCausalLM"]}
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+        cfg["quantization"] = {"group_size": 32, "bits": bits}
+    save(model, cfg, out)
+    toy_tokenizer()._tokenizer.save_pretrained(str(out))
+    return out
+
+
 _VERIFIERS: dict = {}  # built once per (model, drafter, plan, context): forwards compile once
 
 

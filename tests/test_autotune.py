@@ -336,3 +336,35 @@ def test_a_profile_wider_than_the_draft_vocabulary_is_ignored_with_a_warning(run
     assert f"{vocab + 1} beams exceed the drafter's vocabulary" in capsys.readouterr().err
     wider = replace(plan_for().default_shape, width=2)
     assert resolve(shape_args(width=2), runtime) == (wider, "flags + default")
+
+
+@pytest.mark.parametrize("acceptance", [0.1, 0.55, 0.8])
+def test_the_tables_first_row_is_the_searchs_best(acceptance):
+    """Halving kept an eliminated shape's older, higher estimate, so its table could rank
+    another shape first than the one it named best (W1 L2 named, W2 L2 K4 atop the table)."""
+    for seed in range(20):
+        rng = np.random.default_rng(1000 + seed)
+        result = search.successive_halving(
+            SHAPES, noisy_measure(acceptance, rng), num_prompts=4, seed=seed
+        )
+        first = search.table(result)[0]
+        shape = (first["beam_width"], first["beam_length"], first["min_prob"], first["lookup"])
+        best = result.best
+        assert shape == (best.width, best.length, best.min_prob, best.lookup), seed
+
+
+def test_autotunes_best_line_names_the_whole_shape_of_the_tables_first_row(
+    runtime, monkeypatch, capsys
+):
+    runtime.tokenizer = toy_tokenizer()
+    monkeypatch.setattr(rt, "load_runtime", lambda *args, **kwargs: runtime)
+    flags = ["--beam-width", "1", "--beam-length", "2", "--lookup", "0,2", "--max-tokens", "8"]
+    autotune.main(autotune.setup_arg_parser().parse_args([*flags, "--num-prompts", "1"]))
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("best: ")]
+    (entry,) = profiles.read_store()["profiles"].values()
+    top = entry["table"][0]
+    assert entry["shape"] == [1, 2, 0.0, 1, top["lookup"]]
+    assert line.startswith(
+        f"best: W=1 L=2 lookup K={top['lookup']} min-prob p=0 search S=1 (plain), "
+        f"{top['estimated_tps']:g} tok/s estimated"
+    )

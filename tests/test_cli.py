@@ -244,3 +244,69 @@ def test_a_missing_mlx_backend_says_which_extra_to_install():
     assert done.returncode == 1, done.stderr
     assert "redrafter-mlx[cpu]" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def plain_progress(monkeypatch):
+    """Progress as into a log (capsys: stderr is no terminal), a line at every update."""
+    from redrafter_mlx.training import progress
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+
+
+def pair(tmp_path):
+    """The tiny model's folder, a drafter for it and a prompts file of two prompts."""
+    from conftest import model_folder
+
+    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+
+    model = model_folder(tmp_path / "model")
+    save_drafter(random_drafter(64, 64, seed=1), tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w6 w7"}\n{"prompt": "w8 w9 w10"}\n')
+    return ["--model", str(model), "--drafter", str(tmp_path / "drafter")], str(prompts)
+
+
+def test_bench_into_a_log_prints_progress_lines(tmp_path, capsys, plain_progress):
+    """bench used to be silent for minutes into a pipe or log (its bar draws on terminals
+    only); now a line every few seconds says how far it is, as train's do."""
+    from redrafter_mlx.cli import main
+
+    given, prompts = pair(tmp_path)
+    main([
+        "bench", *given, "--prompts", prompts, "--num-prompts", "1", "--max-tokens", "6",
+        "--repetitions", "1", "--beam-width", "2", "--beam-length", "3", "--timed-prompts", "0",
+        "--out", str(tmp_path / "bench"),
+    ])  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    progress = [line for line in err if line.startswith("benchmarking")]
+    assert len(progress) >= 3, err
+    total = progress[0].split("/", 1)[1].split(" ", 1)[0]
+    assert all(f"/{total} (" in line and ", ETA " in line for line in progress)
+    assert progress[-1].split(": ", 1)[1].startswith(f"{total}/{total} (100%)")
+
+
+def test_eval_drafter_into_a_log_prints_progress_lines(tmp_path, capsys, plain_progress):
+    from redrafter_mlx.cli import main
+
+    given, prompts = pair(tmp_path)
+    main([
+        "eval-drafter", *given, "--prompts", prompts, "--num-prompts", "2", "--max-tokens", "6",
+        "--beam-width", "1,2", "--beam-length", "3", "--json",
+    ])  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    progress = [line for line in err if line.startswith("decoding: ")]
+    assert progress[-1].startswith("decoding: 4/4 (100%), ETA 0:00"), err
+    assert len(progress) >= 2
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
+    import sys
+
+    from rich.progress import Progress
+
+    from redrafter_mlx.cli.progress import PlainProgress, progress
+
+    assert isinstance(progress(), PlainProgress)  # capsys: no terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert isinstance(progress(), Progress)

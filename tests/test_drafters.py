@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama, toy_tokenizer
+from conftest import model_folder, tiny_llama, toy_tokenizer
 
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
 from redrafter_mlx.core.errors import ReDrafterError
@@ -197,27 +199,29 @@ def test_the_card_says_target_data_agreement_speed_license_and_how_to_load(
     assert find(None, target=target, tokenizer=tokenizer, model="x").path == folder.resolve()
 
 
-def test_upload_dry_run_writes_the_card_and_lists_the_files_without_the_network(
+def test_upload_dry_run_lists_the_files_and_writes_or_sends_nothing(
     tmp_path, monkeypatch, capsys, target, tokenizer
 ):
+    """--dry-run lists what would go (the card made for the repository among them) and leaves
+    the folder as it was: a README.md of the user's own is not replaced by the card."""
     import huggingface_hub
 
     from redrafter_mlx.cli import main
 
     folder = trained_folder(tmp_path, target, tokenizer)
+    (folder / "README.md").write_text("my own notes\n")
+    before = {f: f.read_bytes() for f in folder.rglob("*") if f.is_file()}
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
     repo = ["--repo", "you/tiny-redrafter", "--model", "org/tiny-4bit"]
     main(["upload", "--drafter", str(folder), *repo, "--dry-run"])
     out, err = capsys.readouterr()
     listed = [line.split("\t")[0] for line in out.splitlines()]
     assert listed == ["config.json", "model.safetensors", "target.json", "README.md"]
-    assert "would upload these 4 files" in err
-    card = (folder / "README.md").read_text()
-    assert "--model org/tiny-4bit --drafter you/tiny-redrafter " in card
-    assert "base_model: org/tiny-4bit" in card
+    assert "nothing written or sent; would upload these 4 files" in err
+    assert {f: f.read_bytes() for f in folder.rglob("*") if f.is_file()} == before
 
 
-def test_upload_creates_the_repo_and_sends_the_shared_files_only(
+def test_upload_creates_the_repo_and_sends_the_shared_files_and_the_card_only(
     tmp_path, monkeypatch, capsys, target, tokenizer
 ):
     import huggingface_hub
@@ -231,36 +235,71 @@ def test_upload_creates_the_repo_and_sends_the_shared_files_only(
             calls.append(("create", repo, kwargs["private"]))
             return f"https://huggingface.co/{repo}"
 
-        def upload_folder(self, **kwargs):
-            calls.append(("upload", kwargs["repo_id"], sorted(kwargs["allow_patterns"])))
+        def create_commit(self, **kwargs):
+            sent = {op.path_in_repo: op.path_or_fileobj for op in kwargs["operations"]}
+            calls.append(("commit", kwargs["repo_id"], sorted(sent)))
+            card.append(sent["README.md"].decode())
 
+    card = []
     folder = trained_folder(tmp_path, target, tokenizer)
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     main(["upload", "--drafter", str(folder), "--repo", "you/tiny-redrafter"])
     shared = sorted(["config.json", "model.safetensors", "target.json", "README.md"])
     assert calls == [
         ("create", "you/tiny-redrafter", False),
-        ("upload", "you/tiny-redrafter", shared),
+        ("commit", "you/tiny-redrafter", shared),
     ]
+    assert "--drafter you/tiny-redrafter " in card[0] and not (folder / "README.md").exists()
     with pytest.raises(SystemExit):
         main(["upload", "--drafter", str(tmp_path), "--repo", "you/x", "--dry-run"])
-    assert "no config.json or model.safetensors (not a drafter folder)" in capsys.readouterr().err
+    assert "not a drafter (no config.json or model.safetensors)" in capsys.readouterr().err
 
 
-def model_folder(out: Path, *, bits: int | None = None) -> Path:
-    """The tiny Llama as an mlx-lm folder with the toy tokenizer; ``bits``: quantized as
-    ``mlx_lm.convert -q`` leaves it (quantized layers, ``quantization`` in config.json)."""
-    import mlx.nn as nn
-    from families import save
+@pytest.mark.parametrize("what", ["model", "config only", "truncated"])
+def test_upload_refuses_a_folder_that_holds_no_drafter_before_writing_anything(
+    tmp_path, monkeypatch, capsys, target, tokenizer, what
+):
+    """A model folder given as --drafter used to get a drafter card written into it and
+    "would upload 3 files"; now nothing is written and the folder is named."""
+    import huggingface_hub
 
-    model = tiny_llama()
-    cfg = {**dict(vars(model.args)), "architectures": ["LlamaForCausalLM"]}
-    if bits:
-        nn.quantize(model, group_size=32, bits=bits)
-        cfg["quantization"] = {"group_size": 32, "bits": bits}
-    save(model, cfg, out)
-    toy_tokenizer()._tokenizer.save_pretrained(str(out))
-    return out
+    from redrafter_mlx.cli import main
+
+    if what == "model":
+        folder = model_folder(tmp_path / "model")
+    else:
+        folder = drafter_folder(tmp_path / "d")
+        if what == "config only":
+            (folder / "model.safetensors").unlink()
+        else:
+            weights = folder / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:-64])
+    before = sorted(folder.iterdir())
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
+    with pytest.raises(SystemExit) as ended:
+        main(["upload", "--drafter", str(folder), "--repo", "you/x", "--dry-run"])
+    assert ended.value.code == 1
+    assert sorted(folder.iterdir()) == before
+    err = capsys.readouterr().err
+    assert f"error: --drafter {folder}: not a drafter (" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("repo", ["foo/..", "a/.", "ü/é", "a/b-", "a/" + "b" * 200, "a", "a/b/c"])
+def test_upload_refuses_a_repo_name_the_hub_refuses_before_anything_else(
+    tmp_path, monkeypatch, capsys, target, tokenizer, repo
+):
+    import huggingface_hub
+
+    from redrafter_mlx.cli import main
+
+    folder = trained_folder(tmp_path, target, tokenizer)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("network"))
+    with pytest.raises(SystemExit):
+        main(["upload", "--drafter", str(folder), "--repo", repo])
+    err = capsys.readouterr().err
+    assert f"--repo {repo!r}: " in err
+    assert "1 to 96 characters of A-Z, a-z, 0-9, '-', '_' and '.'" in err
+    assert not (folder / "README.md").exists()
 
 
 def test_the_4bit_variant_of_a_model_loads_the_drafter_trained_for_it(tmp_path):
@@ -304,3 +343,153 @@ def test_generate_without_a_drafter_for_the_model_says_so_and_uses_lookup_beams(
     )
     shape = "L=2 lookup 1 (default)" if cpu_plan == "1" else "L=4 lookup 1 (default; lookup 1: no"
     assert f"[lookup only {shape}" in found.err
+
+
+def write_registry(data) -> None:
+    drafters.registry_path().parent.mkdir(parents=True, exist_ok=True)
+    drafters.registry_path().write_text(json.dumps(data))
+
+
+def registry_entry(path, target, tokenizer) -> dict:
+    identity = drafters.ModelIdentity.of(target, CONFIG, tokenizer)
+    return {"path": path, "model": "m", "identity": dataclasses.asdict(identity)}
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        5,
+        {"drafters": 5},
+        {"drafters": {"path": "x"}},
+        {"drafters": [{"path": 5}]},
+        {"drafters": [{"path": ["a"]}]},
+        {"drafters": [{"path": None}]},
+        {"drafters": [{"path": ""}]},
+        {"drafters": [{"identity": "abc"}]},
+        {"drafters": [{"identity": ["abc"]}]},
+        {"drafters": [{"identity": None}]},
+    ],
+)
+def test_a_malformed_registry_or_entry_is_skipped_said_and_the_next_source_used(
+    tmp_path, monkeypatch, target, tokenizer, broken
+):
+    """Discovery goes on to the model's shipped drafter past a registry it cannot read, and
+    names what it skipped in one line (an entry with ``"path": ""`` used to mean the working
+    folder: here a model folder, which then failed to load as a drafter)."""
+    model = tmp_path / "model"
+    shipped = drafter_folder(model / "redrafter")
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    monkeypatch.chdir(model)
+    if isinstance(broken, dict) and isinstance(broken["drafters"], list):
+        entry = {**registry_entry(str(shipped), target, tokenizer), **broken["drafters"][0]}
+        broken = {"drafters": [entry]}
+    write_registry(broken)
+    choice = find(None, target=target, tokenizer=tokenizer, model=str(model))
+    assert choice.path == shipped and "shipped with the model" in choice.reason
+    line = choice.skipped_line()
+    assert line.startswith("note: drafter discovery skipped 1 unusable source: ")
+    assert str(drafters.registry_path()) in line and "\n" not in line
+
+
+@pytest.mark.parametrize(
+    "what,why",
+    [
+        ("model", "not a drafter (its model.safetensors does not hold a drafter's tensors)"),
+        ("config only", "not a drafter (no model.safetensors)"),
+        ("truncated", "not a drafter ({bad}/model.safetensors: truncated safetensors file ("),
+        ("not a folder", "not a folder"),
+    ],
+)
+def test_a_registry_entry_that_holds_no_drafter_is_skipped_for_the_next_source(
+    tmp_path, target, tokenizer, what, why
+):
+    """The newest entry for this model names the model's own folder, a config.json alone, a
+    cut drafter or a file: it is named in ``skipped`` and the older entry's drafter is used
+    (the newest used to be returned, and loading it failed)."""
+    if what == "model":
+        bad = model_folder(tmp_path / "target")
+    elif what == "config only":
+        bad = tmp_path / "config-only"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(CONFIG))
+    elif what == "truncated":
+        bad = drafter_folder(tmp_path / "cut")
+        weights = bad / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        bad = tmp_path / "file"
+        bad.write_text("{}")
+    good = drafter_folder(tmp_path / "older")
+    entries = [registry_entry(str(p), target, tokenizer) for p in (good, bad)]  # bad: newest
+    write_registry({"drafters": entries})
+    choice = find(None, target=target, tokenizer=tokenizer, model=str(tmp_path / "model"))
+    assert choice.path == good and choice.reason.startswith("trained here")
+    (skipped,) = choice.skipped
+    prefix = f"{bad} (from {drafters.registry_path()}): {why.format(bad=bad)}"
+    assert skipped.startswith(prefix), skipped
+    load_drafter(choice.path, target)
+
+
+def test_generate_past_an_entry_that_is_no_drafter_answers_and_says_so_once(
+    tmp_path, capsys, monkeypatch
+):
+    """The registry names the model folder itself as this model's drafter: `generate` skips it
+    with one line and answers as without it (before: exit 1, "not a drafter config")."""
+    from redrafter_mlx.cli import main
+    from redrafter_mlx.io.load import load_target
+
+    folder = model_folder(tmp_path / "m16")
+    target, tok, config = load_target(folder)
+    identity = drafters.ModelIdentity.of(target, config, tok)
+    entry = {"path": str(folder), "model": str(folder), "identity": dataclasses.asdict(identity)}
+    write_registry({"drafters": [entry]})
+    prompt = ["--model", str(folder), "--prompt", "w5 w6 w7", "--max-tokens", "8"]
+    main(["generate", *prompt])
+    found = capsys.readouterr()
+    main(["generate", *prompt, "--autoregressive"])
+    assert found.out == capsys.readouterr().out
+    skipped = [line for line in found.err.splitlines() if "discovery skipped" in line]
+    assert skipped == [
+        f"note: drafter discovery skipped 1 unusable source: {folder} (from "
+        f"{drafters.registry_path()}): not a drafter (its model.safetensors does not hold a "
+        "drafter's tensors)"
+    ]
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from redrafter_mlx.io import drafters
+identity = drafters.ModelIdentity(64, 64, "c", "t")
+root = Path(sys.argv[1])
+(root / "ready").touch()
+while not (root.parent / "go").exists():  # both start together, imports done
+    time.sleep(0.01)
+for i in range(int(sys.argv[2])):
+    (root / str(i)).mkdir()
+    drafters.record_trained(root / str(i), identity, "m")
+"""
+
+
+def test_two_writers_recording_at_once_keep_every_entry(tmp_path):
+    """Two processes recording 40 drafters each: all 80 entries are kept (the registry is
+    read, merged and replaced under a lock; without it a few were lost)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        argv = [sys.executable, "-c", WRITER, str(tmp_path / name), "40"]
+        procs.append(subprocess.Popen(argv, env=env))
+    for name in ("a", "b"):
+        while not (tmp_path / name / "ready").exists():
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.01)
+    (tmp_path / "go").touch()
+    assert [p.wait(120) for p in procs] == [0, 0]
+    paths = {e["path"] for e in drafters.read_registry()}
+    assert len(paths) == 80

@@ -139,7 +139,7 @@ def test_the_cheap_examples_run_as_written(scratch):
     """What the fixture ran left what its later examples and a user read."""
     assert (scratch / "models/demo/config.json").is_file()
     assert (scratch / "drafters/demo/model.safetensors").is_file()
-    assert (scratch / "drafters/demo/README.md").is_file()  # upload --dry-run's card
+    assert (scratch / "drafters/demo/README.md").is_file()  # train's card
 
 
 def test_every_example_parses_and_keeps_its_line_breaks():

@@ -61,3 +61,24 @@ def test_a_drafter_trained_on_a_hybrid_decodes_exactly_from_the_command_line(
         rows = json.loads((out / "bench.json").read_text())["results"]
         assert {r["kind"] for r in rows} >= {"mlx-lm", "redrafter"}, rows
         assert all(r["exact"] for r in rows), rows
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "nemotron_h", "falcon_h1"])
+def test_demo_model_makes_each_verified_hybrid_family_offline(family, tmp_path, capsys):
+    """`demo-model --family` writes the hybrid families io/checks.py verifies (Gated DeltaNet,
+    short convolutions, Mamba2), with recurrent layers, and `generate` speculates on it exactly
+    (lookup beams against --autoregressive)."""
+    from redrafter_mlx.io.checks import VERIFIED_RECURRENT
+    from redrafter_mlx.io.load import load_target
+
+    out = tmp_path / family
+    main(["demo-model", "--out", str(out), "--family", family])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family in VERIFIED_RECURRENT
+    model, _, _ = load_target(out)
+    kinds = {type(c).__name__ for c in model.make_cache()}
+    assert "ArraysCache" in kinds or "CacheList" in kinds  # recurrent state, not only K/V
+    base = ["generate", "--model", str(out), "--prompt", "Hi there", "--max-tokens", "12"]
+    want = run_json(capsys, [*base, "--autoregressive", "--json"])
+    got = run_json(capsys, [*base, "--lookup", "2", "--json"])
+    assert got["mode"] != "autoregressive" and got["tokens"] == want["tokens"]

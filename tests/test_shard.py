@@ -8,6 +8,7 @@ Every process imports this checkout (``PYTHONPATH``, ``cwd``).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -152,3 +153,86 @@ def test_chat_on_two_ranks_then_a_killed_rank_ends_the_run(folders, tmp_path, ca
         proc.stdin.close()
     text = log.read_text()
     assert "rank 1" in text and "Traceback" not in text, text
+
+
+def wrapped(ranks: int, argv: list[str]) -> list[str]:
+    """``redrafter-mlx launch`` (mlx.launch with an exit status) of ``argv`` on ``ranks``."""
+    port = str(free_ports(ranks))
+    launch = ["--hosts", "127.0.0.1", "-n", str(ranks), "--backend", "ring", "-p", port]
+    return [sys.executable, "-m", "redrafter_mlx", "launch", *launch, "--", sys.executable, *argv]
+
+
+RANK_1_FAILS = (
+    "import os, sys, time; time.sleep(0 if os.environ['MLX_RANK'] == '1' else 60); sys.exit(3)"
+)
+
+
+def test_a_failed_rank_makes_launch_exit_non_zero_where_mlx_launch_exits_0():
+    """mlx.launch ends the other ranks when one fails, then exits 0 itself: a script reads the
+    failure as success. `redrafter-mlx launch` exits with the failed rank's status."""
+    statuses = []
+    for command in (wrapped(2, ["-c", RANK_1_FAILS]), launched(2, ["-c", RANK_1_FAILS])):
+        done = subprocess.run(
+            command, cwd=ROOT, env=env(), input="", capture_output=True, text=True, timeout=120
+        )
+        assert "Node with rank 1 exited with code 3" in done.stderr, done.stderr
+        statuses.append(done.returncode)
+    assert statuses == [3, 0]  # ours, mlx.launch's
+
+
+def test_shard_outside_a_launched_group_says_it_runs_as_one_process(folders, capsys, monkeypatch):
+    _, model, drafter = folders
+    argv = ["generate", "--model", str(model), "--drafter", str(drafter), *CHAT]
+    argv += ["--prompt", "Hello there", "--json"]
+    one = in_process(argv, capsys, monkeypatch)
+    sharded = in_process([*argv, "--shard", "tensor"], capsys, monkeypatch)
+    assert json.loads(sharded)["tokens"] == json.loads(one)["tokens"]
+    from redrafter_mlx.cli import main
+
+    main([*argv, "--shard", "pipeline"])
+    notes = [x for x in capsys.readouterr().err.splitlines() if "one process" in x]
+    assert notes == [
+        "note: --shard pipeline: one process (not started by mlx.launch or redrafter-mlx "
+        "launch), so the whole model loads and runs here"
+    ]
+
+
+@pytest.mark.slow  # a launch of two ranks and a chat: about 35 s here
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+def test_a_hung_rank_ends_every_rank_with_a_line_naming_it_and_a_failed_status(
+    folders, tmp_path, capsys, monkeypatch
+):
+    """SIGSTOP rank 1 of a chat (alive, not answering: the others used to wait for it for
+    ever): rank 0 hears no heartbeat for --rank-timeout seconds, says so naming rank 1, ends
+    it (a stopped process ignores the launcher's SIGTERM) and the launch exits non-zero."""
+    _, model, drafter = folders
+    argv = ["chat", "--model", str(model), "--drafter", str(drafter), *CHAT]
+    expected = in_process(argv, capsys, monkeypatch, stdin="Hello there\n")
+    argv = ["-m", "redrafter_mlx", *argv, "--shard", "tensor", "--rank-timeout", "2"]
+    marker, log = uuid.uuid4().hex, tmp_path / "chat.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            wrapped(2, argv), cwd=ROOT, env=env(marker), stdin=subprocess.PIPE, stdout=out,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    stopped = None
+    try:
+        proc.stdin.write("Hello there\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT
+        while expected.strip() not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        stopped = rank_pid(marker, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        proc.wait(60)  # ends by itself, its input still open
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode != 0, text
+    line = "error: rank 0 of 2: rank 1 has not answered for 2 s (stopped or hung; --rank-timeout)"
+    assert line in text and "Traceback" not in text, text

@@ -17,7 +17,7 @@ from mlx_lm.models import llama
 
 from redrafter_mlx.backend.plan import build_verifier
 from redrafter_mlx.cli import train as T
-from redrafter_mlx.core.drafter import load_drafter, random_drafter
+from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.shape import shape_grid
@@ -825,3 +825,150 @@ def test_minutes_without_epochs_lets_the_time_decide_how_many_passes():
     assert T.epochs(argparse.Namespace(epochs=None, minutes=0)) == T.DEFAULT_EPOCHS == 2.0
     assert T.epochs(argparse.Namespace(epochs=3.0, minutes=15)) == 3.0
     assert T.setup_arg_parser().parse_args([]).epochs is None
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("0", "must be a positive number of minutes, got 0 (leave the flag out for no limit)"),
+        ("-1", "must be a positive number of minutes"),
+        ("nan", "must be a positive number of minutes"),
+        ("inf", "must be a positive number of minutes"),
+        ("1e308", "at most 527,040 minutes (a year), got 1e308"),
+    ],
+)
+@pytest.mark.parametrize("flag", ["--minutes", "--max-minutes"])
+def test_time_budgets_are_positive_finite_and_bounded(flag, value, message, capsys):
+    """--minutes 0 used to mean no limit, silently; 1e308 ended in an OverflowError traceback
+    (its deadline is past what time.localtime shows)."""
+    with pytest.raises(SystemExit) as ended:
+        parse(flag, value)
+    assert ended.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert parse(flag, "0.5").__dict__[flag[2:].replace("-", "_")] == 0.5
+
+
+def eta_seconds(line: str) -> int:
+    minutes, seconds = line.rsplit("ETA ", 1)[1].split(":")
+    return int(minutes) * 60 + int(seconds[:2])
+
+
+def test_progress_and_etas_fit_the_time_budget_from_the_first_line(tmp_path, monkeypatch, capsys):
+    """Under a time budget every progress line's total and ETA is what the budget leaves time
+    for, from the first line on: the training plan of 100 passes (--minutes' default) used to
+    show its full step count and an ETA past the budget until the schedule's first fit."""
+    from redrafter_mlx.training import progress
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    write_conversations(tmp_path / "data.json", 30)
+    flags = [*trained_flags(tmp_path), "--max-tokens", "1500", "--heldout", "4"]
+    flags = [f for f in flags if f != "--quiet"] + ["--heldout-tokens", "300"]
+    args = T.setup_arg_parser().parse_args(flags)
+    model = learnable_target()
+    cache = prepare_cache(
+        model, CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c",
+        T.extract_options(args),
+    )  # fmt: skip
+    opts = T.train_options(args)
+    opts = dataclasses.replace(opts, batch_size=16, eval_every=10**6, epochs=100, max_minutes=0.05)
+    plan = planned_steps(args, cache) * 50  # 100 passes, not 2
+    capsys.readouterr()
+    loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train step ")]
+    assert len(lines) > 3
+    for line in lines:
+        total = int(line.split("/", 1)[1].split(" ", 1)[0])
+        assert total < plan and eta_seconds(line) <= 3, line  # 0.05 min = 3 s
+
+
+def test_progress_fitted_to_a_budget():
+    """What a budget leaves time for: 286 tokens in 10 s, 170 s left of the budget."""
+    from redrafter_mlx.training import progress
+
+    assert progress.fitted(600_000, have=286, done=286, seconds=10.0, time_left=170.0) == (
+        286 + int(28.6 * 170),
+        "ETA 2:50",
+    )
+    assert progress.fitted(1000, have=500, done=500, seconds=10.0, time_left=170.0) == (
+        1000,
+        "ETA 0:10",
+    )  # ends before the budget
+    assert progress.fitted(1000, have=0, done=0, seconds=0.0, time_left=60.0) == (1000, "ETA 1:00")
+    assert progress.fitted(1000, have=500, done=500, seconds=10.0, time_left=None) == (
+        1000,
+        "ETA 0:10",
+    )
+
+
+@pytest.fixture
+def sigterm_restored():
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def not_handled(signum, frame):
+        raise AssertionError("train left SIGTERM to its default: the process would die silently")
+
+    signal.signal(signal.SIGTERM, not_handled)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_ends_train_as_ctrl_c_does_with_how_to_resume(
+    tmp_path, monkeypatch, capsys, sigterm_restored
+):
+    """SIGTERM during training: one line saying how to go on, exit 143 (it used to end with
+    -15 and no word)."""
+    import signal
+    import time
+
+    from redrafter_mlx.training.finish import TrainedTarget
+
+    class Cached:
+        skipped_records = 0
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("no SIGTERM")
+
+    target = TrainedTarget(learnable_target(), CharTokenizer(), {}, "tiny")
+    monkeypatch.setattr(T, "_load", lambda model: target)
+    monkeypatch.setattr(T, "prepare_cache", lambda *args, **kwargs: Cached())
+    monkeypatch.setattr(T, "train", killed)
+    (tmp_path / "data.json").write_text("[]")
+    args = parse(*trained_flags(tmp_path), "--data", str(tmp_path / "data.json"))
+    with pytest.raises(SystemExit) as ended:
+        T.main(args)
+    assert ended.value.code == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"terminated (SIGTERM): rerun the same command with --resume to go on from {args.out}"
+        "/checkpoint"
+    )
+
+
+def test_a_drafter_is_registered_only_after_its_card(tmp_path, monkeypatch):
+    """Stopped during the final evaluation (Ctrl-C, SIGTERM), a drafter is neither carded nor
+    registered: discovery never finds a drafter without its card (it used to be registered
+    first)."""
+    from redrafter_mlx.io import drafters
+    from redrafter_mlx.training import finish as F
+
+    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "drafter"
+    save_drafter(random_drafter(64, VOCAB, seed=1), out)
+    config = {"model_type": "llama", "hidden_size": 64, "vocab_size": VOCAB}
+    target = F.TrainedTarget(learnable_target(), VocabCharTokenizer(), config, "tiny")
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(F, "tokens_per_step", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        F.finish(target, out, {"agreement": [0.5]}, data="d", license_=None, prompts=1)
+    assert drafters.read_registry() == [] and not (out / "README.md").exists()
+    monkeypatch.setattr(F, "tokens_per_step", lambda *args: 1.5)
+    F.finish(target, out, {"agreement": [0.5]}, data="d", license_=None, prompts=1)
+    assert [e["path"] for e in drafters.read_registry()] == [str(out.resolve())]
+    assert "1.50 tokens/step" in (out / "README.md").read_text()

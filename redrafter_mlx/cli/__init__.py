@@ -30,6 +30,7 @@ COMMANDS = {
     "autotune": ("redrafter_mlx.cli.autotune", "find the fastest beam shape for this chip"),
     "upload": ("redrafter_mlx.cli.upload", "share a drafter on the Hugging Face Hub"),
     "demo-model": ("redrafter_mlx.cli.demo_model", "a tiny random model to try commands offline"),
+    "launch": ("redrafter_mlx.cli.launch", "mlx.launch, exiting non-zero when a rank failed"),
 }
 
 USAGE = """usage: redrafter-mlx <command> [options]

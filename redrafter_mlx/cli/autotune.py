@@ -11,11 +11,11 @@ import time
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail, read_prompts
+from redrafter_mlx.cli.progress import progress as progress_for
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
 from redrafter_mlx.tuning.device import chip_info
@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> None:
     console.print(f"chip: {chip_info()}")
     flags.say_drafter(runtime)
     try:
-        with Progress(console=console, transient=True) as progress:
+        with progress_for(console) as progress:  # a bar, or lines into a pipe or log
             result, seconds = run_search(runtime, args, progress, texts)
     except KeyboardInterrupt:
         console.print("interrupted: the stored profile is unchanged")
@@ -241,7 +241,19 @@ def main(args: argparse.Namespace) -> None:
             save_profile(runtime_identity(runtime)[0] + (SAMPLING if args.temp else ""), entry)
         except OSError as e:
             fail(f"profile not saved: {os_error_text(e, str(store_path()))}")
+    saved = "not saved" if args.no_save else f"saved to {store_path()}"
     Console().print(
-        f"best: {result.best.describe()} "
-        f"({'not saved' if args.no_save else f'saved to {store_path()}'})"
+        f"best: {best_line(entry['table'][0])} ({saved})", highlight=False, soft_wrap=True
+    )
+
+
+def best_line(row: dict) -> str:
+    """The winning shape in full, from its table row (the table's first):
+    ``W=2 L=2 lookup K=4 min-prob p=0 search S=2 (plain), 173.7 tok/s estimated ...``."""
+    plain = row["search_width"] in (0, row["beam_width"])
+    search = f"{row['search_width']}{' (plain)' if plain else ''}"
+    return (
+        f"W={row['beam_width']} L={row['beam_length']} lookup K={row['lookup']} "
+        f"min-prob p={row['min_prob']:g} search S={search}, {row['estimated_tps']:g} tok/s "
+        f"estimated ({row['measured_tps']:g} measured)"
     )

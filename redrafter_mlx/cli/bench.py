@@ -266,7 +266,8 @@ def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[Beam
 @flags.reports_errors
 def main(args: argparse.Namespace) -> None:
     from rich.console import Console
-    from rich.progress import Progress
+
+    from redrafter_mlx.cli.progress import progress as progress_for
 
     atomic.check_writable(args.out, "--out")
     conversations = flags.read_conversations(args.prompts, args.num_prompts, args.turns)
@@ -296,7 +297,7 @@ def main(args: argparse.Namespace) -> None:
         console.print(f"note: {args.prompts or MT_BENCH} holds {len(conversations)} conversations")
     cases = sum(len(turns) for turns in cfg.conversations)
     total = cases * args.repetitions * len(bench_methods(cfg.shapes, drafter=cfg.drafter)) + 2
-    with Progress(console=console, transient=True) as progress:
+    with progress_for(console) as progress:  # a bar, or lines into a pipe or log
         task = progress.add_task("benchmarking", total=total)
         result = run_bench(
             runtime,

@@ -16,6 +16,9 @@ EPILOG = """examples:
       --heldout 2 --heldout-tokens 60 --batch-size 16 --epochs 2 --eval-every 10 --eval-prompts 1
   printf 'Hi!\\n' | redrafter-mlx chat --model models/demo --max-tokens 16
   redrafter-mlx demo-model --out models/demo-qwen3 --family qwen3
+  # a hybrid: Gated DeltaNet (qwen3_5), short convolutions (lfm2) or Mamba2 (nemotron_h,
+  # falcon_h1) layers among attention layers, speculated on exactly
+  redrafter-mlx demo-model --out models/demo-hybrid --family qwen3_5
 """
 
 
@@ -29,7 +32,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", required=True, help="output folder (must not exist, see --force)")
-    p.add_argument("--family", choices=sorted(FAMILIES), default="llama", help="mlx-lm family")
+    p.add_argument(
+        "--family",
+        choices=list(FAMILIES),
+        default="llama",
+        help="mlx-lm family: attention only (llama, qwen3) or a hybrid with recurrent layers "
+        "(qwen3_5, lfm2, nemotron_h, falcon_h1)",
+    )
     p.add_argument("--seed", type=flags.at_least(0), default=0, help="seed of the random weights")
     p.add_argument("--force", action="store_true", help="replace an earlier demo-model folder")
     return p

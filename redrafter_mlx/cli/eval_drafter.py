@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
+from redrafter_mlx.cli.progress import progress as progress_for
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
@@ -176,8 +176,9 @@ def select_prompts(
 
 def run_with_progress(job: ev.Evaluation, args: argparse.Namespace, target_id: str) -> list[dict]:
     """:func:`~redrafter_mlx.training.evaluate.simulate_grid` (``--simulate``) or
-    :func:`~redrafter_mlx.training.evaluate.evaluate` under a transient progress bar."""
-    with Progress(transient=True) as bar:
+    :func:`~redrafter_mlx.training.evaluate.evaluate` with progress on stderr (a bar on a
+    terminal, else a line every few seconds)."""
+    with progress_for() as bar:
         task = bar.add_task("decoding", total=len(job.prompts) * len(job.shapes))
 
         def progress(done: int) -> None:

@@ -50,6 +50,27 @@ def non_negative(text: str) -> float:
     return value
 
 
+# A time budget's bound: a year (a budget beyond it is a typo, and its deadline a date that
+# the clock cannot show: 1e308 minutes overflowed time.localtime)
+MAX_MINUTES = 366 * 24 * 60
+
+
+def minutes(text: str) -> float:
+    """A time budget in minutes: finite, > 0 and at most :data:`MAX_MINUTES` (a flag left out
+    means no limit; 0 is refused, not read as "none")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of minutes, got {text} (leave the flag out for no limit)"
+        )
+    if value > MAX_MINUTES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_MINUTES:,} minutes (a year), got {text}")
+    return value
+
+
 BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
@@ -138,7 +159,17 @@ def load_runtime(model: str | None, drafter: str | None, *, need_drafter: bool) 
     """:func:`rt.load_runtime`, said first: loading takes seconds (minutes for a first
     conversion or download) that would otherwise pass in silence."""
     say_loading(model)
-    return rt.load_runtime(model, drafter, need_drafter=need_drafter)
+    runtime = rt.load_runtime(model, drafter, need_drafter=need_drafter)
+    say_skipped(runtime)
+    return runtime
+
+
+def say_skipped(runtime) -> None:
+    """One stderr line naming the drafter sources discovery skipped (a broken registry entry,
+    a folder that holds no drafter), if any: they are worth mending, not worth stopping for."""
+    choice = getattr(runtime, "drafter_choice", None)
+    if choice is not None and (line := choice.skipped_line()):
+        print(line, file=sys.stderr)
 
 
 def say_loading(model: str | None) -> None:

@@ -3,8 +3,10 @@ loads its share of the target; rank 0 runs the command (prints, reads input, ser
 ranks follow its orders (``core/distributed.py``) and print nothing but their own failure.
 
 A rank that fails says so in one line naming itself and exits 1; ``mlx.launch`` then ends
-the others. A rank that loses another mid-run (killed, its machine gone) ends with one line
-too, instead of a traceback.
+the others (``redrafter-mlx launch`` also exits non-zero then). A rank that loses another
+mid-run (killed, its machine gone) ends with one line too, instead of a traceback; one that
+hears nothing from another for ``--rank-timeout`` seconds (hung: ``cli/rankwatch.py``) too.
+Outside a launched group ``--shard`` says in one line that it runs as one process.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import signal
 import sys
 import threading
 
-from redrafter_mlx.cli import flags
+from redrafter_mlx.cli import flags, rankwatch
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.io import runtime as rt
 
@@ -29,6 +31,14 @@ SHARD_HELP = (
 
 def add_shard_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", choices=("tensor", "pipeline"), help=SHARD_HELP)
+    parser.add_argument(
+        "--rank-timeout",
+        type=flags.non_negative,
+        default=rankwatch.timeout_default(),
+        help="with --shard: seconds a rank may stop answering (stopped, hung) before every "
+        f"rank ends with a line naming it (0: wait forever; default: ${rankwatch.ENV} or "
+        f"{rankwatch.DEFAULT_TIMEOUT:g})",
+    )
 
 
 def follower(args: argparse.Namespace) -> bool:
@@ -57,9 +67,17 @@ def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
     if not getattr(args, "shard", None):
         return flags.load_runtime(args.model, args.drafter, need_drafter=need_drafter)
     flags.say_loading(args.model)
+    import mlx.core as mx
+
     from redrafter_mlx.core.distributed import PeerFailed, follow
     from redrafter_mlx.io.sharded import load_runtime as load_sharded
 
+    if mx.distributed.init().size() == 1:
+        print(
+            f"note: --shard {args.shard}: one process (not started by mlx.launch or "
+            "redrafter-mlx launch), so the whole model loads and runs here",
+            file=sys.stderr,
+        )
     try:
         runtime, orders = load_sharded(
             args.model, args.drafter, args.shard, need_drafter=need_drafter
@@ -68,7 +86,11 @@ def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
         raise SystemExit(1) from None  # the failed rank said why
     if orders.size > 1:
         _one_line_when_a_rank_is_lost(orders.rank, orders.size)
+        off = rankwatch.start(orders.group, getattr(args, "rank_timeout", 0.0))
+        if off and orders.lead:
+            print(f"note: {off}", file=sys.stderr)
     if orders.lead:
+        flags.say_skipped(runtime)
         _ctrl_c_on_lead()
         atexit.register(orders.stop)
         return runtime

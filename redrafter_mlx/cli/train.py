@@ -200,18 +200,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-minutes",
-        type=float,
+        type=flags.minutes,
         default=0.0,
-        help="stop training after this; the learning-rate schedule is shortened to end then "
-        "(fitted to the measured step rate)",
+        help="stop training after this, e.g. 20 (> 0, at most a year; default: no limit); the "
+        "learning-rate schedule is shortened to end then (fitted to the measured step rate)",
     )
     p.add_argument(
         "--minutes",
-        type=float,
+        type=flags.minutes,
         default=0.0,
-        help="the whole run's time: extraction may use 40%% of it (fewer tokens than "
-        "--max-tokens if time runs out), training the rest with its schedule fitted to end in "
-        "time, then the evaluation (0: no limit; instead of --max-minutes)",
+        help="the whole run's time, e.g. 30 (> 0, at most a year; default: no limit): "
+        "extraction may use 40%% of it (fewer tokens than --max-tokens if time runs out), "
+        "training the rest with its schedule fitted to end in time, then the evaluation "
+        "(instead of --max-minutes); progress and ETAs are fitted to it from the start",
     )
     p.add_argument(
         "--soft-weight",
@@ -262,6 +263,7 @@ def main(args: argparse.Namespace) -> None:
     on stderr and exit status 1, Ctrl-C in 130 with how to go on. Under ``mlx.launch`` every
     rank runs this; rank 0 alone prints the result, a failed rank names itself."""
     stage, ranks, started = "load", ONE, time.time()
+    _sigterm_as_ctrl_c()
     try:
         ranks = Ranks.launched()
         check_args(args)
@@ -295,8 +297,8 @@ def main(args: argparse.Namespace) -> None:
         best = train(target.model, cache, Path(args.out), opts, run_options=recorded, ranks=ranks)
         stage = "finish"
         facts = _finish(target, args, data, best) if ranks.lead else {}
-    except KeyboardInterrupt:
-        _interrupted(stage, args.out, ranks)
+    except KeyboardInterrupt as e:
+        _interrupted(stage, args.out, ranks, terminated=isinstance(e, Terminated))
     except PeerFailed:
         raise SystemExit(1) from None  # the failed rank said why
     except ReDrafterError as e:
@@ -389,15 +391,37 @@ def print_summary(args: argparse.Namespace, target: TrainedTarget, best: dict, f
     print(f"  redrafter-mlx upload --drafter {args.out} --repo USER/NAME --dry-run")
 
 
-def _interrupted(stage: str, out: str | None, ranks: Ranks) -> NoReturn:
-    """Ctrl-C: say how to go on from what is saved (rank 0, on several), exit 130."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a job scheduler's stop), handled as Ctrl-C is."""
+
+
+def _sigterm_as_ctrl_c() -> None:
+    """SIGTERM raises :class:`Terminated` in the main thread, so that a stopped run ends as an
+    interrupted one does: what is saved stays resumable, and one line says how to go on."""
+    import signal
+    import threading
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)
+
+
+def _interrupted(stage: str, out: str | None, ranks: Ranks, *, terminated: bool) -> NoReturn:
+    """Ctrl-C or SIGTERM: say how to go on from what is saved (rank 0, on several); exit 130
+    (Ctrl-C) or 143 (SIGTERM), as a shell reports a process ended by either."""
     hint = {
         "extract": "finished shards stay in the cache: rerun the same command to go on",
         "train": f"rerun the same command with --resume to go on from {out}/checkpoint",
+        "finish": f"{out} holds the trained drafter, not yet registered for discovery: rerun "
+        "the same command with --resume to evaluate, card and register it (or pass --drafter "
+        f"{out})",
     }.get(stage, "")
+    what = "terminated (SIGTERM)" if terminated else "interrupted"
     if ranks.lead:
-        print(f"\ninterrupted{': ' + hint if hint else ''}", file=sys.stderr)
-    raise SystemExit(130) from None
+        print(f"\n{what}{': ' + hint if hint else ''}", file=sys.stderr)
+    raise SystemExit(143 if terminated else 130) from None
 
 
 def extract_options(args: argparse.Namespace, *, stop_at: float = 0.0) -> ExtractOptions:
@@ -447,7 +471,7 @@ def training_minutes(args: argparse.Namespace, started: float) -> float:
 def check_minutes(args: argparse.Namespace, ranks: Ranks) -> None:
     """--minutes is a finite time, not with --max-minutes, on one process (each rank's clock
     would end extraction at another conversation)."""
-    if not 0 < args.minutes < math.inf:
+    if not 0 < args.minutes <= flags.MAX_MINUTES:  # set in code, not parsed by flags.minutes
         raise TrainError(f"--minutes must be a positive number (got {args.minutes})")
     if args.max_minutes:
         raise TrainError("--minutes sets the training time itself: leave out --max-minutes")
@@ -510,8 +534,9 @@ def check_args(args: argparse.Namespace) -> None:
         if not 0 < value < math.inf:
             raise TrainError(f"{flag} must be a positive number (got {value})")
     layers = args.num_draft_layers if args.num_draft_layers is not None else 0
+    if not 0 <= args.max_minutes <= flags.MAX_MINUTES:  # 0: none (the flag left out)
+        raise TrainError(f"--max-minutes must be a positive number (got {args.max_minutes})")
     non_negative = {
-        "--max-minutes": args.max_minutes,
         "--draft-vocab": args.draft_vocab,
         "--topk": args.topk,
         "--num-draft-layers": layers,

@@ -81,11 +81,16 @@ def _front_matter(model: str, license_: str | None) -> list[str]:
     return [*lines, "---", ""]
 
 
-def write_card(folder: Path, *, drafter: str | None = None, model: str | None = None) -> Path:
-    """Write ``folder/README.md`` from its recorded facts (atomic); ``drafter``: how the card
-    says to load it (default: the folder's path); ``model``: the target's name for readers
-    elsewhere (a Hub id), instead of the one ``train`` recorded (often a local folder)."""
-    path = Path(folder) / CARD_NAME
+def card_text(folder: Path, *, drafter: str | None = None, model: str | None = None) -> str:
+    """The card of ``folder`` from its recorded facts; ``drafter``: how the card says to load
+    it (default: the folder's path); ``model``: the target's name for readers elsewhere (a Hub
+    id), instead of the one ``train`` recorded (often a local folder)."""
     facts = card_facts(folder) | ({"model": model} if model else {})
-    write_text(path, render_card(facts, drafter=drafter or str(folder)))
+    return render_card(facts, drafter=drafter or str(folder))
+
+
+def write_card(folder: Path, *, drafter: str | None = None, model: str | None = None) -> Path:
+    """Write ``folder/README.md`` (:func:`card_text`, atomic)."""
+    path = Path(folder) / CARD_NAME
+    write_text(path, card_text(folder, drafter=drafter, model=model))
     return path

@@ -44,8 +44,9 @@ def looks_like_hub_id(text: str) -> bool:
     return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
 
 
-def check_safetensors(path: Path) -> None:
-    """Raise LoadError if ``path`` is not a complete safetensors file (checks header + size)."""
+def check_safetensors(path: Path) -> dict:
+    """Raise LoadError if ``path`` is not a complete safetensors file (checks header + size);
+    its header (tensor name -> dtype, shape, offsets) when it is."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -63,6 +64,7 @@ def check_safetensors(path: Path) -> None:
         raise LoadError(
             f"{path}: truncated safetensors file ({size} bytes, needs {8 + n + max(ends)})"
         )
+    return header
 
 
 def resolve_path(path_or_repo: str | Path) -> Path:

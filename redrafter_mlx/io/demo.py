@@ -1,4 +1,5 @@
-"""A tiny random model to try the own-model path offline: mlx-lm's own classes at a small size,
+"""A tiny random model to try the own-model path offline: mlx-lm's own classes at a small size
+(attention-only families, and hybrids whose recurrent layers the tree forward verifies),
 the embedded SmolLM2's tokenizer and chat template, written as an mlx-lm folder.
 
 Its answers are noise (its weights are random); what it shows is the path a real model takes:
@@ -32,9 +33,66 @@ SIZES = {
     "max_position_embeddings": 2048,
     "tie_word_embeddings": True,
 }
+# Gated DeltaNet layers (Qwen3.5): grouped key heads, a 4-wide convolution
+GATED_DELTA = {
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
 FAMILIES = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
+    # Hybrids (recurrent-state layers among attention layers), as io/checks.py verifies them:
+    # Gated DeltaNet, short convolutions, Mamba2 (the layouts of tests/families.py)
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        **GATED_DELTA,
+    },
+    "lfm2": {
+        "model_type": "lfm2",
+        "num_hidden_layers": 3,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1],
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": ["M", "*", "-", "M"],
+        "num_hidden_layers": 4,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "head_dim": 16,
+    },
+    "falcon_h1": {
+        "model_type": "falcon_h1",
+        "head_dim": 16,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_heads": 4,
+        "mamba_n_groups": 1,
+    },
 }
 # A few short conversations written beside the model, so that `train --data` has something to
 # distil offline (the default corpus is a 125 MB optional download).

@@ -4,10 +4,16 @@
 Without ``--drafter`` the sources are tried in this order:
 
 1. one trained on this machine for this model: ``train`` records every drafter it writes in
-   the registry ``$REDRAFTER_CACHE/drafters.json`` (:func:`record_trained`), newest first;
+   the registry ``$REDRAFTER_CACHE/drafters.json`` (:func:`record_trained`, under a lock),
+   newest first;
 2. one shipped with the model: a ``redrafter/`` folder in the model's folder or Hub repository;
 3. the embedded SmolLM2's shipped drafter (``io/embedded.py``), for the embedded model;
 4. none: lookup beams only.
+
+A source that cannot be used (a registry that is no ``{"drafters": [...]}``, an entry without
+a folder path or identity, a folder that holds no drafter: a model, a config alone, truncated
+weights) is skipped for the next one and named in :attr:`DrafterChoice.skipped` (commands say
+it in one line); it never stops a command.
 
 ``--drafter DIR`` or ``--drafter USER/NAME`` (a Hub id, downloaded once into the Hugging Face
 cache and read from there offline) skips discovery; ``--drafter none`` turns it off.
@@ -26,17 +32,21 @@ only perhaps with fewer tokens accepted.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from redrafter_mlx.core.atomic import write_text
+from redrafter_mlx.core.atomic import os_error_text, write_text
+from redrafter_mlx.core.drafter import DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import DrafterError, LoadError
 from redrafter_mlx.core.llm import target_dims
 from redrafter_mlx.core.paths import cache_dir
-from redrafter_mlx.io.checks import looks_like_hub_id, resolve_path
+from redrafter_mlx.io.checks import check_safetensors, looks_like_hub_id, one_line, resolve_path
 from redrafter_mlx.io.embedded import default_drafter_path
 
 # Config fields that say how weights are stored, not which model they are
@@ -74,10 +84,13 @@ class ModelIdentity:
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    """The drafter folder a command uses (None: none) and why, in words."""
+    """The drafter folder a command uses (None: none) and why, in words; ``skipped``: the
+    sources discovery could not use (a broken registry entry, a folder that holds no
+    drafter), each ``what: why``."""
 
     path: Path | None
     reason: str
+    skipped: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line for stderr: ``drafter: PATH (why)`` or ``drafter: none (why): ...``."""
@@ -85,8 +98,18 @@ class DrafterChoice:
             return f"drafter: none ({self.reason}): lookup beams only"
         return f"drafter: {self.path} ({self.reason})"
 
+    def skipped_line(self) -> str | None:
+        """One line for stderr naming what discovery skipped and why; None when nothing was."""
+        if not self.skipped:
+            return None
+        n = len(self.skipped)
+        return f"note: drafter discovery skipped {n} unusable source{'s' * (n > 1)}: " + (
+            "; ".join(self.skipped)
+        )
+
     def as_json(self) -> dict:
-        return {"path": None if self.path is None else str(self.path), "reason": self.reason}
+        found = {"path": None if self.path is None else str(self.path), "reason": self.reason}
+        return found | ({"skipped": list(self.skipped)} if self.skipped else {})
 
 
 def config_fingerprint(config: dict) -> str:
@@ -124,13 +147,15 @@ def find_drafter(
         where = "a Hub id, from the Hugging Face cache" if not Path(given).exists() else "given"
         return DrafterChoice(path, f"--drafter, {where}")
     refused: list[str] = []
-    for found in (_trained_here(model, identity, refused), _shipped(model, identity, refused)):
+    skipped: list[str] = []
+    sources = (_trained_here, _shipped)
+    for found in (source(model, identity, refused, skipped) for source in sources):
         if found is not None:
-            return found
+            return replace(found, skipped=tuple(skipped))
     if embedded and (shipped := default_drafter_path()) is not None:
-        return DrafterChoice(shipped, "the embedded model's shipped drafter")
+        return DrafterChoice(shipped, "the embedded model's shipped drafter", tuple(skipped))
     reason = "none trained here or shipped with this model"
-    return DrafterChoice(None, "; ".join([reason, *refused]))
+    return DrafterChoice(None, "; ".join([reason, *refused]), tuple(skipped))
 
 
 def mismatch(folder: Path, identity: ModelIdentity) -> str | None:
@@ -161,30 +186,63 @@ def read_target_file(folder: Path) -> dict | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def _trained_here(model: str, identity: ModelIdentity, refused: list[str]) -> DrafterChoice | None:
+def _trained_here(
+    model: str, identity: ModelIdentity, refused: list[str], skipped: list[str]
+) -> DrafterChoice | None:
     """The newest registry entry for ``identity`` whose folder still holds a drafter; an
-    entry recorded under this model's name but for another identity goes into ``refused``."""
-    for entry in reversed(read_registry()):
-        path = Path(entry.get("path", ""))
-        if not (path / "config.json").is_file():
+    entry recorded under this model's name but for another identity goes into ``refused``,
+    one that cannot be used (malformed, its folder no drafter) into ``skipped``."""
+    for entry in reversed(read_registry(skipped)):
+        path = Path(entry["path"]).expanduser()
+        if not path.exists():
+            continue  # removed since it was trained: nothing to say
+        if identity.differs_from(entry["identity"]) is not None:
+            if entry.get("model") == model:
+                refused.append(f"refused {path}: trained for another model under the name {model}")
             continue
-        if identity.differs_from(entry.get("identity", {})) is None:
-            return DrafterChoice(path, f"trained here for this model, {entry.get('written', '?')}")
-        if entry.get("model") == model:
-            refused.append(f"refused {path}: trained for another model under the name {model}")
+        if problem := drafter_problem(path):
+            skipped.append(f"{path} (from {registry_path()}): {problem}")
+            continue
+        return DrafterChoice(path, f"trained here for this model, {entry.get('written', '?')}")
     return None
 
 
-def _shipped(model: str, identity: ModelIdentity, refused: list[str]) -> DrafterChoice | None:
+def _shipped(
+    model: str, identity: ModelIdentity, refused: list[str], skipped: list[str]
+) -> DrafterChoice | None:
     """The ``redrafter/`` folder of the model's folder or Hub repository, if it matches."""
     root = _model_root(model)
     folder = None if root is None else root / SHIPPED_DIR
-    if folder is None or not (folder / "config.json").is_file():
+    if folder is None or not folder.exists():
+        return None
+    if problem := drafter_problem(folder):
+        skipped.append(f"{folder}: {problem}")
         return None
     if problem := mismatch(folder, identity):
         refused.append(f"refused {folder}: {problem}")
         return None
     return DrafterChoice(folder, f"shipped with the model ({SHIPPED_DIR}/)")
+
+
+def drafter_problem(folder: Path) -> str | None:
+    """Why ``folder`` holds no loadable drafter, in words (no weights are read: its config, and
+    the safetensors header checked against the tensors that config needs); None when it does."""
+    if not folder.is_dir():
+        return "not a folder"
+    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+    missing = [f.name for f in (config_file, weights_file) if not f.is_file()]
+    if missing:
+        return f"not a drafter (no {' or '.join(missing)})"
+    try:
+        args = DrafterArgs.from_dict(json.loads(config_file.read_text()))
+        header = check_safetensors(weights_file)
+        stored = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return f"not a drafter ({one_line(os_error_text(e) if isinstance(e, OSError) else e)})"
+    stored = {k: v for k, v in stored.items() if not k.startswith("emb_norm")}
+    if stored != tensor_shapes(args):
+        return "not a drafter (its model.safetensors does not hold a drafter's tensors)"
+    return None
 
 
 def _model_root(model: str) -> Path | None:
@@ -207,15 +265,44 @@ def registry_path() -> Path:
     return cache_dir() / REGISTRY_NAME
 
 
-def read_registry() -> list[dict]:
-    """The registry's entries, oldest first; [] when it is missing or unreadable (it only
-    ever helps: a broken one must not stop a command)."""
+def read_registry(skipped: list[str] | None = None) -> list[dict]:
+    """The registry's usable entries, oldest first (a folder path and an identity each); []
+    when it is missing or unreadable: it only ever helps, so a broken one must not stop a
+    command. What is left out is said in ``skipped`` (a file that is no registry, an entry
+    that is no drafter's)."""
+    path = registry_path()
     try:
-        data = json.loads(registry_path().read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        _note(skipped, f"{path}: unreadable ({one_line(e)})")
         return []
     entries = data.get("drafters") if isinstance(data, dict) else None
-    return [e for e in entries or [] if isinstance(e, dict)]
+    if not isinstance(entries, list):
+        _note(skipped, f'{path}: not a drafters record ({{"drafters": [...]}} expected)')
+        return []
+    usable = [e for e in entries if _usable_entry(e)]
+    if bad := len(entries) - len(usable):
+        what = "entries" if bad > 1 else "entry"
+        _note(skipped, f"{path}: {bad} malformed {what} (each needs a folder path and an identity)")
+    return usable
+
+
+def _usable_entry(entry: object) -> bool:
+    """Whether a registry entry names a folder (a non-empty string) and an identity (an
+    object): what :func:`_trained_here` reads."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("path"), str)
+        and entry["path"].strip() != ""
+        and isinstance(entry.get("identity"), dict)
+    )
+
+
+def _note(skipped: list[str] | None, text: str) -> None:
+    if skipped is not None:
+        skipped.append(text)
 
 
 def identity_record(identity: ModelIdentity, model: str) -> dict:
@@ -224,12 +311,39 @@ def identity_record(identity: ModelIdentity, model: str) -> dict:
 
 
 def record_trained(folder: Path, identity: ModelIdentity, model: str, **extra) -> None:
-    """Write ``folder/target.json`` and add ``folder`` to the registry (replacing an older
-    entry for the same folder); both written atomically."""
+    """:func:`write_target_file`, then :func:`register`."""
+    write_target_file(folder, identity, model)
+    register(folder, identity, model, **extra)
+
+
+def write_target_file(folder: Path, identity: ModelIdentity, model: str) -> None:
+    """Write ``folder/target.json``: the identity of the model it was made for (atomic)."""
     folder = Path(folder).expanduser().resolve()
     write_text(folder / TARGET_FILE, json.dumps(identity_record(identity, model), indent=2) + "\n")
+
+
+def register(folder: Path, identity: ModelIdentity, model: str, **extra) -> None:
+    """Add ``folder`` to the registry (replacing an older entry for the same folder): read,
+    merged and replaced atomically under a lock, so that concurrent writers (two ``train``
+    runs) lose no entry. ``train`` registers a drafter last, once its card is written."""
+    folder = Path(folder).expanduser().resolve()
     written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     entry = {"path": str(folder), "model": model, "identity": asdict(identity)}
-    entries = [e for e in read_registry() if e.get("path") != str(folder)]
-    entries.append({**entry, "written": written, **extra})
-    write_text(registry_path(), json.dumps({"drafters": entries}, indent=2) + "\n")
+    with _locked(registry_path()):
+        entries = [e for e in read_registry() if e.get("path") != str(folder)]
+        entries.append({**entry, "written": written, **extra})
+        write_text(registry_path(), json.dumps({"drafters": entries}, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` + ``.lock`` (``flock``: released when the process
+    ends, however it ends) while the block runs."""
+    lock = path.with_name(path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

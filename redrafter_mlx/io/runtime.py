@@ -100,8 +100,9 @@ def load_runtime(
     except (ValueError, OSError) as e:  # e.g. an unreadable file: one line, no traceback
         raise LoadError(os_error_text(e) if isinstance(e, OSError) else str(e)) from None
     if need_drafter and beam_drafter is None:
+        why = "; ".join([choice.reason, *(f"skipped {x}" for x in choice.skipped)])
         raise ConfigError(
-            f"no drafter for this model ({choice.reason}): pass --drafter DIR or USER/NAME, "
+            f"no drafter for this model ({why}): pass --drafter DIR or USER/NAME, "
             "--lookup K for lookup beams only, or make one with `redrafter-mlx train`"
         )
     max_context = config.get("max_position_embeddings")

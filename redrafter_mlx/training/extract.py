@@ -182,12 +182,17 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) 
             have += len(arrays["tokens"])
             done_tokens += len(arrays["tokens"])
             seconds = time.perf_counter() - start
-            eta = progress.eta(seconds, done_tokens, max(budget - have, 0))
+            planned, eta = progress.fitted(
+                budget, have=min(have, budget), done=done_tokens, seconds=seconds,
+                time_left=opts.stop_at - time.time() if opts.stop_at else None,
+            )  # fmt: skip
             rate = f"{done_tokens / seconds:.0f} tok/s"
-            bar.update(task, completed=min(have, budget), rate=rate, eta=eta)
+            bar.update(task, completed=min(have, planned), total=planned, rate=rate, eta=eta)
             if lines.due():
+                fits = " (what --minutes leaves time for)" if planned < budget else ""
                 progress.say(
-                    f"{verb} {split}: {min(have, budget):,}/{budget:,} tokens, {rate}, {eta}"
+                    f"{verb} {split}: {min(have, planned):,}/{planned:,} tokens{fits}, {rate}, "
+                    f"{eta}"
                 )
             if not boundary:
                 continue

@@ -13,7 +13,7 @@ from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.card import record_card_facts, write_card
-from redrafter_mlx.io.drafters import ModelIdentity, record_trained
+from redrafter_mlx.io.drafters import ModelIdentity, register, write_target_file
 from redrafter_mlx.io.prompts import load_conversations
 from redrafter_mlx.training import evaluate as ev
 
@@ -60,10 +60,11 @@ def tokens_per_step(target: TrainedTarget, out: Path, num_prompts: int) -> float
 def finish(
     target: TrainedTarget, out: Path, best: dict, *, data: str, license_: str | None, prompts: int
 ) -> dict:
-    """Evaluate ``out`` briefly (``prompts`` = 0: not at all), register it for discovery and
-    write its card; the card's facts."""
+    """Evaluate ``out`` briefly (``prompts`` = 0: not at all), write its card, then register
+    it for discovery: last, so that a run stopped before (a Ctrl-C or SIGTERM during the
+    evaluation) leaves no registered drafter without its card; the card's facts."""
     identity = ModelIdentity.of(target.model, target.config, target.tokenizer)
-    record_trained(out, identity, target.name, mean_agreement=best.get("mean_agreement"))
+    write_target_file(out, identity, target.name)
     facts = {
         "data": data,
         "heldout_agreement": best.get("agreement"),
@@ -73,4 +74,5 @@ def finish(
     }
     record_card_facts(out, facts)
     write_card(out)
+    register(out, identity, target.name, mean_agreement=best.get("mean_agreement"))
     return facts

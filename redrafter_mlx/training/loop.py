@@ -163,11 +163,15 @@ def run_loop(
             state["step"] = step = state["step"] + 1
             elapsed = _clock(start, opts, ranks)
             rate = _rate(trainer, step - seen0, elapsed, opts, ranks)
-            eta, loss = progress.eta(elapsed, step - seen0, total - step), np.mean(losses[-50:])
-            bar.update(task, completed=step, loss=f"{loss:.3f}", rate=rate, eta=eta)
+            time_left = opts.max_minutes * 60 - before - elapsed if opts.max_minutes else None
+            shown, eta = progress.fitted(
+                total, have=step, done=step - seen0, seconds=elapsed, time_left=time_left
+            )  # the schedule is fitted after FIT_AFTER steps; what is shown, from the first
+            loss = np.mean(losses[-50:])
+            bar.update(task, completed=step, total=shown, loss=f"{loss:.3f}", rate=rate, eta=eta)
             if lines.due():
                 progress.say(
-                    f"train step {step}/{total} ({100 * step / total:.0f}%), loss {loss:.3f}, "
+                    f"train step {step}/{shown} ({100 * step / shown:.0f}%), loss {loss:.3f}, "
                     f"agree {agree}, {rate}, {eta}"
                 )
             timed_out = opts.max_minutes and before + elapsed > opts.max_minutes * 60

@@ -20,8 +20,28 @@ def console() -> Console:
 def eta(seconds: float, done: float, left: float) -> str:
     """``ETA m:ss`` at the mean pace since the start (``done`` units in ``seconds``): a short
     window swings with every evaluation or long answer; the whole run's mean does not."""
-    left_s = int(seconds / done * left) if done > 0 else 0
+    return eta_text(seconds / done * left if done > 0 else 0)
+
+
+def eta_text(seconds_left: float) -> str:
+    left_s = int(seconds_left)
     return f"ETA {left_s // 60}:{left_s % 60:02d}"
+
+
+def fitted(
+    total: int, *, have: int, done: float, seconds: float, time_left: float | None
+) -> tuple[int, str]:
+    """``(total, ETA)`` of a run at ``have`` of ``total`` units, at the mean pace (``done``
+    units in ``seconds``): with a time budget (``time_left`` seconds, None: none) the total
+    is what fits in it and the ETA at most the time left, from the first line on, instead
+    of a plan the budget will cut (600,000 tokens, ETA 2007:51, in a 3-minute run)."""
+    pace = done / seconds if done > 0 and seconds > 0 else 0.0
+    left_s = (total - have) / pace if pace else 0.0
+    if time_left is not None and (not pace or left_s > time_left):
+        left_s = max(time_left, 0.0)
+        if pace:
+            total = min(total, have + int(pace * left_s))
+    return max(total, have), eta_text(left_s)
 
 
 class PlainLines:

@@ -129,6 +129,9 @@ class SearchResult:
     # it (eliminated shapes keep their last one); the full grid, its measured median
     estimates: dict[BeamShape, float]
     observations: list[Observation] = field(default_factory=list)
+    # halving: the rounds each shape ran in; a shape that lasted longer ranks above one out
+    # earlier, whose estimate is an older round's (it may be higher than the winner's last)
+    rounds: dict[BeamShape, int] = field(default_factory=dict)
 
 
 def successive_halving(
@@ -145,7 +148,7 @@ def successive_halving(
 ) -> SearchResult:
     """Rounds over prompts ``0, 1, ...`` (mod ``num_prompts``); see the module docstring."""
     rng = np.random.default_rng(seed)
-    alive, observations, ranked = list(shapes), [], {}
+    alive, observations, ranked, rounds = list(shapes), [], {}, {}
     extra, rnd = None, 0
     while True:
         for i in rng.permutation(len(alive)):
@@ -155,11 +158,12 @@ def successive_halving(
         rnd += 1
         est = scores(observations, alive, shrink=shrink)
         ranked |= {s: math.exp(v) for s, v in est.items()}
+        rounds |= dict.fromkeys(alive, rnd)
         alive.sort(key=lambda s: -est[s])
         if len(alive) <= finalists:
             extra = final_rounds - 1 if extra is None else extra - 1
             if extra <= 0:
-                return SearchResult(alive[0], ranked, observations)
+                return SearchResult(alive[0], ranked, observations, rounds)
         else:
             alive = alive[: max(finalists, math.ceil(len(alive) * keep))]
 
@@ -233,9 +237,12 @@ def heldout_prompt_ids(runtime, count: int, texts: Sequence[str] = HELDOUT_PROMP
 
 
 def table(result: SearchResult) -> list[dict]:
-    """Per-shape rows: runs, tokens/step, tree size, median measured and estimated tokens/s."""
+    """Per-shape rows: runs, tokens/step, tree size, median measured and estimated tokens/s;
+    ranked as the search ranked them, so the first row is ``result.best``: by the rounds a
+    shape lasted (halving), then by its estimate."""
     rows = []
-    for shape, estimate in sorted(result.estimates.items(), key=lambda kv: -kv[1]):
+    ranked = sorted(result.estimates.items(), key=lambda kv: (-result.rounds.get(kv[0], 0), -kv[1]))
+    for shape, estimate in ranked:
         own = [o for o in result.observations if o.shape == shape]
         rows.append(
             {
