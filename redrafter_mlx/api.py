@@ -33,7 +33,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
 from redrafter_mlx.backend.plan import build_verifier, plan_for  # noqa: E402
-from redrafter_mlx.core.accept import Sampler, greedy  # noqa: E402
+from redrafter_mlx.core.accept import Sampler, greedy, temperature  # noqa: E402
 from redrafter_mlx.core.decode import Verifier  # noqa: E402
 from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
@@ -95,11 +95,11 @@ def _verifier(model: Model | nn.Module, drafter: BeamDrafter | None) -> Verifier
     return _PLAIN[key]
 
 
-def _shape(model: Model | nn.Module, overrides: dict, sampling: bool) -> BeamShape:
+def _shape(model: Model | nn.Module, overrides: dict, temp: float) -> BeamShape:
     """The keywords' shape fields over this chip's profile (a loaded model) or the plan's
     default: the command line's rule."""
     if isinstance(model, Model):
-        return resolve_shape(model.runtime, overrides=overrides, sampling=sampling)[0]
+        return resolve_shape(model.runtime, overrides=overrides, temp=temp)[0]
     given = {k: v for k, v in overrides.items() if v is not None}
     default = plan_for().default_shape
     return BeamShape(**{**default.__dict__, **given})
@@ -153,7 +153,7 @@ def stream_generate(
         "search_width": search_width,
         "lookup": lookup,
     }
-    shape = _shape(model, overrides, sampling=sampler is not None and sampler is not greedy)
+    shape = _shape(model, overrides, temperature(sampler))
     mode = Mode.choose(
         drafter=verifier.drafter is not None,
         shape=shape,

@@ -14,7 +14,6 @@ import numpy as np
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core import atomic
-from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.shape import BeamShape, shape_grid
 from redrafter_mlx.core.step import PHASES
 from redrafter_mlx.io import runtime as rt
@@ -256,7 +255,7 @@ def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[Beam
     shapes = shape_grid(DEFAULT_WIDTHS, DEFAULT_LENGTHS, lookups=lookups)
     if args.lookup:  # the short grid at each K given
         return shapes
-    found = lookup_profile(runtime, sampling=not is_greedy(args.temp))
+    found = lookup_profile(runtime, temp=args.temp)
     for extra in (default, found and found[0]):
         if extra and extra not in shapes:
             shapes.append(extra)

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from redrafter_mlx.cli import flags, sharding
-from redrafter_mlx.core.accept import is_greedy, make_sampler
+from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.distributed import MirroredSession, session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull
@@ -578,7 +578,7 @@ class ChatUI:
             # greedy and sampling may have their own autotune profiles
             current = self.session.shape
             shape, source = resolve_shape(
-                self.runtime, overrides=self.options.shape_overrides, sampling=not is_greedy(temp)
+                self.runtime, overrides=self.options.shape_overrides, temp=temp
             )
             if self.lookup_by_command:  # K chosen by /lookup: a profile's K must not undo it
                 shape = replace(shape, lookup=current.lookup)
@@ -696,7 +696,7 @@ def main(args: argparse.Namespace) -> None:
     flags.say_drafter(runtime, autoregressive=args.autoregressive)
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(
-        runtime, *resolve_shape(runtime, overrides=overrides, sampling=not is_greedy(args.temp))
+        runtime, *resolve_shape(runtime, overrides=overrides, temp=args.temp)
     )
     mode = runtime.mode(shape, autoregressive=args.autoregressive)
     decoding = rt.decoding(

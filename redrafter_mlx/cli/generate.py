@@ -8,7 +8,6 @@ import sys
 
 from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.cli.flags import fail
-from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.distributed import session_for
 from redrafter_mlx.core.step import PhaseTimer
 from redrafter_mlx.core.stream import GenerationStats
@@ -92,7 +91,7 @@ def main(args: argparse.Namespace) -> None:
     overrides = flags.shape_overrides(args)
     shape, source = flags.lookup_when_no_drafter(
         runtime,
-        *resolve_shape(runtime, overrides=overrides, sampling=not is_greedy(args.temp)),
+        *resolve_shape(runtime, overrides=overrides, temp=args.temp),
     )
     timing = args.timing and not args.autoregressive  # the phases are a ReDrafter step's
     mode = runtime.mode(shape, autoregressive=args.autoregressive)

@@ -41,6 +41,14 @@ def is_greedy(temp: float) -> bool:
     return temp < GREEDY_BELOW
 
 
+def temperature(sampler: Sampler | None) -> float:
+    """The temperature ``sampler`` draws at: 0 for greedy (or None), its own for one of
+    :func:`make_sampler`'s, 1 for any other sampler (it samples)."""
+    if sampler is None or sampler is greedy:
+        return 0.0
+    return getattr(sampler, "settings", {}).get("temp", 1.0)
+
+
 def make_sampler(temp: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> Sampler:
     """mlx-lm's sampler for these settings; a greedy temperature (:func:`is_greedy`) gives
     :func:`greedy` (mlx-lm's is the same argmax), which :func:`choose` recognises. Without

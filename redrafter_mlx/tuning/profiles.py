@@ -12,6 +12,7 @@ import sys
 from dataclasses import astuple
 from pathlib import Path
 
+from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.draft import check_width
 from redrafter_mlx.core.errors import ConfigError
@@ -135,9 +136,11 @@ def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | Non
 SAMPLING = " | sampling"  # suffix of the profile key tuned with --temp > 0
 
 
-def lookup_profile(runtime, *, sampling: bool = False) -> tuple[BeamShape, str] | None:
+def lookup_profile(runtime, *, temp: float = 0.0) -> tuple[BeamShape, str] | None:
     """The autotuned shape for this chip + model + drafter and where it came from, or None.
-    ``sampling``: the profile tuned at a temperature if there is one, else the greedy one."""
+    A sampling ``temp``: the profile tuned at a temperature if there is one, else the greedy
+    one (the one place a temperature picks a profile)."""
+    sampling = not is_greedy(temp)
     if runtime.drafter_id is None:
         return None
     try:
@@ -152,16 +155,16 @@ def lookup_profile(runtime, *, sampling: bool = False) -> tuple[BeamShape, str] 
 
 
 def resolve_shape(
-    runtime, *, overrides: dict | None = None, sampling: bool = False
+    runtime, *, overrides: dict | None = None, temp: float = 0.0
 ) -> tuple[BeamShape, str]:
     """The beam shape to use and where it came from. Each field in ``overrides`` (BeamShape
     field names: ``width``, ``length``, ``min_prob``, ``search_width``) overrides its field; the
-    others come from the autotune profile (if this chip, model and drafter have one; with
-    ``sampling`` the one tuned for sampling, if any), else from the default. A profile the
+    others come from the autotune profile (if this chip, model and drafter have one; at a
+    sampling ``temp`` the one tuned for sampling, if any), else from the default. A profile the
     drafter cannot search (more beams than its vocabulary) is ignored with a warning."""
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if len(given) < len(SHAPE_FIELDS):
-        found = lookup_profile(runtime, sampling=sampling)
+        found = lookup_profile(runtime, temp=temp)
         if found and not _searchable(runtime, found[0]):
             found = None
         base, source = found or (runtime.plan.default_shape, "default")
