@@ -195,7 +195,7 @@ def shape_args(width=None, length=None, min_prob=None, search_width=None, lookup
 def resolve(args, runtime):
     """The command's shape resolution: its flags (``args``) over the profile."""
     return profiles.resolve_shape(
-        runtime, overrides=shape_overrides(args), sampling=getattr(args, "temp", 0) > 0
+        runtime, overrides=shape_overrides(args), temp=getattr(args, "temp", 0)
     )
 
 

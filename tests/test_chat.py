@@ -629,7 +629,7 @@ def test_a_temperature_change_keeps_the_lookup_beams_of_the_lookup_command(targe
 
     profiles = {False: BeamShape(2, 4, lookup=1), True: BeamShape(3, 4, lookup=4)}
     monkeypatch.setattr(
-        C, "resolve_shape", lambda runtime, overrides, sampling: (profiles[sampling], "profile")
+        C, "resolve_shape", lambda runtime, overrides, temp: (profiles[temp > 0], "profile")
     )
     beam = BeamDrafter(random_drafter(64, 64, seed=1), target.model.embed_tokens)
     chat = session(target, beam, max_tokens=6)
