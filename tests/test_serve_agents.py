@@ -283,3 +283,108 @@ def test_interleaved_conversations_over_both_apis_prefill_only_their_new_tokens(
     # the new turn's tokens, and the answer's last token (generated, never fed)
     new = second.usage.prompt_tokens - first.usage.prompt_tokens - first.usage.completion_tokens
     assert 1 <= fed <= new + 2, (fed, new)
+
+
+# ---------------------------------------------------------------- the audit's defects
+
+
+def with_deep_schema(body: dict, levels: int) -> bytes:
+    """``body``'s JSON with its "DEEP" string replaced by a schema nested ``levels`` deep
+    (spelled here: json.dumps recurses once per level too)."""
+    schema = '{"type": "object", "properties": {"x": ' * levels + "{}" + "}}" * levels
+    return json.dumps(body).replace('"DEEP"', schema).encode()
+
+
+def test_count_tokens_answers_every_prompt_messages_refuses_with_a_400(agents):
+    """Each prompt /v1/messages refuses gets the same 400 from count_tokens (it closed the
+    connection), in Anthropic's error shape."""
+    user = [{"role": "user", "content": "hi"}]
+    tool = {"name": "t", "input_schema": {"type": "object"}}
+    bodies = [
+        {"messages": [{"role": "user", "content": "lone \ud800 surrogate"}]},
+        {"messages": user, "tools": [tool | {"description": "lone \ud800"}]},
+        {"messages": user, "tools": [tool | {"input_schema": "DEEP"}]},
+        {"messages": [{"role": "user", "content": []}], "tools": [tool]},
+    ]
+    for body in bodies:
+        whole = with_deep_schema(body | {"max_tokens": 4}, 900)
+        status, _, whole = agents.request("/v1/messages", whole)
+        assert status == 400 and whole["type"] == "error", (body, whole)
+        status, _, counted = agents.request(
+            "/v1/messages/count_tokens", with_deep_schema(body, 900)
+        )
+        assert status == 400 and counted["error"]["type"] == "invalid_request_error", counted
+    status, _, _ = agents.request("/v1/messages/count_tokens", {"messages": user})
+    assert status == 200  # the server goes on
+
+
+def test_a_body_nested_past_the_parser_gets_a_400_on_every_endpoint(agents):
+    body = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        status, _, reply = agents.request(path, body)
+        assert status == 400 and "nests deeper" in json.dumps(reply), (path, reply)
+
+
+def test_empty_stop_lists_mean_no_stop_strings(agents):
+    user = [{"role": "user", "content": "hi"}]
+    status, _, chat = agents.request(
+        "/v1/chat/completions", {"messages": user, "max_tokens": 3, "stop": []}
+    )
+    assert status == 200 and chat["choices"][0]["finish_reason"] in ("stop", "length")
+    status, _, message = agents.request(
+        "/v1/messages", {"messages": user, "max_tokens": 3, "stop_sequences": []}
+    )
+    assert status == 200 and message["type"] == "message"
+
+
+def test_json_response_formats_and_tool_choice_without_tools_are_refused(agents):
+    user = [{"role": "user", "content": "hi"}]
+    for form in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {}}):
+        status, _, reply = agents.request(
+            "/v1/chat/completions", {"messages": user, "max_tokens": 3, "response_format": form}
+        )
+        assert status == 400 and reply["error"]["param"] == "response_format", reply
+    status, _, reply = agents.request(
+        "/v1/chat/completions",
+        {"messages": user, "max_tokens": 3, "response_format": {"type": "text"}},
+    )
+    assert status == 200
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        body = {"messages": user, "max_tokens": 3, "tool_choice": choice}
+        status, _, reply = agents.request("/v1/chat/completions", body)
+        assert status == 400 and reply["error"]["param"] == "tool_choice", reply
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        body = {"messages": user, "max_tokens": 3, "tool_choice": choice}
+        status, _, reply = agents.request("/v1/messages", body)
+        assert status == 400 and "tool_choice" in reply["error"]["message"], reply
+
+
+def test_a_developer_message_is_the_system_prompt(agents):
+    client, model = agents.client(), model_of(agents)
+    user = {"role": "user", "content": "Say something."}
+    answers = [
+        client.chat.completions.create(
+            model=model, messages=[{"role": role, "content": "Be brief."}, user], max_tokens=8
+        )
+        for role in ("system", "developer")
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
+def test_a_text_completion_is_its_log_prob_tokens_joined(agents):
+    """The detokenizer drops an answer's first space (right for chat, wrong for a
+    continuation): the text is its tokens, whole and streamed."""
+    client, model = agents.client(), model_of(agents)
+    texts = []
+    for prompt in ("The weather in Paris is", "Once upon a time", "1, 2, 3,", "Hello", "Q: A"):
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0)
+        choice = whole.choices[0]
+        assert choice.text == "".join(choice.logprobs.tokens), prompt
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=6, logprobs=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+        texts.append(choice.text)
+    assert any(text.startswith(" ") for text in texts), texts  # the case that was wrong

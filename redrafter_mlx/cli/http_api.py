@@ -19,6 +19,7 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,9 @@ MAX_TOP_LOGPROBS = 10  # alternatives per token: a partition over the vocabulary
 # Python refuses to parse longer integers (CVE-2020-10735); a JSON number this long is kept
 # as a HugeInteger, which every field's check refuses by name.
 MAX_INT_DIGITS = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+# Deepest nesting of a request body: far past any real JSON schema, far below Python's
+# recursion limit, which a chat template (or json.dumps) walking the body would reach.
+MAX_JSON_DEPTH = 128
 
 
 @dataclass
@@ -139,9 +143,26 @@ def parse_json(raw: bytes) -> dict:
         raise ApiError(
             400, f"the request body is not valid JSON: {e}", code="invalid_json"
         ) from None
+    except RecursionError:  # the parser recurses once per level
+        body = None
+    if body is None or json_depth(body) > MAX_JSON_DEPTH:
+        message = f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+        raise ApiError(400, message, code="invalid_json")
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def json_depth(value) -> int:
+    """Levels of arrays and objects in a decoded JSON value (walked without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            todo += [(child, depth + 1) for child in children]
+    return deepest
 
 
 def text(value, where: str) -> str:
@@ -200,7 +221,7 @@ def sampling(body: dict, limits: Limits, *, max_temperature: float) -> Sampling:
 
 def stop_strings(value, name: str) -> tuple[str, ...]:
     """Stop strings: a string or an array of at most MAX_STOP_STRINGS (None: none)."""
-    if value is None:
+    if value is None or value == []:  # an empty array: no stop strings, as OpenAI reads it
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -298,6 +319,8 @@ def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits)
     as ``choice`` says: "auto", "none", "required", or a tool's name (that tool, called).
     Returns ``(prompt, tools offered, forced)``; a forced call starts the answer with the
     call's opening tag. ApiError when the model takes no tools, or cannot be made to call."""
+    if not tools and choice not in ("auto", "none"):
+        raise invalid("tool_choice", f"{shown(choice)} needs tools: the request offers none")
     if not tools or choice == "none":
         return messages, None, False
     fmt = limits.tools
@@ -358,9 +381,18 @@ class Answer:
     until it cannot), its tokens' log-probs, how it finished.
 
     ``offered``: the tools offered (None: no call is looked for); ``forced``: the answer
-    starts inside a call (its opening tag was put after the prompt)."""
+    starts inside a call (its opening tag was put after the prompt); ``decode`` (token ids
+    -> text): a continuation's, whose first space the streaming detokenizer drops (mlx-lm's
+    trim a chat answer's leading space) and which is put back: a text completion's text is
+    the concatenation of its tokens."""
 
-    def __init__(self, fmt: ToolFormat | None, offered: list[dict] | None, forced=False):
+    def __init__(
+        self,
+        fmt: ToolFormat | None,
+        offered: list[dict] | None,
+        forced=False,
+        decode: Callable[[list[int]], str] | None = None,
+    ):
         parses = fmt is not None and fmt.parse is not None and offered is not None
         self.fmt = fmt if parses else None
         self.offered = offered
@@ -372,6 +404,7 @@ class Answer:
         self.stop_string: str | None = None
         self._held = ""  # text not shown yet: it may begin a call's opening tag
         self._call: str | None = "" if forced and parses else None  # a call's text so far
+        self._decode = decode  # until the first text: then its space is put back, if lost
 
     @property
     def finish_reason(self) -> str | None:
@@ -384,7 +417,12 @@ class Answer:
         self.tokens += step.tokens
         if step.top_logprobs is not None:
             self.logprobs.append(step.top_logprobs)
-        self._split(step.text, piece, final=step.finish_reason is not None)
+        new = step.text
+        if new and self._decode is not None:
+            if self._decode(self.tokens).startswith(" "):  # it began with one: dropped
+                new = " " + new
+            self._decode = None
+        self._split(new, piece, final=step.finish_reason is not None)
         self.reason, self.stop_string = step.finish_reason, step.stop_string
         self.text += piece.text
         self.calls += piece.calls

@@ -15,7 +15,9 @@ from redrafter_mlx.cli import http_api as h
 from redrafter_mlx.cli.http_api import ApiError, Call, Limits, parse_json  # noqa: F401 (API)
 from redrafter_mlx.core.service import Request, Started
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's newer name for the system role: chat templates know "system" only
+TEMPLATE_ROLES = {"developer": "system"}
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 # Fields that are served only at their "off" value: anything else is refused, not ignored.
 OFF_ONLY = {
@@ -65,6 +67,7 @@ def _call(kind: str, prompt, body: dict, limits: Limits, top: int | None, **tool
     """The fields chat and text completions share."""
     h.check_model(body.get("model"), limits)
     _check_off_only(body)
+    _response_format(body.get("response_format"))
     if body.get("n") not in (None, 1):
         raise h.unsupported("n", "one choice per request (n = 1): send n requests instead")
     stream = h.boolean(body, "stream", False)
@@ -105,7 +108,7 @@ def _message(message, where: str) -> dict:
     content = message.get("content")
     if content is None and calls:
         content = ""
-    out = {"role": role, "content": _content(content, f"{where}.content")}
+    out = {"role": TEMPLATE_ROLES.get(role, role), "content": _content(content, f"{where}.content")}
     if calls is not None:
         out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
     if role == "tool" and message.get("tool_call_id") is not None:
@@ -184,6 +187,22 @@ def _prompt(value, vocab_size: int | None) -> str | list[int]:
 
 def model_not_found(model: str, limits: Limits, param: str | None = None) -> ApiError:
     return h.model_not_found(model, limits, param)
+
+
+def _response_format(value) -> None:
+    """``response_format``: plain text only. JSON modes need decoding constrained to a
+    grammar, which this server does not do: refused, not ignored, so that a client relying
+    on valid JSON learns it here rather than from a parse error later."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise h.unsupported(
+            "response_format", f"{kind!r} needs constrained decoding; only 'text' is served"
+        )
+    raise h.invalid("response_format", "must be {'type': 'text' | 'json_object' | 'json_schema'}")
 
 
 def _check_off_only(body: dict) -> None:

@@ -279,7 +279,9 @@ class Handler(BaseHTTPRequestHandler):
         return self.server.app.apis[self.api_name]
 
     def new_answer(self, call: api.Call) -> api.Answer:
-        return api.Answer(self.server.app.limits.tools, call.tools, call.forced_call)
+        app = self.server.app
+        decode = app.apis["openai"].tokenizer.decode if call.kind == "text" else None
+        return api.Answer(app.limits.tools, call.tools, call.forced_call, decode)
 
     def count(self, prompt) -> int:
         """count_tokens: the prompt's tokens, encoded here (the tokenizer alone, no MLX)."""
@@ -287,6 +289,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.server.app.count(prompt)
         except ReDrafterError as e:
             raise api.ApiError(400, str(e), "messages", "invalid_value") from None
+        except Exception as e:  # as the worker says it (a chat template that refuses a role)
+            message = f"the prompt cannot be encoded: {e}"
+            raise api.ApiError(400, message, "messages", "invalid_value") from None
 
     def left(self, call: api.Call, last: StepResponse | None) -> None:
         """The client went away mid-answer: its generation stopped (or stops at the next step)."""
