@@ -767,12 +767,12 @@ BAD_INPUTS = [
         "invalid_value",
     ),
     (
-        "unknown model",
+        "a model name not a string",
         "/v1/chat/completions",
-        {"messages": FRANCE, "model": "gpt-4o"},
-        404,
+        {"messages": FRANCE, "model": 4},
+        400,
         "model",
-        "model_not_found",
+        "invalid_value",
     ),
     ("n = 2", "/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n", "unsupported_value"),
     (

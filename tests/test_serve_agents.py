@@ -388,3 +388,134 @@ def test_a_text_completion_is_its_log_prob_tokens_joined(agents):
         assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
         texts.append(choice.text)
     assert any(text.startswith(" ") for text in texts), texts  # the case that was wrong
+
+
+# ---------------------------------------------------------------- Claude Code's requests
+
+
+def test_system_messages_inside_messages_join_the_system_prompt(agents):
+    """Claude Code's environment notes after a user turn (role "system" in messages): the
+    same prompt as their text after the system prompt; its other fields are accepted."""
+    user = {"role": "user", "content": "Say something."}
+    folded = {"max_tokens": 8, "system": "Be brief.\n\nNote one.\n\nNote two.", "messages": [user]}
+    inline = {
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            user,
+            {"role": "system", "content": "Note one."},
+            {"role": "system", "content": [{"type": "text", "text": "Note two."}]},
+        ],
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+        "output_config": {"effort": "medium"},
+        "metadata": {"user_id": "someone"},
+    }
+    status, _, one = agents.request("/v1/messages", folded)
+    assert status == 200, one
+    status, _, two = agents.request("/v1/messages?beta=true", inline)
+    assert status == 200, two
+    assert one["content"] == two["content"]
+    tokens = [
+        m["usage"]["input_tokens"] + m["usage"]["cache_read_input_tokens"] for m in (one, two)
+    ]
+    assert tokens[0] == tokens[1]
+    for refused, word in (
+        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+        ({"thinking": {"type": "sometimes"}}, "thinking"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+        ({"messages": [{"role": "system", "content": "Only a note."}]}, "no user"),
+    ):
+        status, _, error = agents.request("/v1/messages", folded | refused)
+        assert status == 400 and word in error["error"]["message"], (refused, error)
+
+
+def test_any_model_name_is_answered_by_the_model_served_on_both_apis(agents, tool_model_path):
+    """One rule for both APIs: the served name is the folder's; any name is answered."""
+    client = agents.client()
+    (listed,) = client.models.list().data
+    assert listed.id == tool_model_path.name
+    user = [{"role": "user", "content": "hi"}]
+    for name in (listed.id, str(tool_model_path), "gpt-5-codex"):
+        answer = client.chat.completions.create(model=name, messages=user, max_tokens=2)
+        assert answer.model == listed.id
+    message = anthropic_client(agents).messages.create(
+        model="claude-sonnet-4-5", max_tokens=2, messages=user
+    )
+    assert message.model == listed.id
+    status, _, found = agents.request(f"/v1/models/{listed.id}", method="GET")
+    assert status == 200 and found["id"] == listed.id
+
+
+THOUGHT = "<think>\nFirst, the city.\n</think>\n\nIt is sunny."
+
+
+def pieces_of(text: str, seed: int) -> list[StepResponse]:
+    """``text`` cut into 6 steps at random, the last one finishing."""
+    cuts = sorted(random.Random(seed).sample(range(1, len(text)), 5))
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    return [StepResponse(p, [], None, "stop" if i == 5 else None) for i, p in enumerate(parts)]
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
+    """Qwen3 thinks between <think> tags, opened by the model or (Qwen3.5, thinking on) by
+    the template's generation prompt: reasoning and text apart, whatever the cuts."""
+    from redrafter_mlx.cli.http_api import Answer
+
+    text = THOUGHT.removeprefix("<think>") if opened else THOUGHT
+    for seed in range(40):
+        answer = Answer(None, None, reasoning=("<think>", "</think>"), thinking=opened)
+        for step in pieces_of(text, seed):
+            answer.add(step)
+        assert (answer.reasoning, answer.text) == ("First, the city.\n", "It is sunny.")
+    plain = Answer(None, None, reasoning=("<think>", "</think>"))
+    plain.add(StepResponse("No thoughts < here.", [], None, "stop"))
+    assert (plain.reasoning, plain.text) == ("", "No thoughts < here.")
+
+
+def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
+    from redrafter_mlx.cli.anthropic_api import Anthropic
+    from redrafter_mlx.cli.http_api import Answer, Call
+    from redrafter_mlx.cli.openai_api import OpenAI
+    from redrafter_mlx.core.service import Request, Started
+
+    started = Started(10, 0, None)
+    for api, kind in ((Anthropic("m"), "messages"), (OpenAI("m", None), "chat")):
+        call = Call(kind, Request([1]), stream=True)
+        answer = Answer(None, None, reasoning=("<think>", "</think>"))
+        stream = api.stream(call, started)
+        events = [e for step in pieces_of(THOUGHT, 0) for e in stream.piece(answer.add(step))]
+        if kind == "messages":
+            starts = [e["content_block"]["type"] for n, e in events if n == "content_block_start"]
+            assert starts == ["thinking", "text"]
+            deltas = [e["delta"] for n, e in events if n == "content_block_delta"]
+            thought = "".join(d.get("thinking", "") for d in deltas)
+            assert [d["type"] for d in deltas].count("signature_delta") == 1
+        else:
+            deltas = [e["choices"][0]["delta"] for _, e in events]
+            thought = "".join(d.get("reasoning_content", "") for d in deltas)
+            assert "".join(d.get("content", "") for d in deltas) == "It is sunny."
+        assert thought == "First, the city.\n"
+
+
+def test_the_thinking_switch_reaches_the_chat_template(tool_model_path):
+    from mlx_lm.tokenizer_utils import load
+
+    from redrafter_mlx.io.templates import apply_chat_template
+
+    tokenizer = load(tool_model_path)
+    tokenizer._tokenizer.chat_template = (
+        "{{ messages[0]['content'] }}|{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% elif enable_thinking is defined %}<think>{% endif %}"
+    )
+    user = [{"role": "user", "content": "x"}]
+    shown = {
+        thinking: tokenizer.decode(apply_chat_template(tokenizer, user, thinking=thinking))
+        for thinking in (None, True, False)
+    }
+    assert [shown[t].split("|")[-1] for t in (None, True, False)] == [
+        "",
+        "<think>",
+        "<think></think>",
+    ]

@@ -73,7 +73,8 @@ class ApiError(Exception):
 class Limits:
     """What requests are checked against, and the defaults they fall back on.
 
-    ``model_ids``: the names a request's ``model`` may give (the first is the one listed);
+    ``model_ids``: the model's names (the first, its short name, is the one listed; the
+    others, its path or Hub id, are found by ``GET /v1/models/{name}`` too);
     ``max_context``/``vocab_size``: the model's (None when unknown); ``tools``: how the model
     takes tools (None: its chat template takes none)."""
 
@@ -83,6 +84,7 @@ class Limits:
     max_tokens: int = 512
     sampling: Sampling = Sampling()
     tools: ToolFormat | None = None
+    reasoning: tuple[str, str] | None = None  # the tags the model thinks between
 
     @property
     def model_id(self) -> str:
@@ -109,6 +111,7 @@ class Call:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: list[dict] | None = None
     forced_call: bool = False
+    thinking: bool | None = None  # the template's reasoning switch, as the request set it
 
     @property
     def logprobs(self) -> bool:
@@ -176,12 +179,11 @@ def text(value, where: str) -> str:
 
 
 def check_model(model, limits: Limits) -> None:
-    if model is None:  # lenient: the one model served
-        return
-    if not isinstance(model, str):
+    """A request's ``model``: any name, or none, is answered by the one model served (as
+    mlx-lm's server and vllm-mlx do), on both APIs: agents ask for their own default names
+    ("claude-sonnet-4-5", "gpt-5-codex"). The answer's ``model`` is the served name."""
+    if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")
-    if model not in limits.model_ids:
-        raise model_not_found(model, limits, "model")
 
 
 def model_not_found(model: str, limits: Limits, param: str | None = None) -> ApiError:
@@ -314,20 +316,23 @@ def tool_list(value, convert) -> list[dict]:
     return [convert(tool, f"tools[{i}]") for i, tool in enumerate(value)]
 
 
-def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits) -> tuple:
+def chat_prompt(
+    messages: list[dict], tools: list[dict], choice, limits: Limits, thinking: bool | None = None
+) -> tuple:
     """The service prompt of ``messages`` with ``tools`` (OpenAI's function format) offered
-    as ``choice`` says: "auto", "none", "required", or a tool's name (that tool, called).
+    as ``choice`` says: "auto", "none", "required", or a tool's name (that tool, called),
+    and the template's reasoning switch ``thinking`` (None: its default).
     Returns ``(prompt, tools offered, forced)``; a forced call starts the answer with the
     call's opening tag. ApiError when the model takes no tools, or cannot be made to call."""
     if not tools and choice not in ("auto", "none"):
         raise invalid("tool_choice", f"{shown(choice)} needs tools: the request offers none")
     if not tools or choice == "none":
-        return messages, None, False
+        return Chat(messages, thinking=thinking), None, False
     fmt = limits.tools
     if fmt is None:
         raise unsupported("tools", f"the chat template of {limits.model_id} takes no tools")
     if choice == "auto":
-        return Chat(messages, tools), tools, False
+        return Chat(messages, tools, thinking=thinking), tools, False
     if fmt.start is None:
         message = f"{limits.model_id} has no tool parser in mlx-lm: only 'auto' or 'none'"
         raise unsupported("tool_choice", message)
@@ -335,7 +340,7 @@ def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits)
         tools = [t for t in tools if t["function"]["name"] == choice]
         if not tools:
             raise invalid("tool_choice", f"no tool named {shown(choice)} among the tools")
-    return Chat(messages, tools, fmt.start), tools, True
+    return Chat(messages, tools, fmt.start, thinking), tools, True
 
 
 def call_arguments(value, where: str) -> dict:
@@ -373,6 +378,7 @@ class Piece:
     calls: list[ToolCall] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: TopLogprobs | None = None
+    reasoning: str = ""  # the model's thinking (between its reasoning tags)
 
 
 class Answer:
@@ -392,6 +398,9 @@ class Answer:
         offered: list[dict] | None,
         forced=False,
         decode: Callable[[list[int]], str] | None = None,
+        *,
+        reasoning: tuple[str, str] | None = None,
+        thinking: bool = False,
     ):
         parses = fmt is not None and fmt.parse is not None and offered is not None
         self.fmt = fmt if parses else None
@@ -405,6 +414,11 @@ class Answer:
         self._held = ""  # text not shown yet: it may begin a call's opening tag
         self._call: str | None = "" if forced and parses else None  # a call's text so far
         self._decode = decode  # until the first text: then its space is put back, if lost
+        self.reasoning = ""
+        self._tags = reasoning  # (start, end) of the model's thinking; None: none looked for
+        self._thinking = thinking and reasoning is not None  # inside the thinking now
+        self._thought = ""  # text not shown yet: it may begin a reasoning tag
+        self._trim = self._thinking  # whitespace after a tag is not shown
 
     @property
     def finish_reason(self) -> str | None:
@@ -422,11 +436,45 @@ class Answer:
             if self._decode(self.tokens).startswith(" "):  # it began with one: dropped
                 new = " " + new
             self._decode = None
-        self._split(new, piece, final=step.finish_reason is not None)
+        final = step.finish_reason is not None
+        if self._tags is not None:
+            new = self._think(new, piece, final)
+        self._split(new, piece, final=final)
         self.reason, self.stop_string = step.finish_reason, step.stop_string
         self.text += piece.text
+        self.reasoning += piece.reasoning
         self.calls += piece.calls
         return piece
+
+    def _think(self, new: str, piece: Piece, final: bool) -> str:
+        """``new`` less the reasoning in it (into ``piece.reasoning``): the answer's text.
+        Text that may begin a tag is held back until it cannot; whitespace after a tag is
+        dropped (templates put newlines there)."""
+        start, end = self._tags
+        rest, text = self._thought + new, ""
+        self._thought = ""
+        while rest:
+            if self._trim:
+                rest = rest.lstrip()
+                if not rest:
+                    break
+                self._trim = False
+            tag = end if self._thinking else start
+            at = rest.find(tag)
+            if at < 0:
+                keep = 0 if final else _begins(rest, tag)
+                shown, self._thought = rest[: len(rest) - keep], rest[len(rest) - keep :]
+                rest = ""
+            else:
+                shown, rest = rest[:at], rest[at + len(tag) :]
+                self._trim = True
+            if self._thinking:
+                piece.reasoning += shown
+            else:
+                text += shown
+            if at >= 0:
+                self._thinking = not self._thinking
+        return text
 
     def _split(self, new: str, piece: Piece, final: bool) -> None:
         if self.fmt is None:

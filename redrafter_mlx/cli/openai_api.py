@@ -41,7 +41,8 @@ def parse_chat(body: dict, limits: Limits) -> Call:
         raise h.missing("messages")
     messages = _messages(body["messages"])
     tools = h.tool_list(body.get("tools"), _tool)
-    prompt, offered, forced = h.chat_prompt(messages, tools, _tool_choice(body, tools), limits)
+    choice = _tool_choice(body, tools)
+    prompt, offered, forced = h.chat_prompt(messages, tools, choice, limits, _thinking(body))
     top = None
     if h.boolean(body, "logprobs", False):
         top = h.top_logprobs(body.get("top_logprobs", 0) or 0, "top_logprobs")
@@ -140,6 +141,23 @@ def _tool(tool, where: str) -> dict:
         message = f"{where}: must be {{'type': 'function', 'function': {{'name': ...}}}}"
         raise ApiError(400, message, "tools", "invalid_value")
     return h.function_tool(function, f"{where}.function")
+
+
+def _thinking(body: dict) -> bool | None:
+    """The template's reasoning switch: ``chat_template_kwargs.enable_thinking`` (vLLM's and
+    mlx-lm's field), else ``reasoning_effort`` ("none": off, any other effort: on); None: the
+    template's default."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise h.invalid("chat_template_kwargs", "must be an object")
+    if (kwargs or {}).get("enable_thinking") is not None:
+        return h.boolean(kwargs, "enable_thinking", False, "chat_template_kwargs.")
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str):
+        raise h.invalid("reasoning_effort", f"must be a string, got {h.shown(effort)}")
+    return effort != "none"
 
 
 def _tool_choice(body: dict, tools: list[dict]):
@@ -244,6 +262,8 @@ class OpenAI(h.Api):
         if call.kind == "chat":
             text = answer.text or (None if answer.calls else "")
             message = {"role": "assistant", "content": text}
+            if answer.reasoning:
+                message["reasoning_content"] = answer.reasoning
             if answer.calls:
                 message["tool_calls"] = [_tool_call(c) for c in answer.calls]
             choice, kind = {"message": message}, "chat.completion"
@@ -302,6 +322,8 @@ class OpenAIStream(h.Stream):
         if self.call.logprobs and piece.tokens:
             logprobs = self.api._logprobs(self.call, piece.tokens, [piece.logprobs])
         events = []
+        if piece.reasoning:
+            events.append(self._chunk({"delta": {"reasoning_content": piece.reasoning}}))
         if piece.text or logprobs is not None:
             text = {"delta": {"content": piece.text}} if self.call.kind == "chat" else None
             events.append(self._chunk(text or {"text": piece.text}, logprobs))

@@ -33,6 +33,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from redrafter_mlx.cli import anthropic_api, flags, sharding
@@ -52,7 +53,7 @@ from redrafter_mlx.core.service import (
 )
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
-from redrafter_mlx.io.templates import tool_format
+from redrafter_mlx.io.templates import apply_chat_template, reasoning_tags, tool_format
 from redrafter_mlx.tuning.profiles import resolve_shape
 
 EXAMPLES = """examples:
@@ -86,6 +87,7 @@ class App:
     created: int = 0  # when the server started (the model's ``created``)
     apis: dict[str, api.Api] | None = None  # "openai", "anthropic"
     count: Callable[[object], int] | None = None
+    tail: Callable[[object], str] | None = None  # a prompt -> its last tokens' text
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
@@ -127,6 +129,7 @@ class Handler(BaseHTTPRequestHandler):
         self.responding = False  # the current request's answer has begun
         self.probed = False  # the current request's client was probed (client_gone)
         self.api_name = "openai"  # whose error shape the current request gets
+        self.in_thought = False  # the current request's answer starts inside its reasoning
 
     def parse_request(self) -> bool:
         """http.server's, less HTTP/0.9: a two-word request line (as the rest of a body sent
@@ -185,6 +188,7 @@ class Handler(BaseHTTPRequestHandler):
                 )
                 return
             call = parse(api.parse_json(raw), app.limits)
+            self.in_thought = self.opens_thinking(call)
             job = app.service.submit(call.request, client_gone=self.client_gone)
         except api.ApiError as e:
             self.send_api_error(e)
@@ -281,7 +285,27 @@ class Handler(BaseHTTPRequestHandler):
     def new_answer(self, call: api.Call) -> api.Answer:
         app = self.server.app
         decode = app.apis["openai"].tokenizer.decode if call.kind == "text" else None
-        return api.Answer(app.limits.tools, call.tools, call.forced_call, decode)
+        return api.Answer(
+            app.limits.tools,
+            call.tools,
+            call.forced_call,
+            decode,
+            reasoning=app.limits.reasoning if call.kind != "text" else None,
+            thinking=self.in_thought,
+        )
+
+    def opens_thinking(self, call: api.Call) -> bool:
+        """Whether the answer starts inside the model's reasoning: its template's generation
+        prompt ends with the opening tag (Qwen3.5's, thinking on). Encoded here as for
+        count_tokens; a prompt that fails to encode is the worker's to refuse."""
+        tags, app = self.server.app.limits.reasoning, self.server.app
+        if tags is None or call.kind == "text" or app.tail is None:
+            return False
+        try:
+            tail = app.tail(call.request.prompt)
+        except Exception:
+            return False
+        return tail.rfind(tags[0]) > tail.rfind(tags[1])
 
     def count(self, prompt) -> int:
         """count_tokens: the prompt's tokens, encoded here (the tokenizer alone, no MLX)."""
@@ -580,7 +604,13 @@ def encoder(runtime: rt.Runtime):
         if isinstance(prompt, str):
             return list(runtime.tokenizer.encode(prompt))
         if isinstance(prompt, Chat):
-            ids = rt.encode_chat(runtime, prompt.messages, prompt.tools)
+            ids = apply_chat_template(
+                runtime.tokenizer,
+                prompt.messages,
+                model_path=Path(runtime.model_id),
+                tools=prompt.tools,
+                thinking=prompt.thinking,
+            )
             prefix = prompt.answer_prefix
             return ids + (
                 runtime.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
@@ -595,13 +625,20 @@ def encoder(runtime: rt.Runtime):
 def limits(args: argparse.Namespace, runtime: rt.Runtime) -> api.Limits:
     served = args.model or DEFAULT_NAME
     return api.Limits(
-        model_ids=tuple(dict.fromkeys((served, runtime.model_id))),
+        model_ids=tuple(dict.fromkeys((short_name(served), served, runtime.model_id))),
         max_context=runtime.max_context,
         vocab_size=runtime.config.get("vocab_size"),
         max_tokens=args.max_tokens,
         sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed),
         tools=tool_format(runtime.tokenizer),
+        reasoning=reasoning_tags(runtime.tokenizer),
     )
+
+
+def short_name(model: str) -> str:
+    """The served name: a folder's or a Hub id's last part (``models/qwen3-4b/`` ->
+    ``qwen3-4b``, ``mlx-community/Qwen3-4B-4bit`` -> ``Qwen3-4B-4bit``)."""
+    return Path(model.rstrip("/\\")).name or model
 
 
 def listen(host: str, port: int) -> Server:
@@ -642,6 +679,7 @@ def main(args: argparse.Namespace) -> None:
             "anthropic": anthropic_api.Anthropic(checks.model_id),
         },
         count=lambda prompt: len(encoder(loaded.runtime)(prompt)),
+        tail=lambda prompt: loaded.runtime.tokenizer.decode(encoder(loaded.runtime)(prompt)[-16:]),
     )
     host, port = server.server_address[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

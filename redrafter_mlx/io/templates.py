@@ -74,6 +74,18 @@ def tool_format(tokenizer: Any) -> ToolFormat | None:
     return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
 
 
+def reasoning_tags(tokenizer: Any) -> tuple[str, str] | None:
+    """The tags a model's answers put their reasoning between (``<think>``, ``</think>``):
+    mlx-lm's, when the vocabulary has them; else Qwen3's when the chat template speaks of
+    them; None when the model does not think aloud."""
+    if getattr(tokenizer, "has_thinking", False):
+        return tokenizer.think_start, tokenizer.think_end
+    template = getattr(_hf_tokenizer(tokenizer), "chat_template", None)
+    if isinstance(template, str) and "</think>" in template:
+        return "<think>", "</think>"
+    return None
+
+
 def is_vicuna(tokenizer: Any, name: str | None = None, model_type: str | None = None) -> bool:
     """Vicuna: no chat template, and ``vicuna`` in the name or a Llama 32000-token SentencePiece."""
     if has_chat_template(tokenizer):
@@ -118,9 +130,11 @@ def apply_chat_template(
     name: str | None = None,
     model_path: str | Path | None = None,
     tools: list[dict] | None = None,
+    thinking: bool | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (with a generation prompt unless told otherwise), using the
-    right template; ``tools`` (OpenAI's function format) go to the tokenizer's own template.
+    right template; ``tools`` (OpenAI's function format) go to the tokenizer's own template,
+    and ``thinking`` (None: the template's default) to its ``enable_thinking`` switch.
 
     The tokenizer's own chat template wins; Vicuna models (``vicuna`` in ``name`` /
     ``model_path``, or a Llama with a 32000-token SentencePiece vocab) use Vicuna v1.1; other
@@ -132,6 +146,8 @@ def apply_chat_template(
         model_type = model_type or _model_type(model_path)
     if has_chat_template(tokenizer):
         extra = {} if tools is None else {"tools": tools}
+        if thinking is not None:  # Qwen3's name, which other thinking templates took up
+            extra["enable_thinking"] = thinking
         ids = hf.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
         )
