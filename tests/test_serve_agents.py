@@ -519,3 +519,78 @@ def test_the_thinking_switch_reaches_the_chat_template(tool_model_path):
         "<think>",
         "<think></think>",
     ]
+
+
+# ---------------------------------------------------------------- OpenAI's Responses API
+
+
+RESPONSES_TOOLS = [
+    {"type": "function", **tool_model.WEATHER["function"]},
+    {"type": "web_search"},  # hosted: left out of the prompt
+]
+
+
+def test_a_tool_call_makes_the_round_trip_through_responses(agents):
+    """Codex's API through the official SDK: a function call item, its output fed back
+    (with a reasoning item and a hosted tool's call item, both left out), the answer."""
+    client = agents.client()
+    first = client.responses.create(
+        model="gpt-5-codex", input=tool_model.QUESTION, tools=RESPONSES_TOOLS, store=False
+    )
+    assert first.status == "completed" and first.model == model_of(agents)
+    (call,) = first.output
+    assert (call.type, call.name) == ("function_call", "get_weather")
+    assert json.loads(call.arguments) == tool_model.ARGUMENTS
+    history = [
+        *tool_model.QUESTION,
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        call.model_dump(exclude_none=True),
+        {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+        {"type": "function_call_output", "call_id": call.call_id, "output": tool_model.RESULT},
+    ]
+    final = client.responses.create(model="m", input=history, tools=RESPONSES_TOOLS, store=False)
+    assert final.output_text == tool_model.FINAL and final.output[0].type == "message"
+    assert final.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert final.usage.model_extra["redrafter"]["steps"] >= 1
+    log = agents.log.read_text()
+    assert log.count("left out of the prompt (hosted tools): web_search\n") == 1, log
+
+
+def test_responses_stream_the_event_sequence_the_sdk_parses(agents):
+    client = agents.client()
+    whole = client.responses.create(
+        model="m", input=tool_model.QUESTION, tools=RESPONSES_TOOLS, store=False
+    )
+    events = list(
+        client.responses.create(
+            model="m", input=tool_model.QUESTION, tools=RESPONSES_TOOLS, store=False, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    arguments = "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
+    done = events[-1].response
+    assert done.output[0].arguments == arguments == whole.output[0].arguments
+    text = client.responses.create(
+        model="m", input="Say something.", max_output_tokens=6, store=False, stream=True
+    )
+    events = list(text)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1].response
+    assert last.output_text == deltas and events[-1].type == f"response.{last.status}"
+    assert last.status in ("completed", "incomplete")
+
+
+def test_responses_refuse_what_needs_stored_state(agents):
+    import openai
+
+    client = agents.client(max_retries=0)
+    for fields, word in (
+        ({"store": True}, "store"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=word):
+            client.responses.create(model="m", input="hi", max_output_tokens=2, **fields)

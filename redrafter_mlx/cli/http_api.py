@@ -112,6 +112,7 @@ class Call:
     tools: list[dict] | None = None
     forced_call: bool = False
     thinking: bool | None = None  # the template's reasoning switch, as the request set it
+    options: dict = field(default_factory=dict)  # what one API's response needs besides
 
     @property
     def logprobs(self) -> bool:

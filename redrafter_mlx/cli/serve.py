@@ -4,7 +4,8 @@ ReDrafter (docs/serving.md).
 Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (whole answers, or server-sent events with ``"stream": true``),
 ``GET /v1/models`` and ``GET /health``; Anthropic's ``POST /v1/messages`` and ``POST
-/v1/messages/count_tokens`` (cli/anthropic_api.py). Tool calls and log-probs on both. The
+/v1/messages/count_tokens`` (cli/anthropic_api.py); OpenAI's ``POST /v1/responses``
+(cli/responses_api.py). Tool calls on all three, log-probs on chat and text completions. The
 model, drafter, autotune profile and sampling flags are chat's; a request's own fields
 (temperature, top_p, top_k, seed, max_tokens) win.
 
@@ -36,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from redrafter_mlx.cli import anthropic_api, flags, sharding
+from redrafter_mlx.cli import anthropic_api, flags, responses_api, sharding
 from redrafter_mlx.cli import http_api as api
 from redrafter_mlx.cli import openai_api as openai
 from redrafter_mlx.core.accept import is_greedy
@@ -104,6 +105,7 @@ class Server(ThreadingHTTPServer):
         self.address_family = family  # IPv6 hosts too
         super().__init__(address, Handler)
         self.app: App | None = None  # set once the model is ready
+        self.left_out: set[str] = set()  # hosted tool kinds said in the log
 
     def handle_error(self, request, client_address) -> None:
         """A client that hung up is no error to report: a health check that gave up during
@@ -151,7 +153,11 @@ class Handler(BaseHTTPRequestHandler):
     def route(self) -> str:
         """The request's path, and whose API it belongs to (for its errors)."""
         path = urlsplit(self.path).path.rstrip("/")
-        self.api_name = "anthropic" if path.startswith("/v1/messages") else "openai"
+        self.api_name = "openai"
+        if path.startswith("/v1/messages"):
+            self.api_name = "anthropic"
+        elif path == RESPONSES:
+            self.api_name = "responses"
         return path
 
     def do_GET(self) -> None:
@@ -188,6 +194,7 @@ class Handler(BaseHTTPRequestHandler):
                 )
                 return
             call = parse(api.parse_json(raw), app.limits)
+            self.note_left_out(call.options.get("left_out", ()))
             self.in_thought = self.opens_thinking(call)
             job = app.service.submit(call.request, client_gone=self.client_gone)
         except api.ApiError as e:
@@ -217,7 +224,7 @@ class Handler(BaseHTTPRequestHandler):
             started = job.start()
         except ReDrafterError as e:  # the prompt's fault: too long, or refused by the template
             code = "context_length_exceeded" if isinstance(e, ContextFull) else "invalid_value"
-            param = "prompt" if call.kind == "text" else "messages"
+            param = {"text": "prompt", "responses": "input"}.get(call.kind, "messages")
             self.send_api_error(api.ApiError(400, str(e), param, code))
             return
         except Exception as e:
@@ -293,6 +300,13 @@ class Handler(BaseHTTPRequestHandler):
             reasoning=app.limits.reasoning if call.kind != "text" else None,
             thinking=self.in_thought,
         )
+
+    def note_left_out(self, kinds) -> None:
+        """Say once per kind which hosted tools (or their items) were left out of prompts."""
+        new = [kind for kind in kinds if kind not in self.server.left_out]
+        if new:
+            self.server.left_out.update(new)
+            self.log_message("left out of the prompt (hosted tools): %s", ", ".join(new))
 
     def opens_thinking(self, call: api.Call) -> bool:
         """Whether the answer starts inside the model's reasoning: its template's generation
@@ -492,9 +506,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 COUNT_TOKENS = "/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
 POST_ROUTES = {
     "/v1/chat/completions": openai.parse_chat,
     "/v1/completions": openai.parse_completion,
+    RESPONSES: responses_api.parse_responses,
     "/v1/messages": anthropic_api.parse_messages,
     COUNT_TOKENS: anthropic_api.parse_count,
 }
@@ -677,6 +693,7 @@ def main(args: argparse.Namespace) -> None:
         apis={
             "openai": openai.OpenAI(checks.model_id, loaded.runtime.tokenizer),
             "anthropic": anthropic_api.Anthropic(checks.model_id),
+            "responses": responses_api.Responses(checks.model_id),
         },
         count=lambda prompt: len(encoder(loaded.runtime)(prompt)),
         tail=lambda prompt: loaded.runtime.tokenizer.decode(encoder(loaded.runtime)(prompt)[-16:]),
@@ -685,6 +702,7 @@ def main(args: argparse.Namespace) -> None:
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"model {server.app.limits.model_id}, {mode(engine, loaded)}", file=sys.stderr)
     print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
+    print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
