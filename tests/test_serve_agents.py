@@ -594,3 +594,37 @@ def test_responses_refuse_what_needs_stored_state(agents):
     ):
         with pytest.raises(openai.BadRequestError, match=word):
             client.responses.create(model="m", input="hi", max_output_tokens=2, **fields)
+
+
+# ---------------------------------------------------------------- tool-call formats
+
+CALLS_AS_WRITTEN = {  # a get_weather call as each family's template writes it
+    "json_tools": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call>",
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "</function>\n</tool_call>",
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+}
+
+
+@pytest.mark.parametrize("family", sorted(CALLS_AS_WRITTEN))
+def test_each_family_s_calls_are_read_by_mlx_lm_s_parser_however_steps_cut_them(family):
+    """Hermes JSON, Qwen3-Coder's XML and Mistral's [TOOL_CALLS] (no closing tag: the call
+    runs to the answer's end) through mlx-lm's own parsers."""
+    import importlib
+
+    from redrafter_mlx.cli.http_api import Answer
+    from redrafter_mlx.io.templates import ToolFormat
+
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+    fmt = ToolFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+    text = "Let me look. " + CALLS_AS_WRITTEN[family]
+    for seed in range(30):
+        answer = Answer(fmt, [tool_model.WEATHER])
+        for step in pieces_of(text, seed):
+            answer.add(step)
+        assert answer.text == "Let me look. "
+        assert [(c.name, c.arguments) for c in answer.calls] == [
+            ("get_weather", tool_model.ARGUMENTS)
+        ]
+        assert answer.finish_reason == "tool_calls"

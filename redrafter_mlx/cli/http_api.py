@@ -496,7 +496,7 @@ class Answer:
                 self._call, rest = "", rest[at + len(start) :]
             else:  # the closing tag may have begun in an earlier step: look in all of it
                 self._call += rest
-                at = self._call.find(end)
+                at = self._call.find(end) if end else -1  # none (Mistral's): to the end
                 if at < 0:
                     break
                 rest = self._call[at + len(end) :]
