@@ -111,7 +111,6 @@ class Call:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: list[dict] | None = None
     forced_call: bool = False
-    thinking: bool | None = None  # the template's reasoning switch, as the request set it
     options: dict = field(default_factory=dict)  # what one API's response needs besides
 
     @property
@@ -162,10 +161,12 @@ def json_depth(value) -> int:
     deepest, todo = 0, [(value, 1)]
     while todo:
         value, depth = todo.pop()
-        children = value.values() if isinstance(value, dict) else value
-        if isinstance(value, dict | list):
-            deepest = max(deepest, depth)
-            todo += [(child, depth + 1) for child in children]
+        if isinstance(value, dict):
+            value = value.values()
+        elif not isinstance(value, list):
+            continue
+        deepest = max(deepest, depth)
+        todo += [(child, depth + 1) for child in value]
     return deepest
 
 

@@ -86,9 +86,10 @@ class App:
     shape_sources: dict[bool, str]  # where the greedy (False) and sampling (True) shapes came from
     max_body_bytes: int = MAX_BODY_BYTES
     created: int = 0  # when the server started (the model's ``created``)
-    apis: dict[str, api.Api] | None = None  # "openai", "anthropic"
+    apis: dict[str, api.Api] | None = None  # "openai", "responses", "anthropic"
     count: Callable[[object], int] | None = None
     tail: Callable[[object], str] | None = None  # a prompt -> its last tokens' text
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
@@ -291,12 +292,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def new_answer(self, call: api.Call) -> api.Answer:
         app = self.server.app
-        decode = app.apis["openai"].tokenizer.decode if call.kind == "text" else None
         return api.Answer(
             app.limits.tools,
             call.tools,
             call.forced_call,
-            decode,
+            app.decode if call.kind == "text" else None,
             reasoning=app.limits.reasoning if call.kind != "text" else None,
             thinking=self.in_thought,
         )
@@ -697,6 +697,7 @@ def main(args: argparse.Namespace) -> None:
         },
         count=lambda prompt: len(encoder(loaded.runtime)(prompt)),
         tail=lambda prompt: loaded.runtime.tokenizer.decode(encoder(loaded.runtime)(prompt)[-16:]),
+        decode=loaded.runtime.tokenizer.decode,
     )
     host, port = server.server_address[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
