@@ -447,6 +447,16 @@ def test_any_model_name_is_answered_by_the_model_served_on_both_apis(agents, too
     assert status == 200 and found["id"] == listed.id
 
 
+RESPONSE_OPTIONS = {  # what parse_responses puts in a call's options
+    "instructions": None,
+    "max_output_tokens": None,
+    "tools": [],
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "reasoning": {},
+    "custom": frozenset(),
+    "left_out": (),
+}
 THOUGHT = "<think>\nFirst, the city.\n</think>\n\nIt is sunny."
 
 
@@ -476,13 +486,20 @@ def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
 
 def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
     from redrafter_mlx.cli.anthropic_api import Anthropic
-    from redrafter_mlx.cli.http_api import Answer, Call
+    from redrafter_mlx.cli.http_api import Answer, Call, Outcome
     from redrafter_mlx.cli.openai_api import OpenAI
+    from redrafter_mlx.cli.responses_api import Responses
+    from redrafter_mlx.core.generate import GenerationStats
     from redrafter_mlx.core.service import Request, Started
 
     started = Started(10, 0, None)
-    for api, kind in ((Anthropic("m"), "messages"), (OpenAI("m", None), "chat")):
-        call = Call(kind, Request([1]), stream=True)
+    apis = [
+        (Anthropic("m"), "messages"),
+        (OpenAI("m", None), "chat"),
+        (Responses("m"), "responses"),
+    ]
+    for api, kind in apis:
+        call = Call(kind, Request([1]), stream=True, options=RESPONSE_OPTIONS)
         answer = Answer(None, None, reasoning=("<think>", "</think>"))
         stream = api.stream(call, started)
         events = [e for step in pieces_of(THOUGHT, 0) for e in stream.piece(answer.add(step))]
@@ -492,10 +509,16 @@ def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
             deltas = [e["delta"] for n, e in events if n == "content_block_delta"]
             thought = "".join(d.get("thinking", "") for d in deltas)
             assert [d["type"] for d in deltas].count("signature_delta") == 1
-        else:
+        elif kind == "chat":
             deltas = [e["choices"][0]["delta"] for _, e in events]
             thought = "".join(d.get("reasoning_content", "") for d in deltas)
             assert "".join(d.get("content", "") for d in deltas) == "It is sunny."
+        else:
+            events += stream.end(answer, Outcome(started, GenerationStats(), None))
+            items = events[-1][1]["response"]["output"]
+            assert [i["type"] for i in items] == ["reasoning", "message"]
+            thought = items[0]["summary"][0]["text"]
+            assert items[1]["content"][0]["text"] == "It is sunny."
         assert thought == "First, the city.\n"
 
 
@@ -628,3 +651,76 @@ def test_each_family_s_calls_are_read_by_mlx_lm_s_parser_however_steps_cut_them(
             ("get_weather", tool_model.ARGUMENTS)
         ]
         assert answer.finish_reason == "tool_calls"
+
+
+def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_messages():
+    """A Codex request as its second turn sends it: developer messages into the system
+    prompt, a custom tool (apply_patch) as a function of one string, its call and output,
+    a reasoning item left out; the custom call comes back as a custom_tool_call item."""
+    import importlib
+
+    from redrafter_mlx.cli.http_api import Answer, Call, Limits, Outcome
+    from redrafter_mlx.cli.responses_api import Responses, parse_responses
+    from redrafter_mlx.core.generate import GenerationStats
+    from redrafter_mlx.core.service import Started
+    from redrafter_mlx.io.templates import ToolFormat
+
+    parser = importlib.import_module("mlx_lm.tool_parsers.json_tools")
+    limits = Limits(("m",), tools=ToolFormat("<tool_call>", "</tool_call>", parser.parse_tool_call))
+    body = {
+        "model": "gpt-5-codex",
+        "instructions": "You are Codex.",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Sandbox."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Fix it."}],
+            },
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+            {
+                "type": "custom_tool_call",
+                "call_id": "c1",
+                "name": "apply_patch",
+                "input": "*** Begin",
+            },
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done."},
+        ],
+        "tools": [
+            {"type": "custom", "name": "apply_patch", "description": "Patch files."},
+            {"type": "web_search"},
+            {"type": "namespace", "name": "mcp", "tools": []},
+        ],
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "include": ["reasoning.encrypted_content"],
+        "store": False,
+        "prompt_cache_key": "abc",
+        "parallel_tool_calls": False,
+        "stream": True,
+    }
+    call = parse_responses(body, limits)
+    chat = call.request.prompt
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool"]
+    assert chat.messages[0]["content"] == "You are Codex.\n\nSandbox."
+    assert chat.messages[2]["tool_calls"][0]["function"] == {
+        "name": "apply_patch",
+        "arguments": {"input": "*** Begin"},
+    }
+    assert chat.thinking is True and [t["function"]["name"] for t in chat.tools] == ["apply_patch"]
+    assert call.options["left_out"] == ("web_search", "namespace")
+    answer = Answer(limits.tools, call.tools)
+    written = '<tool_call>{"name": "apply_patch", "arguments": {"input": "*** End"}}</tool_call>'
+    answer.add(StepResponse(written, [], None, "stop"))
+    outcome = Outcome(Started(10, 0, None), GenerationStats(), None)
+    (item,) = Responses("m").response(
+        Call("responses", call.request, options=call.options), answer, outcome
+    )["output"]
+    assert (item["type"], item["name"], item["input"]) == (
+        "custom_tool_call",
+        "apply_patch",
+        "*** End",
+    )
