@@ -724,3 +724,80 @@ def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_message
         "apply_patch",
         "*** End",
     )
+
+
+# the tool parts of Llama 3.1's chat template, as Meta wrote them
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Given the following functions, please respond with a JSON for a function call with its \
+proper arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and \
+its value}.Do not use variables.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}<|eot_id|>{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- set tool_call = message.tool_calls[0].function %}\
+<|start_header_id|>assistant<|end_header_id|>
+
+{{- '{"name": "' + tool_call.name + '", ' }}{{- '"parameters": ' }}\
+{{- tool_call.arguments | tojson }}{{- "}" }}<|eot_id|>
+{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+def test_llama3_s_bare_json_calls_are_read_from_its_template_s_own_rendering(
+    tool_model_path, tmp_path
+):
+    """mlx-lm has no parser for Llama 3.x, whose calls are a bare JSON object: read here,
+    on the call as its template renders it, however steps cut it; JSON that names no tool
+    offered stays text."""
+    import shutil
+
+    from mlx_lm.tokenizer_utils import load
+
+    from redrafter_mlx.cli.http_api import Answer
+    from redrafter_mlx.io.templates import apply_chat_template, tool_format
+
+    shutil.copytree(tool_model_path, tmp_path / "llama3")
+    config_file = tmp_path / "llama3" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"chat_template": LLAMA3_TEMPLATE}))
+    tokenizer = load(tmp_path / "llama3")
+    fmt = tool_format(tokenizer)
+    assert fmt is not None and fmt.parse is not None and not tokenizer.has_tool_calling
+    ids = apply_chat_template(
+        tokenizer,
+        [*tool_model.QUESTION, tool_model.called()],
+        tools=[tool_model.WEATHER],
+        add_generation_prompt=False,
+    )
+    rendered = tokenizer.decode(ids)
+    call = rendered[rendered.rindex("<|end_header_id|>") + 17 : rendered.rindex("<|eot_id|>")]
+    assert call.startswith('{"name": "get_weather"')
+    for seed in range(30):
+        answer = Answer(fmt, [tool_model.WEATHER])
+        for step in pieces_of(call, seed):
+            answer.add(step)
+        assert answer.text == "" and answer.finish_reason == "tool_calls"
+        assert [(c.name, c.arguments) for c in answer.calls] == [
+            ("get_weather", tool_model.ARGUMENTS)
+        ]
+    quoted = 'As JSON: {"name": "Paris", "country": "France"}'
+    answer = Answer(fmt, [tool_model.WEATHER])
+    for step in pieces_of(quoted, 0):
+        answer.add(step)
+    assert (answer.text, answer.calls) == (quoted, [])
