@@ -59,8 +59,8 @@ def bin_dir(request) -> Path:
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"coding agents not tried: npm could not run ({type(e).__name__})")
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"coding agents not tried: npm install failed ({last})")
+        errors = [line for line in done.stderr.splitlines() if "error" in line]
+        pytest.skip(f"coding agents not tried: npm install failed ({(errors or ['?'])[0]})")
     stamp.write_text(json.dumps(sorted(CLIENTS)))
     return cache / "node_modules" / ".bin"
 
