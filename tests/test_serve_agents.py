@@ -283,3 +283,521 @@ def test_interleaved_conversations_over_both_apis_prefill_only_their_new_tokens(
     # the new turn's tokens, and the answer's last token (generated, never fed)
     new = second.usage.prompt_tokens - first.usage.prompt_tokens - first.usage.completion_tokens
     assert 1 <= fed <= new + 2, (fed, new)
+
+
+# ---------------------------------------------------------------- the audit's defects
+
+
+def with_deep_schema(body: dict, levels: int) -> bytes:
+    """``body``'s JSON with its "DEEP" string replaced by a schema nested ``levels`` deep
+    (spelled here: json.dumps recurses once per level too)."""
+    schema = '{"type": "object", "properties": {"x": ' * levels + "{}" + "}}" * levels
+    return json.dumps(body).replace('"DEEP"', schema).encode()
+
+
+def test_count_tokens_answers_every_prompt_messages_refuses_with_a_400(agents):
+    """Each prompt /v1/messages refuses gets the same 400 from count_tokens (it closed the
+    connection), in Anthropic's error shape."""
+    user = [{"role": "user", "content": "hi"}]
+    tool = {"name": "t", "input_schema": {"type": "object"}}
+    bodies = [
+        {"messages": [{"role": "user", "content": "lone \ud800 surrogate"}]},
+        {"messages": user, "tools": [tool | {"description": "lone \ud800"}]},
+        {"messages": user, "tools": [tool | {"input_schema": "DEEP"}]},
+        {"messages": [{"role": "user", "content": []}], "tools": [tool]},
+    ]
+    for body in bodies:
+        whole = with_deep_schema(body | {"max_tokens": 4}, 900)
+        status, _, whole = agents.request("/v1/messages", whole)
+        assert status == 400 and whole["type"] == "error", (body, whole)
+        status, _, counted = agents.request(
+            "/v1/messages/count_tokens", with_deep_schema(body, 900)
+        )
+        assert status == 400 and counted["error"]["type"] == "invalid_request_error", counted
+    status, _, _ = agents.request("/v1/messages/count_tokens", {"messages": user})
+    assert status == 200  # the server goes on
+
+
+def test_a_body_nested_past_the_parser_gets_a_400_on_every_endpoint(agents):
+    body = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        status, _, reply = agents.request(path, body)
+        assert status == 400 and "nests deeper" in json.dumps(reply), (path, reply)
+
+
+def test_empty_stop_lists_mean_no_stop_strings(agents):
+    user = [{"role": "user", "content": "hi"}]
+    status, _, chat = agents.request(
+        "/v1/chat/completions", {"messages": user, "max_tokens": 3, "stop": []}
+    )
+    assert status == 200 and chat["choices"][0]["finish_reason"] in ("stop", "length")
+    status, _, message = agents.request(
+        "/v1/messages", {"messages": user, "max_tokens": 3, "stop_sequences": []}
+    )
+    assert status == 200 and message["type"] == "message"
+
+
+def test_json_response_formats_and_tool_choice_without_tools_are_refused(agents):
+    user = [{"role": "user", "content": "hi"}]
+    for form in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {}}):
+        status, _, reply = agents.request(
+            "/v1/chat/completions", {"messages": user, "max_tokens": 3, "response_format": form}
+        )
+        assert status == 400 and reply["error"]["param"] == "response_format", reply
+    status, _, reply = agents.request(
+        "/v1/chat/completions",
+        {"messages": user, "max_tokens": 3, "response_format": {"type": "text"}},
+    )
+    assert status == 200
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        body = {"messages": user, "max_tokens": 3, "tool_choice": choice}
+        status, _, reply = agents.request("/v1/chat/completions", body)
+        assert status == 400 and reply["error"]["param"] == "tool_choice", reply
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        body = {"messages": user, "max_tokens": 3, "tool_choice": choice}
+        status, _, reply = agents.request("/v1/messages", body)
+        assert status == 400 and "tool_choice" in reply["error"]["message"], reply
+
+
+def test_a_developer_message_is_the_system_prompt(agents):
+    client, model = agents.client(), model_of(agents)
+    user = {"role": "user", "content": "Say something."}
+    answers = [
+        client.chat.completions.create(
+            model=model, messages=[{"role": role, "content": "Be brief."}, user], max_tokens=8
+        )
+        for role in ("system", "developer")
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
+def test_a_text_completion_is_its_log_prob_tokens_joined(agents):
+    """The detokenizer drops an answer's first space (right for chat, wrong for a
+    continuation): the text is its tokens, whole and streamed."""
+    client, model = agents.client(), model_of(agents)
+    texts = []
+    for prompt in ("The weather in Paris is", "Once upon a time", "1, 2, 3,", "Hello", "Q: A"):
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0)
+        choice = whole.choices[0]
+        assert choice.text == "".join(choice.logprobs.tokens), prompt
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=6, logprobs=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+        texts.append(choice.text)
+    assert any(text.startswith(" ") for text in texts), texts  # the case that was wrong
+
+
+# ---------------------------------------------------------------- Claude Code's requests
+
+
+def test_system_messages_inside_messages_join_the_system_prompt(agents):
+    """Claude Code's environment notes after a user turn (role "system" in messages): the
+    same prompt as their text after the system prompt; its other fields are accepted."""
+    user = {"role": "user", "content": "Say something."}
+    folded = {"max_tokens": 8, "system": "Be brief.\n\nNote one.\n\nNote two.", "messages": [user]}
+    inline = {
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            user,
+            {"role": "system", "content": "Note one."},
+            {"role": "system", "content": [{"type": "text", "text": "Note two."}]},
+        ],
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+        "output_config": {"effort": "medium"},
+        "metadata": {"user_id": "someone"},
+    }
+    status, _, one = agents.request("/v1/messages", folded)
+    assert status == 200, one
+    status, _, two = agents.request("/v1/messages?beta=true", inline)
+    assert status == 200, two
+    assert one["content"] == two["content"]
+    tokens = [
+        m["usage"]["input_tokens"] + m["usage"]["cache_read_input_tokens"] for m in (one, two)
+    ]
+    assert tokens[0] == tokens[1]
+    for refused, word in (
+        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+        ({"thinking": {"type": "sometimes"}}, "thinking"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+        ({"messages": [{"role": "system", "content": "Only a note."}]}, "no user"),
+    ):
+        status, _, error = agents.request("/v1/messages", folded | refused)
+        assert status == 400 and word in error["error"]["message"], (refused, error)
+
+
+def test_any_model_name_is_answered_by_the_model_served_on_both_apis(agents, tool_model_path):
+    """One rule for both APIs: the served name is the folder's; any name is answered."""
+    client = agents.client()
+    (listed,) = client.models.list().data
+    assert listed.id == tool_model_path.name
+    user = [{"role": "user", "content": "hi"}]
+    for name in (listed.id, str(tool_model_path), "gpt-5-codex"):
+        answer = client.chat.completions.create(model=name, messages=user, max_tokens=2)
+        assert answer.model == listed.id
+    message = anthropic_client(agents).messages.create(
+        model="claude-sonnet-4-5", max_tokens=2, messages=user
+    )
+    assert message.model == listed.id
+    status, _, found = agents.request(f"/v1/models/{listed.id}", method="GET")
+    assert status == 200 and found["id"] == listed.id
+
+
+RESPONSE_OPTIONS = {  # what parse_responses puts in a call's options
+    "instructions": None,
+    "max_output_tokens": None,
+    "tools": [],
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "reasoning": {},
+    "custom": frozenset(),
+    "left_out": (),
+}
+THOUGHT = "<think>\nFirst, the city.\n</think>\n\nIt is sunny."
+
+
+def pieces_of(text: str, seed: int) -> list[StepResponse]:
+    """``text`` cut into 6 steps at random, the last one finishing."""
+    cuts = sorted(random.Random(seed).sample(range(1, len(text)), 5))
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    return [StepResponse(p, [], None, "stop" if i == 5 else None) for i, p in enumerate(parts)]
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
+    """Qwen3 thinks between <think> tags, opened by the model or (Qwen3.5, thinking on) by
+    the template's generation prompt: reasoning and text apart, whatever the cuts."""
+    from redrafter_mlx.cli.http_api import Answer
+
+    text = THOUGHT.removeprefix("<think>") if opened else THOUGHT
+    for seed in range(40):
+        answer = Answer(None, None, reasoning=("<think>", "</think>"), thinking=opened)
+        for step in pieces_of(text, seed):
+            answer.add(step)
+        assert (answer.reasoning, answer.text) == ("First, the city.\n", "It is sunny.")
+    plain = Answer(None, None, reasoning=("<think>", "</think>"))
+    plain.add(StepResponse("No thoughts < here.", [], None, "stop"))
+    assert (plain.reasoning, plain.text) == ("", "No thoughts < here.")
+
+
+def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
+    from redrafter_mlx.cli.anthropic_api import Anthropic
+    from redrafter_mlx.cli.http_api import Answer, Call, Outcome
+    from redrafter_mlx.cli.openai_api import OpenAI
+    from redrafter_mlx.cli.responses_api import Responses
+    from redrafter_mlx.core.generate import GenerationStats
+    from redrafter_mlx.core.service import Request, Started
+
+    started = Started(10, 0, None)
+    apis = [
+        (Anthropic("m"), "messages"),
+        (OpenAI("m", None), "chat"),
+        (Responses("m"), "responses"),
+    ]
+    for api, kind in apis:
+        call = Call(kind, Request([1]), stream=True, options=RESPONSE_OPTIONS)
+        answer = Answer(None, None, reasoning=("<think>", "</think>"))
+        stream = api.stream(call, started)
+        events = [e for step in pieces_of(THOUGHT, 0) for e in stream.piece(answer.add(step))]
+        if kind == "messages":
+            starts = [e["content_block"]["type"] for n, e in events if n == "content_block_start"]
+            assert starts == ["thinking", "text"]
+            deltas = [e["delta"] for n, e in events if n == "content_block_delta"]
+            thought = "".join(d.get("thinking", "") for d in deltas)
+            assert [d["type"] for d in deltas].count("signature_delta") == 1
+        elif kind == "chat":
+            deltas = [e["choices"][0]["delta"] for _, e in events]
+            thought = "".join(d.get("reasoning_content", "") for d in deltas)
+            assert "".join(d.get("content", "") for d in deltas) == "It is sunny."
+        else:
+            events += stream.end(answer, Outcome(started, GenerationStats(), None))
+            items = events[-1][1]["response"]["output"]
+            assert [i["type"] for i in items] == ["reasoning", "message"]
+            thought = items[0]["summary"][0]["text"]
+            assert items[1]["content"][0]["text"] == "It is sunny."
+        assert thought == "First, the city.\n"
+
+
+def test_the_thinking_switch_reaches_the_chat_template(tool_model_path):
+    from mlx_lm.tokenizer_utils import load
+
+    from redrafter_mlx.io.templates import apply_chat_template
+
+    tokenizer = load(tool_model_path)
+    tokenizer._tokenizer.chat_template = (
+        "{{ messages[0]['content'] }}|{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% elif enable_thinking is defined %}<think>{% endif %}"
+    )
+    user = [{"role": "user", "content": "x"}]
+    shown = {
+        thinking: tokenizer.decode(apply_chat_template(tokenizer, user, thinking=thinking))
+        for thinking in (None, True, False)
+    }
+    assert [shown[t].split("|")[-1] for t in (None, True, False)] == [
+        "",
+        "<think>",
+        "<think></think>",
+    ]
+
+
+# ---------------------------------------------------------------- OpenAI's Responses API
+
+
+RESPONSES_TOOLS = [
+    {"type": "function", **tool_model.WEATHER["function"]},
+    {"type": "web_search"},  # hosted: left out of the prompt
+]
+
+
+def test_a_tool_call_makes_the_round_trip_through_responses(agents):
+    """Codex's API through the official SDK: a function call item, its output fed back
+    (with a reasoning item and a hosted tool's call item, both left out), the answer."""
+    client = agents.client()
+    first = client.responses.create(
+        model="gpt-5-codex", input=tool_model.QUESTION, tools=RESPONSES_TOOLS, store=False
+    )
+    assert first.status == "completed" and first.model == model_of(agents)
+    (call,) = first.output
+    assert (call.type, call.name) == ("function_call", "get_weather")
+    assert json.loads(call.arguments) == tool_model.ARGUMENTS
+    history = [
+        *tool_model.QUESTION,
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        call.model_dump(exclude_none=True),
+        {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+        {"type": "function_call_output", "call_id": call.call_id, "output": tool_model.RESULT},
+    ]
+    final = client.responses.create(model="m", input=history, tools=RESPONSES_TOOLS, store=False)
+    assert final.output_text == tool_model.FINAL and final.output[0].type == "message"
+    assert final.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert final.usage.model_extra["redrafter"]["steps"] >= 1
+    log = agents.log.read_text()
+    assert log.count("left out of the prompt (hosted tools): web_search\n") == 1, log
+
+
+def test_responses_stream_the_event_sequence_the_sdk_parses(agents):
+    client = agents.client()
+    whole = client.responses.create(
+        model="m", input=tool_model.QUESTION, tools=RESPONSES_TOOLS, store=False
+    )
+    events = list(
+        client.responses.create(
+            model="m", input=tool_model.QUESTION, tools=RESPONSES_TOOLS, store=False, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    arguments = "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
+    done = events[-1].response
+    assert done.output[0].arguments == arguments == whole.output[0].arguments
+    text = client.responses.create(
+        model="m", input="Say something.", max_output_tokens=6, store=False, stream=True
+    )
+    events = list(text)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1].response
+    assert last.output_text == deltas and events[-1].type == f"response.{last.status}"
+    assert last.status in ("completed", "incomplete")
+
+
+def test_responses_refuse_what_needs_stored_state(agents):
+    import openai
+
+    client = agents.client(max_retries=0)
+    for fields, word in (
+        ({"store": True}, "store"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=word):
+            client.responses.create(model="m", input="hi", max_output_tokens=2, **fields)
+
+
+# ---------------------------------------------------------------- tool-call formats
+
+CALLS_AS_WRITTEN = {  # a get_weather call as each family's template writes it
+    "json_tools": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call>",
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "</function>\n</tool_call>",
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+}
+
+
+@pytest.mark.parametrize("family", sorted(CALLS_AS_WRITTEN))
+def test_each_family_s_calls_are_read_by_mlx_lm_s_parser_however_steps_cut_them(family):
+    """Hermes JSON, Qwen3-Coder's XML and Mistral's [TOOL_CALLS] (no closing tag: the call
+    runs to the answer's end) through mlx-lm's own parsers."""
+    import importlib
+
+    from redrafter_mlx.cli.http_api import Answer
+    from redrafter_mlx.io.templates import ToolFormat
+
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+    fmt = ToolFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+    text = "Let me look. " + CALLS_AS_WRITTEN[family]
+    for seed in range(30):
+        answer = Answer(fmt, [tool_model.WEATHER])
+        for step in pieces_of(text, seed):
+            answer.add(step)
+        assert answer.text == "Let me look. "
+        assert [(c.name, c.arguments) for c in answer.calls] == [
+            ("get_weather", tool_model.ARGUMENTS)
+        ]
+        assert answer.finish_reason == "tool_calls"
+
+
+def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_messages():
+    """A Codex request as its second turn sends it: developer messages into the system
+    prompt, a custom tool (apply_patch) as a function of one string, its call and output,
+    a reasoning item left out; the custom call comes back as a custom_tool_call item."""
+    import importlib
+
+    from redrafter_mlx.cli.http_api import Answer, Call, Limits, Outcome
+    from redrafter_mlx.cli.responses_api import Responses, parse_responses
+    from redrafter_mlx.core.generate import GenerationStats
+    from redrafter_mlx.core.service import Started
+    from redrafter_mlx.io.templates import ToolFormat
+
+    parser = importlib.import_module("mlx_lm.tool_parsers.json_tools")
+    limits = Limits(("m",), tools=ToolFormat("<tool_call>", "</tool_call>", parser.parse_tool_call))
+    body = {
+        "model": "gpt-5-codex",
+        "instructions": "You are Codex.",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Sandbox."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Fix it."}],
+            },
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+            {
+                "type": "custom_tool_call",
+                "call_id": "c1",
+                "name": "apply_patch",
+                "input": "*** Begin",
+            },
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done."},
+        ],
+        "tools": [
+            {"type": "custom", "name": "apply_patch", "description": "Patch files."},
+            {"type": "web_search"},
+            {"type": "namespace", "name": "mcp", "tools": []},
+        ],
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "include": ["reasoning.encrypted_content"],
+        "store": False,
+        "prompt_cache_key": "abc",
+        "parallel_tool_calls": False,
+        "stream": True,
+    }
+    call = parse_responses(body, limits)
+    chat = call.request.prompt
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool"]
+    assert chat.messages[0]["content"] == "You are Codex.\n\nSandbox."
+    assert chat.messages[2]["tool_calls"][0]["function"] == {
+        "name": "apply_patch",
+        "arguments": {"input": "*** Begin"},
+    }
+    assert chat.thinking is True and [t["function"]["name"] for t in chat.tools] == ["apply_patch"]
+    assert call.options["left_out"] == ("web_search", "namespace")
+    answer = Answer(limits.tools, call.tools)
+    written = '<tool_call>{"name": "apply_patch", "arguments": {"input": "*** End"}}</tool_call>'
+    answer.add(StepResponse(written, [], None, "stop"))
+    outcome = Outcome(Started(10, 0, None), GenerationStats(), None)
+    (item,) = Responses("m").response(
+        Call("responses", call.request, options=call.options), answer, outcome
+    )["output"]
+    assert (item["type"], item["name"], item["input"]) == (
+        "custom_tool_call",
+        "apply_patch",
+        "*** End",
+    )
+
+
+# the tool parts of Llama 3.1's chat template, as Meta wrote them
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Given the following functions, please respond with a JSON for a function call with its \
+proper arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and \
+its value}.Do not use variables.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}<|eot_id|>{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- set tool_call = message.tool_calls[0].function %}\
+<|start_header_id|>assistant<|end_header_id|>
+
+{{- '{"name": "' + tool_call.name + '", ' }}{{- '"parameters": ' }}\
+{{- tool_call.arguments | tojson }}{{- "}" }}<|eot_id|>
+{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+def test_llama3_s_bare_json_calls_are_read_from_its_template_s_own_rendering(
+    tool_model_path, tmp_path
+):
+    """mlx-lm has no parser for Llama 3.x, whose calls are a bare JSON object: read here,
+    on the call as its template renders it, however steps cut it; JSON that names no tool
+    offered stays text."""
+    import shutil
+
+    from mlx_lm.tokenizer_utils import load
+
+    from redrafter_mlx.cli.http_api import Answer
+    from redrafter_mlx.io.templates import apply_chat_template, tool_format
+
+    shutil.copytree(tool_model_path, tmp_path / "llama3")
+    config_file = tmp_path / "llama3" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"chat_template": LLAMA3_TEMPLATE}))
+    tokenizer = load(tmp_path / "llama3")
+    fmt = tool_format(tokenizer)
+    assert fmt is not None and fmt.parse is not None and not tokenizer.has_tool_calling
+    ids = apply_chat_template(
+        tokenizer,
+        [*tool_model.QUESTION, tool_model.called()],
+        tools=[tool_model.WEATHER],
+        add_generation_prompt=False,
+    )
+    rendered = tokenizer.decode(ids)
+    call = rendered[rendered.rindex("<|end_header_id|>") + 17 : rendered.rindex("<|eot_id|>")]
+    assert call.startswith('{"name": "get_weather"')
+    for seed in range(30):
+        answer = Answer(fmt, [tool_model.WEATHER])
+        for step in pieces_of(call, seed):
+            answer.add(step)
+        assert answer.text == "" and answer.finish_reason == "tool_calls"
+        assert [(c.name, c.arguments) for c in answer.calls] == [
+            ("get_weather", tool_model.ARGUMENTS)
+        ]
+    quoted = 'As JSON: {"name": "Paris", "country": "France"}'
+    answer = Answer(fmt, [tool_model.WEATHER])
+    for step in pieces_of(quoted, 0):
+        answer.add(step)
+    assert (answer.text, answer.calls) == (quoted, [])

@@ -179,3 +179,18 @@ def learned(model, tokens: mx.array, weights: mx.array, margin: float = 2.0) -> 
     wanted = mx.take_along_axis(logits, targets, axis=-1)[..., 0]
     others = mx.put_along_axis(logits, targets, mx.array(-mx.inf), axis=-1).max(axis=-1)
     return not ((wanted - others < margin) * weights).any().item()
+
+
+def agent_model(out: Path, *, family: str = "llama", context: int = 131072) -> Path:
+    """A demo model (random weights, the embedded SmolLM2's tokenizer) whose chat template
+    takes tools (:data:`TEMPLATE`) and whose context holds a coding agent's 12,000-token
+    requests: what the coding agents' test points them at. Its answers are noise."""
+    from redrafter_mlx.io.demo import write_demo_model
+
+    write_demo_model(out, family=family, force=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    model_config = json.loads((out / "config.json").read_text())
+    model_config["max_position_embeddings"] = context
+    (out / "config.json").write_text(json.dumps(model_config))
+    return out

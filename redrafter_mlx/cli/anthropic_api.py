@@ -9,9 +9,16 @@ What maps how:
   blocks -> an assistant message's ``tool_calls``; ``tool_result`` blocks -> ``role: "tool"``
   messages; ``tools`` (``name``, ``description``, ``input_schema``) -> OpenAI's function
   format, which chat templates read; ``tool_choice`` auto / any / tool / none.
+- ``system`` messages inside ``messages`` (Claude Code's notes after a user turn) are added to
+  the system prompt, in order: chat templates take one system message, first.
+- ``thinking`` (enabled / adaptive / disabled) is the chat template's reasoning switch; the
+  model's reasoning comes back as ``thinking`` blocks (``thinking_delta`` events), with an
+  empty signature. Its ``budget_tokens`` is not enforced.
 - Any ``model`` name is answered by the model served (an agent may ask for its own names);
-  the answer's ``model`` says which. Fields this server does not use (``metadata``,
-  ``thinking``, ``cache_control``...) are ignored; images and documents are refused.
+  the answer's ``model`` says which. Fields a local server cannot act on and may leave
+  (``metadata``, ``context_management``, ``output_config.effort``, ``cache_control``,
+  ``service_tier``...) are ignored; what would change the answer's form and cannot be done
+  (``output_config.format``, ``mcp_servers``, server tools, images, documents) is refused.
 - ``usage``: ``input_tokens`` are the prompt's tokens the KV cache did not hold,
   ``cache_read_input_tokens`` those it held (Anthropic's split), plus our ``redrafter`` block.
 """
@@ -76,28 +83,62 @@ def _prompt(body: dict, limits: Limits) -> tuple:
     """The fields a message and a count share -> ``(prompt, tools offered, forced)``."""
     if "messages" not in body:
         raise h.missing("messages")
-    messages = _system(body.get("system")) + _messages(body["messages"])
+    _refuse_unservable(body)
+    notes, messages = _messages(body["messages"])
+    messages = _system([_system_text(body.get("system"), "system"), *notes]) + messages
     tools = h.tool_list(body.get("tools"), _tool)
-    return h.chat_prompt(messages, tools, _tool_choice(body.get("tool_choice"), tools), limits)
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    return h.chat_prompt(messages, tools, choice, limits, _thinking(body.get("thinking")))
 
 
-def _system(value) -> list[dict]:
+def _refuse_unservable(body: dict) -> None:
+    """Fields whose request this server cannot honour and must not pretend to."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise h.invalid("output_config", "must be an object")
+    if (config or {}).get("format") is not None:
+        raise h.unsupported("output_config.format", "structured outputs need constrained decoding")
+    if body.get("mcp_servers"):
+        raise h.unsupported("mcp_servers", "this server calls no MCP servers: give their tools")
+
+
+def _thinking(value) -> bool | None:
+    """``thinking`` -> the template's reasoning switch (None: its default)."""
     if value is None:
-        return []
-    text = value if isinstance(value, str) else _text_blocks(value, "system")
-    return [{"role": "system", "content": h.text(text, "system")}] if text else []
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise h.invalid("thinking", "must be {'type': 'enabled' | 'adaptive' | 'disabled'}")
+    return kind != "disabled"
 
 
-def _messages(value) -> list[dict]:
+def _system_text(value, where: str) -> str:
+    if value is None:
+        return ""
+    return h.text(value, where) if isinstance(value, str) else _text_blocks(value, where)
+
+
+def _system(texts: list[str]) -> list[dict]:
+    """The system prompt and the system messages' notes after it, as one system message."""
+    text = "\n\n".join(t for t in texts if t)
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _messages(value) -> tuple[list[str], list[dict]]:
+    """``(the system messages' texts, the other messages as templates read them)``."""
     if not isinstance(value, list):
         raise h.invalid("messages", "must be an array of messages")
     if not value:
         raise h.invalid("messages", "is empty: send at least one")
-    out = []
+    notes, out = [], []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise h.invalid(f"{where}.role", "must be 'user' or 'assistant'")
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "system":
+            notes.append(_system_text(message.get("content"), f"{where}.content"))
+            continue
+        if role not in ("user", "assistant"):
+            raise h.invalid(f"{where}.role", "must be 'user', 'assistant' or 'system'")
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": message["role"], "content": h.text(content, where)})
@@ -105,7 +146,9 @@ def _messages(value) -> list[dict]:
             out += _user_blocks(content, f"{where}.content")
         else:
             out.append(_assistant_blocks(content, f"{where}.content"))
-    return out
+    if not out:
+        raise h.invalid("messages", "has no user or assistant message: send at least one")
+    return notes, out
 
 
 def _blocks(value, where: str) -> list[dict]:
@@ -215,7 +258,8 @@ class Anthropic(h.Api):
         return "error", error_body(error)
 
     def response(self, call: Call, answer: h.Answer, outcome: h.Outcome) -> dict:
-        blocks = [{"type": "text", "text": answer.text}] if answer.text else []
+        blocks = [_thinking_block(answer.reasoning)] if answer.reasoning else []
+        blocks += [{"type": "text", "text": answer.text}] if answer.text else []
         blocks += [_tool_use(c) for c in answer.calls]
         return self.message(call, blocks, usage(outcome)) | {
             "stop_reason": stop_reason(answer),
@@ -240,14 +284,15 @@ class Anthropic(h.Api):
 
 class AnthropicStream(h.Stream):
     """Anthropic's event sequence: ``message_start``; per content block
-    ``content_block_start``, its deltas (``text_delta``, or one ``input_json_delta`` for a
-    tool call) and ``content_block_stop``, with a ``ping`` after the first block's start;
-    ``message_delta`` (stop reason, usage) and ``message_stop``."""
+    ``content_block_start``, its deltas (``thinking_delta`` then a ``signature_delta``,
+    ``text_delta``, or one ``input_json_delta`` for a tool call) and
+    ``content_block_stop``, with a ``ping`` after the first block's start; ``message_delta``
+    (stop reason, usage) and ``message_stop``."""
 
     def __init__(self, api: Anthropic, call: Call, started: Started):
         self.api, self.call, self.started = api, call, started
         self.blocks = 0  # content blocks started
-        self.text_open = False  # the last block is text and open
+        self.open: str | None = None  # the last block's type while it is open ("text"...)
         self.pinged = False
 
     def begin(self) -> list[tuple]:
@@ -261,10 +306,12 @@ class AnthropicStream(h.Stream):
 
     def piece(self, piece: h.Piece) -> list[tuple]:
         events = []
+        if piece.reasoning:
+            events += self._open("thinking", _thinking_block(""))
+            delta = {"type": "thinking_delta", "thinking": piece.reasoning}
+            events.append(_event("content_block_delta", index=self.blocks - 1, delta=delta))
         if piece.text:
-            if not self.text_open:
-                events += self._start({"type": "text", "text": ""})
-                self.text_open = True
+            events += self._open("text", {"type": "text", "text": ""})
             delta = {"type": "text_delta", "text": piece.text}
             events.append(_event("content_block_delta", index=self.blocks - 1, delta=delta))
         for call in piece.calls:
@@ -289,11 +336,28 @@ class AnthropicStream(h.Stream):
             self.pinged = True
         return events
 
-    def _close(self) -> list[tuple]:
-        if not self.text_open:
+    def _open(self, kind: str, block: dict) -> list[tuple]:
+        """Events that make the open block one of ``kind``: the last one closed, this one
+        started (none when it is open already)."""
+        if self.open == kind:
             return []
-        self.text_open = False
-        return [_event("content_block_stop", index=self.blocks - 1)]
+        events = self._close() + self._start(block)
+        self.open = kind
+        return events
+
+    def _close(self) -> list[tuple]:
+        kind, self.open = self.open, None
+        if kind is None:
+            return []
+        events = []
+        if kind == "thinking":  # Anthropic signs its thinking: a local model's is unsigned
+            delta = {"type": "signature_delta", "signature": ""}
+            events.append(_event("content_block_delta", index=self.blocks - 1, delta=delta))
+        return events + [_event("content_block_stop", index=self.blocks - 1)]
+
+
+def _thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _event(kind: str, **fields) -> tuple:

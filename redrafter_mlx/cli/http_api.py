@@ -19,6 +19,7 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,9 @@ MAX_TOP_LOGPROBS = 10  # alternatives per token: a partition over the vocabulary
 # Python refuses to parse longer integers (CVE-2020-10735); a JSON number this long is kept
 # as a HugeInteger, which every field's check refuses by name.
 MAX_INT_DIGITS = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+# Deepest nesting of a request body: far past any real JSON schema, far below Python's
+# recursion limit, which a chat template (or json.dumps) walking the body would reach.
+MAX_JSON_DEPTH = 128
 
 
 @dataclass
@@ -69,7 +73,8 @@ class ApiError(Exception):
 class Limits:
     """What requests are checked against, and the defaults they fall back on.
 
-    ``model_ids``: the names a request's ``model`` may give (the first is the one listed);
+    ``model_ids``: the model's names (the first, its short name, is the one listed; the
+    others, its path or Hub id, are found by ``GET /v1/models/{name}`` too);
     ``max_context``/``vocab_size``: the model's (None when unknown); ``tools``: how the model
     takes tools (None: its chat template takes none)."""
 
@@ -79,6 +84,7 @@ class Limits:
     max_tokens: int = 512
     sampling: Sampling = Sampling()
     tools: ToolFormat | None = None
+    reasoning: tuple[str, str] | None = None  # the tags the model thinks between
 
     @property
     def model_id(self) -> str:
@@ -105,6 +111,7 @@ class Call:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: list[dict] | None = None
     forced_call: bool = False
+    options: dict = field(default_factory=dict)  # what one API's response needs besides
 
     @property
     def logprobs(self) -> bool:
@@ -139,9 +146,28 @@ def parse_json(raw: bytes) -> dict:
         raise ApiError(
             400, f"the request body is not valid JSON: {e}", code="invalid_json"
         ) from None
+    except RecursionError:  # the parser recurses once per level
+        body = None
+    if body is None or json_depth(body) > MAX_JSON_DEPTH:
+        message = f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+        raise ApiError(400, message, code="invalid_json")
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def json_depth(value) -> int:
+    """Levels of arrays and objects in a decoded JSON value (walked without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, dict):
+            value = value.values()
+        elif not isinstance(value, list):
+            continue
+        deepest = max(deepest, depth)
+        todo += [(child, depth + 1) for child in value]
+    return deepest
 
 
 def text(value, where: str) -> str:
@@ -155,12 +181,11 @@ def text(value, where: str) -> str:
 
 
 def check_model(model, limits: Limits) -> None:
-    if model is None:  # lenient: the one model served
-        return
-    if not isinstance(model, str):
+    """A request's ``model``: any name, or none, is answered by the one model served (as
+    mlx-lm's server and vllm-mlx do), on both APIs: agents ask for their own default names
+    ("claude-sonnet-4-5", "gpt-5-codex"). The answer's ``model`` is the served name."""
+    if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")
-    if model not in limits.model_ids:
-        raise model_not_found(model, limits, "model")
 
 
 def model_not_found(model: str, limits: Limits, param: str | None = None) -> ApiError:
@@ -200,7 +225,7 @@ def sampling(body: dict, limits: Limits, *, max_temperature: float) -> Sampling:
 
 def stop_strings(value, name: str) -> tuple[str, ...]:
     """Stop strings: a string or an array of at most MAX_STOP_STRINGS (None: none)."""
-    if value is None:
+    if value is None or value == []:  # an empty array: no stop strings, as OpenAI reads it
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -293,18 +318,23 @@ def tool_list(value, convert) -> list[dict]:
     return [convert(tool, f"tools[{i}]") for i, tool in enumerate(value)]
 
 
-def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits) -> tuple:
+def chat_prompt(
+    messages: list[dict], tools: list[dict], choice, limits: Limits, thinking: bool | None = None
+) -> tuple:
     """The service prompt of ``messages`` with ``tools`` (OpenAI's function format) offered
-    as ``choice`` says: "auto", "none", "required", or a tool's name (that tool, called).
+    as ``choice`` says: "auto", "none", "required", or a tool's name (that tool, called),
+    and the template's reasoning switch ``thinking`` (None: its default).
     Returns ``(prompt, tools offered, forced)``; a forced call starts the answer with the
     call's opening tag. ApiError when the model takes no tools, or cannot be made to call."""
+    if not tools and choice not in ("auto", "none"):
+        raise invalid("tool_choice", f"{shown(choice)} needs tools: the request offers none")
     if not tools or choice == "none":
-        return messages, None, False
+        return Chat(messages, thinking=thinking), None, False
     fmt = limits.tools
     if fmt is None:
         raise unsupported("tools", f"the chat template of {limits.model_id} takes no tools")
     if choice == "auto":
-        return Chat(messages, tools), tools, False
+        return Chat(messages, tools, thinking=thinking), tools, False
     if fmt.start is None:
         message = f"{limits.model_id} has no tool parser in mlx-lm: only 'auto' or 'none'"
         raise unsupported("tool_choice", message)
@@ -312,7 +342,7 @@ def chat_prompt(messages: list[dict], tools: list[dict], choice, limits: Limits)
         tools = [t for t in tools if t["function"]["name"] == choice]
         if not tools:
             raise invalid("tool_choice", f"no tool named {shown(choice)} among the tools")
-    return Chat(messages, tools, fmt.start), tools, True
+    return Chat(messages, tools, fmt.start, thinking), tools, True
 
 
 def call_arguments(value, where: str) -> dict:
@@ -350,6 +380,7 @@ class Piece:
     calls: list[ToolCall] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: TopLogprobs | None = None
+    reasoning: str = ""  # the model's thinking (between its reasoning tags)
 
 
 class Answer:
@@ -358,9 +389,21 @@ class Answer:
     until it cannot), its tokens' log-probs, how it finished.
 
     ``offered``: the tools offered (None: no call is looked for); ``forced``: the answer
-    starts inside a call (its opening tag was put after the prompt)."""
+    starts inside a call (its opening tag was put after the prompt); ``decode`` (token ids
+    -> text): a continuation's, whose first space the streaming detokenizer drops (mlx-lm's
+    trim a chat answer's leading space) and which is put back: a text completion's text is
+    the concatenation of its tokens."""
 
-    def __init__(self, fmt: ToolFormat | None, offered: list[dict] | None, forced=False):
+    def __init__(
+        self,
+        fmt: ToolFormat | None,
+        offered: list[dict] | None,
+        forced=False,
+        decode: Callable[[list[int]], str] | None = None,
+        *,
+        reasoning: tuple[str, str] | None = None,
+        thinking: bool = False,
+    ):
         parses = fmt is not None and fmt.parse is not None and offered is not None
         self.fmt = fmt if parses else None
         self.offered = offered
@@ -372,6 +415,12 @@ class Answer:
         self.stop_string: str | None = None
         self._held = ""  # text not shown yet: it may begin a call's opening tag
         self._call: str | None = "" if forced and parses else None  # a call's text so far
+        self._decode = decode  # until the first text: then its space is put back, if lost
+        self.reasoning = ""
+        self._tags = reasoning  # (start, end) of the model's thinking; None: none looked for
+        self._thinking = thinking and reasoning is not None  # inside the thinking now
+        self._thought = ""  # text not shown yet: it may begin a reasoning tag
+        self._trim = self._thinking  # whitespace after a tag is not shown
 
     @property
     def finish_reason(self) -> str | None:
@@ -384,11 +433,50 @@ class Answer:
         self.tokens += step.tokens
         if step.top_logprobs is not None:
             self.logprobs.append(step.top_logprobs)
-        self._split(step.text, piece, final=step.finish_reason is not None)
+        new = step.text
+        if new and self._decode is not None:
+            if self._decode(self.tokens).startswith(" "):  # it began with one: dropped
+                new = " " + new
+            self._decode = None
+        final = step.finish_reason is not None
+        if self._tags is not None:
+            new = self._think(new, piece, final)
+        self._split(new, piece, final=final)
         self.reason, self.stop_string = step.finish_reason, step.stop_string
         self.text += piece.text
+        self.reasoning += piece.reasoning
         self.calls += piece.calls
         return piece
+
+    def _think(self, new: str, piece: Piece, final: bool) -> str:
+        """``new`` less the reasoning in it (into ``piece.reasoning``): the answer's text.
+        Text that may begin a tag is held back until it cannot; whitespace after a tag is
+        dropped (templates put newlines there)."""
+        start, end = self._tags
+        rest, text = self._thought + new, ""
+        self._thought = ""
+        while rest:
+            if self._trim:
+                rest = rest.lstrip()
+                if not rest:
+                    break
+                self._trim = False
+            tag = end if self._thinking else start
+            at = rest.find(tag)
+            if at < 0:
+                keep = 0 if final else _begins(rest, tag)
+                shown, self._thought = rest[: len(rest) - keep], rest[len(rest) - keep :]
+                rest = ""
+            else:
+                shown, rest = rest[:at], rest[at + len(tag) :]
+                self._trim = True
+            if self._thinking:
+                piece.reasoning += shown
+            else:
+                text += shown
+            if at >= 0:
+                self._thinking = not self._thinking
+        return text
 
     def _split(self, new: str, piece: Piece, final: bool) -> None:
         if self.fmt is None:
@@ -409,7 +497,7 @@ class Answer:
                 self._call, rest = "", rest[at + len(start) :]
             else:  # the closing tag may have begun in an earlier step: look in all of it
                 self._call += rest
-                at = self._call.find(end)
+                at = self._call.find(end) if end else -1  # none (Mistral's): to the end
                 if at < 0:
                     break
                 rest = self._call[at + len(end) :]

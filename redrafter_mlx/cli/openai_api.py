@@ -15,7 +15,9 @@ from redrafter_mlx.cli import http_api as h
 from redrafter_mlx.cli.http_api import ApiError, Call, Limits, parse_json  # noqa: F401 (API)
 from redrafter_mlx.core.service import Request, Started
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's newer name for the system role: chat templates know "system" only
+TEMPLATE_ROLES = {"developer": "system"}
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 # Fields that are served only at their "off" value: anything else is refused, not ignored.
 OFF_ONLY = {
@@ -39,7 +41,8 @@ def parse_chat(body: dict, limits: Limits) -> Call:
         raise h.missing("messages")
     messages = _messages(body["messages"])
     tools = h.tool_list(body.get("tools"), _tool)
-    prompt, offered, forced = h.chat_prompt(messages, tools, _tool_choice(body, tools), limits)
+    choice = _tool_choice(body, tools)
+    prompt, offered, forced = h.chat_prompt(messages, tools, choice, limits, _thinking(body))
     top = None
     if h.boolean(body, "logprobs", False):
         top = h.top_logprobs(body.get("top_logprobs", 0) or 0, "top_logprobs")
@@ -65,6 +68,7 @@ def _call(kind: str, prompt, body: dict, limits: Limits, top: int | None, **tool
     """The fields chat and text completions share."""
     h.check_model(body.get("model"), limits)
     _check_off_only(body)
+    _response_format(body.get("response_format"))
     if body.get("n") not in (None, 1):
         raise h.unsupported("n", "one choice per request (n = 1): send n requests instead")
     stream = h.boolean(body, "stream", False)
@@ -105,7 +109,7 @@ def _message(message, where: str) -> dict:
     content = message.get("content")
     if content is None and calls:
         content = ""
-    out = {"role": role, "content": _content(content, f"{where}.content")}
+    out = {"role": TEMPLATE_ROLES.get(role, role), "content": _content(content, f"{where}.content")}
     if calls is not None:
         out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
     if role == "tool" and message.get("tool_call_id") is not None:
@@ -137,6 +141,23 @@ def _tool(tool, where: str) -> dict:
         message = f"{where}: must be {{'type': 'function', 'function': {{'name': ...}}}}"
         raise ApiError(400, message, "tools", "invalid_value")
     return h.function_tool(function, f"{where}.function")
+
+
+def _thinking(body: dict) -> bool | None:
+    """The template's reasoning switch: ``chat_template_kwargs.enable_thinking`` (vLLM's and
+    mlx-lm's field), else ``reasoning_effort`` ("none": off, any other effort: on); None: the
+    template's default."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise h.invalid("chat_template_kwargs", "must be an object")
+    if (kwargs or {}).get("enable_thinking") is not None:
+        return h.boolean(kwargs, "enable_thinking", False, "chat_template_kwargs.")
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str):
+        raise h.invalid("reasoning_effort", f"must be a string, got {h.shown(effort)}")
+    return effort != "none"
 
 
 def _tool_choice(body: dict, tools: list[dict]):
@@ -186,6 +207,22 @@ def model_not_found(model: str, limits: Limits, param: str | None = None) -> Api
     return h.model_not_found(model, limits, param)
 
 
+def _response_format(value) -> None:
+    """``response_format``: plain text only. JSON modes need decoding constrained to a
+    grammar, which this server does not do: refused, not ignored, so that a client relying
+    on valid JSON learns it here rather than from a parse error later."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise h.unsupported(
+            "response_format", f"{kind!r} needs constrained decoding; only 'text' is served"
+        )
+    raise h.invalid("response_format", "must be {'type': 'text' | 'json_object' | 'json_schema'}")
+
+
 def _check_off_only(body: dict) -> None:
     for name, off in OFF_ONLY.items():
         value = body.get(name)
@@ -225,6 +262,8 @@ class OpenAI(h.Api):
         if call.kind == "chat":
             text = answer.text or (None if answer.calls else "")
             message = {"role": "assistant", "content": text}
+            if answer.reasoning:
+                message["reasoning_content"] = answer.reasoning
             if answer.calls:
                 message["tool_calls"] = [_tool_call(c) for c in answer.calls]
             choice, kind = {"message": message}, "chat.completion"
@@ -283,6 +322,8 @@ class OpenAIStream(h.Stream):
         if self.call.logprobs and piece.tokens:
             logprobs = self.api._logprobs(self.call, piece.tokens, [piece.logprobs])
         events = []
+        if piece.reasoning:
+            events.append(self._chunk({"delta": {"reasoning_content": piece.reasoning}}))
         if piece.text or logprobs is not None:
             text = {"delta": {"content": piece.text}} if self.call.kind == "chat" else None
             events.append(self._chunk(text or {"text": piece.text}, logprobs))

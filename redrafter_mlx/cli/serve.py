@@ -4,7 +4,8 @@ ReDrafter (docs/serving.md).
 Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (whole answers, or server-sent events with ``"stream": true``),
 ``GET /v1/models`` and ``GET /health``; Anthropic's ``POST /v1/messages`` and ``POST
-/v1/messages/count_tokens`` (cli/anthropic_api.py). Tool calls and log-probs on both. The
+/v1/messages/count_tokens`` (cli/anthropic_api.py); OpenAI's ``POST /v1/responses``
+(cli/responses_api.py). Tool calls on all three, log-probs on chat and text completions. The
 model, drafter, autotune profile and sampling flags are chat's; a request's own fields
 (temperature, top_p, top_k, seed, max_tokens) win.
 
@@ -33,9 +34,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from redrafter_mlx.cli import anthropic_api, flags, sharding
+from redrafter_mlx.cli import anthropic_api, flags, responses_api, sharding
 from redrafter_mlx.cli import http_api as api
 from redrafter_mlx.cli import openai_api as openai
 from redrafter_mlx.core.accept import is_greedy
@@ -52,7 +54,7 @@ from redrafter_mlx.core.service import (
 from redrafter_mlx.core.stream import StepResponse
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
-from redrafter_mlx.io.templates import tool_format
+from redrafter_mlx.io.templates import apply_chat_template, reasoning_tags, tool_format
 from redrafter_mlx.tuning.profiles import resolve_shape
 
 EXAMPLES = """examples:
@@ -84,8 +86,10 @@ class App:
     shape_sources: dict[bool, str]  # where the greedy (False) and sampling (True) shapes came from
     max_body_bytes: int = MAX_BODY_BYTES
     created: int = 0  # when the server started (the model's ``created``)
-    apis: dict[str, api.Api] | None = None  # "openai", "anthropic"
+    apis: dict[str, api.Api] | None = None  # "openai", "responses", "anthropic"
     count: Callable[[object], int] | None = None
+    tail: Callable[[object], str] | None = None  # a prompt -> its last tokens' text
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
@@ -102,6 +106,7 @@ class Server(ThreadingHTTPServer):
         self.address_family = family  # IPv6 hosts too
         super().__init__(address, Handler)
         self.app: App | None = None  # set once the model is ready
+        self.left_out: set[str] = set()  # hosted tool kinds said in the log
 
     def handle_error(self, request, client_address) -> None:
         """A client that hung up is no error to report: a health check that gave up during
@@ -127,6 +132,7 @@ class Handler(BaseHTTPRequestHandler):
         self.responding = False  # the current request's answer has begun
         self.probed = False  # the current request's client was probed (client_gone)
         self.api_name = "openai"  # whose error shape the current request gets
+        self.in_thought = False  # the current request's answer starts inside its reasoning
 
     def parse_request(self) -> bool:
         """http.server's, less HTTP/0.9: a two-word request line (as the rest of a body sent
@@ -148,7 +154,11 @@ class Handler(BaseHTTPRequestHandler):
     def route(self) -> str:
         """The request's path, and whose API it belongs to (for its errors)."""
         path = urlsplit(self.path).path.rstrip("/")
-        self.api_name = "anthropic" if path.startswith("/v1/messages") else "openai"
+        self.api_name = "openai"
+        if path.startswith("/v1/messages"):
+            self.api_name = "anthropic"
+        elif path == RESPONSES:
+            self.api_name = "responses"
         return path
 
     def do_GET(self) -> None:
@@ -185,6 +195,8 @@ class Handler(BaseHTTPRequestHandler):
                 )
                 return
             call = parse(api.parse_json(raw), app.limits)
+            self.note_left_out(call.options.get("left_out", ()))
+            self.in_thought = self.opens_thinking(call)
             job = app.service.submit(call.request, client_gone=self.client_gone)
         except api.ApiError as e:
             self.send_api_error(e)
@@ -213,7 +225,7 @@ class Handler(BaseHTTPRequestHandler):
             started = job.start()
         except ReDrafterError as e:  # the prompt's fault: too long, or refused by the template
             code = "context_length_exceeded" if isinstance(e, ContextFull) else "invalid_value"
-            param = "prompt" if call.kind == "text" else "messages"
+            param = {"text": "prompt", "responses": "input"}.get(call.kind, "messages")
             self.send_api_error(api.ApiError(400, str(e), param, code))
             return
         except Exception as e:
@@ -279,7 +291,35 @@ class Handler(BaseHTTPRequestHandler):
         return self.server.app.apis[self.api_name]
 
     def new_answer(self, call: api.Call) -> api.Answer:
-        return api.Answer(self.server.app.limits.tools, call.tools, call.forced_call)
+        app = self.server.app
+        return api.Answer(
+            app.limits.tools,
+            call.tools,
+            call.forced_call,
+            app.decode if call.kind == "text" else None,
+            reasoning=app.limits.reasoning if call.kind != "text" else None,
+            thinking=self.in_thought,
+        )
+
+    def note_left_out(self, kinds) -> None:
+        """Say once per kind which hosted tools (or their items) were left out of prompts."""
+        new = [kind for kind in kinds if kind not in self.server.left_out]
+        if new:
+            self.server.left_out.update(new)
+            self.log_message("left out of the prompt (hosted tools): %s", ", ".join(new))
+
+    def opens_thinking(self, call: api.Call) -> bool:
+        """Whether the answer starts inside the model's reasoning: its template's generation
+        prompt ends with the opening tag (Qwen3.5's, thinking on). Encoded here as for
+        count_tokens; a prompt that fails to encode is the worker's to refuse."""
+        tags, app = self.server.app.limits.reasoning, self.server.app
+        if tags is None or call.kind == "text" or app.tail is None:
+            return False
+        try:
+            tail = app.tail(call.request.prompt)
+        except Exception:
+            return False
+        return tail.rfind(tags[0]) > tail.rfind(tags[1])
 
     def count(self, prompt) -> int:
         """count_tokens: the prompt's tokens, encoded here (the tokenizer alone, no MLX)."""
@@ -287,6 +327,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.server.app.count(prompt)
         except ReDrafterError as e:
             raise api.ApiError(400, str(e), "messages", "invalid_value") from None
+        except Exception as e:  # as the worker says it (a chat template that refuses a role)
+            message = f"the prompt cannot be encoded: {e}"
+            raise api.ApiError(400, message, "messages", "invalid_value") from None
 
     def left(self, call: api.Call, last: StepResponse | None) -> None:
         """The client went away mid-answer: its generation stopped (or stops at the next step)."""
@@ -463,9 +506,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 COUNT_TOKENS = "/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
 POST_ROUTES = {
     "/v1/chat/completions": openai.parse_chat,
     "/v1/completions": openai.parse_completion,
+    RESPONSES: responses_api.parse_responses,
     "/v1/messages": anthropic_api.parse_messages,
     COUNT_TOKENS: anthropic_api.parse_count,
 }
@@ -575,7 +620,13 @@ def encoder(runtime: rt.Runtime):
         if isinstance(prompt, str):
             return list(runtime.tokenizer.encode(prompt))
         if isinstance(prompt, Chat):
-            ids = rt.encode_chat(runtime, prompt.messages, prompt.tools)
+            ids = apply_chat_template(
+                runtime.tokenizer,
+                prompt.messages,
+                model_path=Path(runtime.model_id),
+                tools=prompt.tools,
+                thinking=prompt.thinking,
+            )
             prefix = prompt.answer_prefix
             return ids + (
                 runtime.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
@@ -590,13 +641,20 @@ def encoder(runtime: rt.Runtime):
 def limits(args: argparse.Namespace, runtime: rt.Runtime) -> api.Limits:
     served = args.model or DEFAULT_NAME
     return api.Limits(
-        model_ids=tuple(dict.fromkeys((served, runtime.model_id))),
+        model_ids=tuple(dict.fromkeys((short_name(served), served, runtime.model_id))),
         max_context=runtime.max_context,
         vocab_size=runtime.config.get("vocab_size"),
         max_tokens=args.max_tokens,
         sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed),
         tools=tool_format(runtime.tokenizer),
+        reasoning=reasoning_tags(runtime.tokenizer),
     )
+
+
+def short_name(model: str) -> str:
+    """The served name: a folder's or a Hub id's last part (``models/qwen3-4b/`` ->
+    ``qwen3-4b``, ``mlx-community/Qwen3-4B-4bit`` -> ``Qwen3-4B-4bit``)."""
+    return Path(model.rstrip("/\\")).name or model
 
 
 def listen(host: str, port: int) -> Server:
@@ -635,13 +693,17 @@ def main(args: argparse.Namespace) -> None:
         apis={
             "openai": openai.OpenAI(checks.model_id, loaded.runtime.tokenizer),
             "anthropic": anthropic_api.Anthropic(checks.model_id),
+            "responses": responses_api.Responses(checks.model_id),
         },
         count=lambda prompt: len(encoder(loaded.runtime)(prompt)),
+        tail=lambda prompt: loaded.runtime.tokenizer.decode(encoder(loaded.runtime)(prompt)[-16:]),
+        decode=loaded.runtime.tokenizer.decode,
     )
     host, port = server.server_address[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"model {server.app.limits.model_id}, {mode(engine, loaded)}", file=sys.stderr)
     print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
+    print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
     try:
         server.serve_forever()

@@ -4,10 +4,14 @@ session whose cached tokens it extends.
 
 Agents and chat front ends interleave conversations (an agent and its sub-agent, two tabs);
 with one cache every switch re-read the whole history. A request *extends* a session when it
-begins with all of that session's cached tokens but for a few at the end (a chat template may
-end the previous answer differently from how it was generated). A request that extends none
-gets a fresh session while there is room, else the least recently used one's cache (rewound
-to the prefix it shares, if any: an agent's turn must not cost the conversation just used).
+begins with that session's last prompt (but for a few tokens at its end): the answer that
+followed may come back spelled otherwise, since a client resends the answer's text, which the
+tokenizer need not split into the tokens generated (a SentencePiece answer's first space is
+dropped from its text; a random model's tokens rarely survive the round trip), and a template
+may end the answer differently. Of the sessions a request extends, the one sharing most is
+taken. A request that extends none gets a fresh session while there is room, else the least
+recently used one's cache (rewound to the prefix it shares, if any: an agent's turn must not
+cost the conversation just used).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.session import Session
 
-TAIL = 8  # cached tokens at a conversation's end a resent history may spell differently
+TAIL = 8  # tokens at a prompt's end a resent history may spell differently (template tails)
 
 
 class PromptCache:
@@ -37,6 +41,7 @@ class PromptCache:
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self.sessions: list[Session] = []
+        self._prompts: dict[int, int] = {}  # id(session) -> its last prompt's length
 
     def take(self, ids: list[int]) -> Session:
         """The session to answer the prompt ``ids`` with (now the most recently used)."""
@@ -48,6 +53,7 @@ class PromptCache:
         if session in self.sessions:
             self.sessions.remove(session)
         self.sessions.append(session)
+        self._prompts[id(session)] = len(ids)
         return session
 
     def trim(self) -> None:
@@ -56,16 +62,19 @@ class PromptCache:
         while self.max_bytes is not None and len(self.sessions) > 1:
             if self.cached_bytes <= self.max_bytes:
                 return
-            self.sessions.pop(0)
+            self._prompts.pop(id(self.sessions.pop(0)), None)
 
     def _extended(self, ids: list[int]) -> Session | None:
-        """The most recent session whose cached tokens ``ids`` begins with (but for the
-        last :data:`TAIL`), the one sharing most first."""
+        """The session whose last prompt ``ids`` begins with (but for its last
+        :data:`TAIL` tokens, at most half of it; its answer need not match) sharing the most
+        tokens, the most recent of equals."""
         found, most = None, 0
         for session in self.sessions:
             cached = session.sequence.ids
             shared = common_prefix(cached, ids)
-            if cached and shared >= len(cached) - TAIL and shared >= most:
+            prompt = min(len(cached), self._prompts.get(id(session), len(cached)))
+            # a short prompt's tail may not be most of it: a shared BOS is no conversation
+            if shared and shared >= prompt - min(TAIL, prompt // 2) and shared >= most:
                 found, most = session, shared
         return found
 

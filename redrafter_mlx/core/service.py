@@ -41,11 +41,13 @@ class Chat:
     """A chat prompt with more than its messages: the ``tools`` the chat template shows the
     model (OpenAI's function format; None: none), and ``answer_prefix``, text the answer
     starts with after the template's generation prompt (a tool call's opening tag makes the
-    model call a tool)."""
+    model call a tool), and ``thinking``, the template's reasoning switch (None: its
+    default)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
     answer_prefix: str = ""
+    thinking: bool | None = None
 
 
 Prompt = list[dict] | Chat | str | list[int]  # chat messages, raw text or token ids

@@ -65,13 +65,51 @@ class ToolFormat:
 
 def tool_format(tokenizer: Any) -> ToolFormat | None:
     """The model's :class:`ToolFormat` (mlx-lm's wrapper inferred its parser from the
-    template), or None when its chat template takes no tools."""
+    template; Llama 3.x's bare JSON calls, which mlx-lm has no parser for, read here), or None
+    when its chat template takes no tools."""
     template = getattr(_hf_tokenizer(tokenizer), "chat_template", None)
     if not isinstance(template, str) or "tools" not in template:
         return None
-    if not getattr(tokenizer, "has_tool_calling", False):
-        return ToolFormat()
-    return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+    if getattr(tokenizer, "has_tool_calling", False):
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        return ToolFormat(start, end, tokenizer.tool_parser)
+    if "<|start_header_id|>" in template and LLAMA3_CALL in template:
+        return ToolFormat(LLAMA3_CALL, "", parse_llama3_calls)
+    return ToolFormat()
+
+
+# How Llama 3.1-3.3 templates write a call, and so how their models begin one: a bare JSON
+# object, ``{"name": "f", "parameters": {...}}``, alone in the answer (no closing tag).
+LLAMA3_CALL = '{"name": '
+
+
+def parse_llama3_calls(body: str, tools: Any = None) -> list[dict]:
+    """Llama 3.x calls (the text after :data:`LLAMA3_CALL`): one JSON object, or several
+    separated by ``;``, each ``{"name", "parameters"}`` -> ``{"name", "arguments"}``.
+    ValueError unless each names one of ``tools`` (an answer that only quotes JSON stays
+    text)."""
+    names = {t["function"]["name"] for t in tools or []}
+    decoder, text, at, calls = json.JSONDecoder(), LLAMA3_CALL + body, 0, []
+    while at < len(text):
+        call, at = decoder.raw_decode(text, at)
+        if not isinstance(call, dict) or call.get("name") not in names:
+            raise ValueError(f"not a call of the tools offered: {text[:80]!r}")
+        arguments = call.get("parameters", call.get("arguments", {}))
+        calls.append({"name": call["name"], "arguments": arguments})
+        at = len(text) - len(text[at:].lstrip().lstrip(";").lstrip())
+    return calls
+
+
+def reasoning_tags(tokenizer: Any) -> tuple[str, str] | None:
+    """The tags a model's answers put their reasoning between (``<think>``, ``</think>``):
+    mlx-lm's, when the vocabulary has them; else Qwen3's when the chat template speaks of
+    them; None when the model does not think aloud."""
+    if getattr(tokenizer, "has_thinking", False):
+        return tokenizer.think_start, tokenizer.think_end
+    template = getattr(_hf_tokenizer(tokenizer), "chat_template", None)
+    if isinstance(template, str) and "</think>" in template:
+        return "<think>", "</think>"
+    return None
 
 
 def is_vicuna(tokenizer: Any, name: str | None = None, model_type: str | None = None) -> bool:
@@ -118,9 +156,11 @@ def apply_chat_template(
     name: str | None = None,
     model_path: str | Path | None = None,
     tools: list[dict] | None = None,
+    thinking: bool | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (with a generation prompt unless told otherwise), using the
-    right template; ``tools`` (OpenAI's function format) go to the tokenizer's own template.
+    right template; ``tools`` (OpenAI's function format) go to the tokenizer's own template,
+    and ``thinking`` (None: the template's default) to its ``enable_thinking`` switch.
 
     The tokenizer's own chat template wins; Vicuna models (``vicuna`` in ``name`` /
     ``model_path``, or a Llama with a 32000-token SentencePiece vocab) use Vicuna v1.1; other
@@ -132,6 +172,8 @@ def apply_chat_template(
         model_type = model_type or _model_type(model_path)
     if has_chat_template(tokenizer):
         extra = {} if tools is None else {"tools": tools}
+        if thinking is not None:  # Qwen3's name, which other thinking templates took up
+            extra["enable_thinking"] = thinking
         ids = hf.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
         )
