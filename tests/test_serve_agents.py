@@ -489,8 +489,8 @@ def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
     from redrafter_mlx.cli.http_api import Answer, Call, Outcome
     from redrafter_mlx.cli.openai_api import OpenAI
     from redrafter_mlx.cli.responses_api import Responses
-    from redrafter_mlx.core.generate import GenerationStats
     from redrafter_mlx.core.service import Request, Started
+    from redrafter_mlx.core.stream import GenerationStats
 
     started = Started(10, 0, None)
     apis = [
@@ -661,8 +661,8 @@ def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_message
 
     from redrafter_mlx.cli.http_api import Answer, Call, Limits, Outcome
     from redrafter_mlx.cli.responses_api import Responses, parse_responses
-    from redrafter_mlx.core.generate import GenerationStats
     from redrafter_mlx.core.service import Started
+    from redrafter_mlx.core.stream import GenerationStats
     from redrafter_mlx.io.templates import ToolFormat
 
     parser = importlib.import_module("mlx_lm.tool_parsers.json_tools")

@@ -40,7 +40,6 @@ from urllib.parse import unquote, urlsplit
 from redrafter_mlx.cli import anthropic_api, flags, responses_api, sharding
 from redrafter_mlx.cli import http_api as api
 from redrafter_mlx.cli import openai_api as openai
-from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.service import (
     Chat,
@@ -92,7 +91,7 @@ class App:
     decode: Callable[[list[int]], str] | None = None  # token ids -> text
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
-        return None if started.shape is None else self.shape_sources[not is_greedy(sampling.temp)]
+        return None if started.shape is None else self.shape_sources[Engine.samples(sampling)]
 
 
 class Server(ThreadingHTTPServer):
@@ -598,10 +597,10 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
         runtime = sharding.load_runtime(args, need_drafter=False)
         overrides = flags.shape_overrides(args)
         greedy, greedy_source = flags.lookup_when_no_drafter(
-            runtime, *resolve_shape(runtime, overrides=overrides, sampling=False)
+            runtime, *resolve_shape(runtime, overrides=overrides, temp=0.0)
         )
         sampled, sampled_source = flags.lookup_when_no_drafter(
-            runtime, *resolve_shape(runtime, overrides=overrides, sampling=True)
+            runtime, *resolve_shape(runtime, overrides=overrides, temp=1.0)
         )
         mode = runtime.mode(greedy, autoregressive=args.autoregressive)
         rt.decoding(runtime, greedy, top_k=args.top_k, mode=mode)  # checks top-k and shape

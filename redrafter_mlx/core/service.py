@@ -91,8 +91,13 @@ class Engine:
         """The shape a request runs at (None when autoregressive)."""
         return self._shape(sampling) if self.mode.speculative else None
 
+    @staticmethod
+    def samples(sampling: Sampling) -> bool:
+        """Whether a request at ``sampling`` samples: it then runs the sampling shape."""
+        return not is_greedy(sampling.temp)
+
     def _shape(self, sampling: Sampling) -> BeamShape:
-        return self.greedy_shape if is_greedy(sampling.temp) else self.sampling_shape
+        return self.sampling_shape if self.samples(sampling) else self.greedy_shape
 
     def decoding_for(self, sampling: Sampling, top_logprobs: int | None = None) -> Decoding:
         """A request's decoding: the mode, its shape, its sampler, the log-probs it reports."""
