@@ -665,12 +665,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     flags.add_model_args(parser)
     parser.add_argument("--system", help="system prompt")
     flags.add_decode_args(parser, max_tokens=256)
-    flags.add_shape_args(parser)
-    parser.add_argument(
-        "--autoregressive",
-        action="store_true",
-        help="plain one-token-per-step decoding, no drafter (baseline)",
-    )
+    flags.add_speculation_args(parser)
     sharding.add_shard_arg(parser)
     return parser
 

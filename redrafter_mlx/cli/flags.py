@@ -269,6 +269,16 @@ def add_shape_args(parser: argparse.ArgumentParser, *, grid: dict | None = None)
         )
 
 
+def add_speculation_args(parser: argparse.ArgumentParser) -> None:
+    """The beam shape's flags and ``--autoregressive``: what every decoding command takes."""
+    add_shape_args(parser)
+    parser.add_argument(
+        "--autoregressive",
+        action="store_true",
+        help="plain one-token-per-step decoding with the same forward, no drafter (baseline)",
+    )
+
+
 def shape_overrides(args: argparse.Namespace) -> dict:
     """The shape flags given, by BeamShape field (``width``, ``length``, ...)."""
     return {f: getattr(args, k, None) for k, f in zip(SHAPE_FLAGS, SHAPE_FIELDS, strict=True)}

@@ -38,12 +38,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--raw", action="store_true", help="no chat template: prompt is raw text")
     flags.add_decode_args(parser)
-    flags.add_shape_args(parser)
-    parser.add_argument(
-        "--autoregressive",
-        action="store_true",
-        help="plain one-token-per-step decoding with the same forward (baseline)",
-    )
+    flags.add_speculation_args(parser)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--timing",

@@ -561,12 +561,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help=f"largest request body read (default: {MAX_BODY_BYTES})",
     )
     flags.add_decode_args(parser, max_tokens=512)
-    flags.add_shape_args(parser)
-    parser.add_argument(
-        "--autoregressive",
-        action="store_true",
-        help="plain one-token-per-step decoding, no drafter (baseline)",
-    )
+    flags.add_speculation_args(parser)
     sharding.add_shard_arg(parser)
     return parser
 
