@@ -90,9 +90,13 @@ def test_index_proposes_what_a_scan_finds_and_rewinds_to_a_fresh_index(
     want = scanned(history, pending, count, length, low, high)
     assert index.propose(pending, count, length).tolist() == want
     index.rewind(cut)
-    fresh = NgramIndex(history[:cut], max_ngram=high, min_ngram=low)
-    assert index.tokens == fresh.tokens
-    assert index._ends == fresh._ends
+    kept = history[:cut]
+    assert index.tokens == kept
+    for token in range(6):  # no n-gram of the dropped tokens is left behind
+        proposed = index.propose(token, 6, length).tolist()
+        assert proposed == scanned(kept, token, 6, length, low, high)
+    index.extend(history[cut:])  # and it grows again as a fresh one would
+    assert index.propose(pending, count, length).tolist() == want
 
 
 def test_accepted_tokens_are_attributed_to_the_beams_that_held_them():
