@@ -8,7 +8,7 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import make_runtime, toy_tokenizer
+from support import make_runtime, toy_tokenizer
 
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import bench

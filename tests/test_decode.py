@@ -7,11 +7,11 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decoding_of, run_steps, tiny_llama, verifier_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 from scipy.stats import chisquare
+from support import decoding_of, run_steps, tiny_llama, verifier_for
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
 from redrafter_mlx.core import decode, llm

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama, toy_tokenizer
+from support import tiny_llama, toy_tokenizer
 
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
 from redrafter_mlx.core.errors import ReDrafterError
@@ -251,7 +251,7 @@ def model_folder(out: Path, *, bits: int | None = None) -> Path:
     """The tiny Llama as an mlx-lm folder with the toy tokenizer; ``bits``: quantized as
     ``mlx_lm.convert -q`` leaves it (quantized layers, ``quantization`` in config.json)."""
     import mlx.nn as nn
-    from families import save
+    from support.families import save
 
     model = tiny_llama()
     cfg = {**dict(vars(model.args)), "architectures": ["LlamaForCausalLM"]}

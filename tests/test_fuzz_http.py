@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import (  # noqa: F401 (fixtures)
+from support.serving import (  # noqa: F401 (fixtures)
     FRANCE,
     MODEL,
     STORY,

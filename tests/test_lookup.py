@@ -8,19 +8,19 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decoding_of, run_steps, tiny_llama, verifier_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_sampler
-from test_decode import (
+from support import decoding_of, run_steps, tiny_llama, verifier_for
+from support.decoding import (
     PADDED,
     VOCAB,
-    _target_probs,
     answers_to_the_context_end,
     assert_drawn_from,
     autoregressive,
     first_three_token_probs,
     take,
+    target_probs,
 )
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
@@ -249,7 +249,7 @@ def test_sampling_with_lookup_beams_matches_target_distribution(temp, top_p, wit
     drafter = BeamDrafter(random_drafter(64, VOCAB, seed=7), model.model.embed_tokens)
     sampler = make_sampler(temp, top_p=top_p)
     filt = (lambda x: apply_top_p(x, top_p)) if top_p else (lambda x: x)
-    likeliest = [int(np.argmax(_target_probs(model, filt, temp, [2, x]))) for x in range(VOCAB)]
+    likeliest = [int(np.argmax(target_probs(model, filt, temp, [2, x]))) for x in range(VOCAB)]
     prompt = [t for x in range(VOCAB) for t in (2, x, likeliest[x])] + [2]
     probs = first_three_token_probs(model, filt, temp, prompt)
     shape = BeamShape(2, 3, lookup=3)

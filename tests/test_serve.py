@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import decoding_of, toy_tokenizer, verifier_for
+from support import decoding_of, toy_tokenizer, verifier_for
 
 from redrafter_mlx.backend import blas
 from redrafter_mlx.core.draft import BeamDrafter

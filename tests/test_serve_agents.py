@@ -11,8 +11,8 @@ import random
 import re
 
 import pytest
-import tool_model
-from test_serve import Served, serving
+from support import tool_model
+from support.serving import Served, serving
 
 from redrafter_mlx.core.generate import StepResponse
 

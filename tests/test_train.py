@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import shared_data
 from mlx_lm.models import llama
+from support import shared_data
 
 from redrafter_mlx.backend.plan import build_verifier
 from redrafter_mlx.cli import train as T
