@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import tiny_llama, toy_tokenizer
+from support import tiny_llama, toy_hf_tokenizer, toy_tokenizer
 
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
 from redrafter_mlx.core.errors import ReDrafterError
@@ -259,7 +259,7 @@ def model_folder(out: Path, *, bits: int | None = None) -> Path:
         nn.quantize(model, group_size=32, bits=bits)
         cfg["quantization"] = {"group_size": 32, "bits": bits}
     save(model, cfg, out)
-    toy_tokenizer()._tokenizer.save_pretrained(str(out))
+    toy_hf_tokenizer().save_pretrained(str(out))
     return out
 
 

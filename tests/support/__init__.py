@@ -58,9 +58,8 @@ def tiny_llama(
     return model
 
 
-def toy_tokenizer():
-    """A 64-word HF tokenizer ("w0".."w63", EOS "w63") with a chat template, mlx-lm wrapped."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
+def toy_hf_tokenizer():
+    """A 64-word HF tokenizer ("w0".."w63", EOS "w63") with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +71,14 @@ def toy_tokenizer():
         "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
         "{% if add_generation_prompt %}w4{% endif %}"
     )
-    return TokenizerWrapper(hf)
+    return hf
+
+
+def toy_tokenizer():
+    """:func:`toy_hf_tokenizer`, mlx-lm wrapped."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(toy_hf_tokenizer())
 
 
 _VERIFIERS: dict = {}  # built once per (model, drafter, plan, context): forwards compile once
