@@ -1,58 +1,19 @@
-"""Shared fixtures: tiny random Llama targets and drafters (no network, float32)."""
+"""Shared fixtures: tiny random Llama targets and drafters (no network, float32); the builders
+behind them are in tests/support."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
-from mlx_lm.models import llama
+from support import tiny_llama
+from support.serving import QUEUE_SIZE, SHAPE, serving
 
 from redrafter_mlx.core.drafter import random_drafter
-
-# The workspace's shared data folder next to the checkout (``../shared/data``).
-SHARED = Path(os.environ.get("REDRAFTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-
-
-def shared_data(relative: str) -> Path:
-    """A file or folder of the shared data; skips the calling test when it is missing."""
-    path = SHARED / "data" / relative
-    if not path.exists():
-        pytest.skip(f"shared test data missing: {path} (set REDRAFTER_SHARED)")
-    return path
-
-
-def tiny_llama(
-    seed: int = 0,
-    vocab: int = 64,
-    hidden: int = 64,
-    layers: int = 2,
-    tie: bool = False,
-    scale: float = 4.0,
-    **overrides,
-) -> llama.Model:
-    """A random Llama whose greedy continuations vary (weights scaled up from the init);
-    ``overrides``: more ``llama.ModelArgs`` fields (RoPE settings)."""
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=2 * hidden,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-        tie_word_embeddings=tie,
-        max_position_embeddings=4096,
-        **overrides,
-    )
-    model = llama.Model(args)
-    model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return model
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.session import Session
+from redrafter_mlx.core.shape import BeamShape
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -101,115 +62,39 @@ def traces(monkeypatch):
     return seen
 
 
-def toy_tokenizer():
-    """A 64-word HF tokenizer ("w0".."w63", EOS "w63") with a chat template, mlx-lm wrapped."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
-    hf.chat_template = (
-        "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
-        "{% if add_generation_prompt %}w4{% endif %}"
-    )
-    return TokenizerWrapper(hf)
+# The embedded model served over HTTP, and its own answers (test_serve, test_fuzz_http)
 
 
-def model_folder(out: Path, *, bits: int | None = None) -> Path:
-    """The tiny Llama as an mlx-lm folder with the toy tokenizer; ``bits``: quantized as
-    ``mlx_lm.convert -q`` leaves it (quantized layers, ``quantization`` in config.json)."""
-    import mlx.nn as nn
-    from families import save
-
-    model = tiny_llama()
-    cfg = {**dict(vars(model.args)), "architectures": ["LlamaForCausalLM"]}
-    if bits:
-        nn.quantize(model, group_size=32, bits=bits)
-        cfg["quantization"] = {"group_size": 32, "bits": bits}
-    save(model, cfg, out)
-    toy_tokenizer()._tokenizer.save_pretrained(str(out))
-    return out
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("openai")
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with serving(log, "--queue-size", str(QUEUE_SIZE), *SHAPE) as served:
+        yield served
 
 
-_VERIFIERS: dict = {}  # built once per (model, drafter, plan, context): forwards compile once
+@pytest.fixture(scope="module")
+def runtime():
+    """The embedded model, loaded in this process."""
+    from redrafter_mlx.io import runtime as rt
+
+    return rt.load_runtime(None, None, need_drafter=False)
 
 
-def verifier_for(model, drafter=None, plan=None, max_context=None):
-    """The :class:`Verifier` of ``model`` and ``drafter`` on ``plan`` (default: generic),
-    shared by the tests that ask for the same one (the key's objects are kept alive)."""
-    from redrafter_mlx.backend.plan import GENERIC_PLAN, build_verifier
+@pytest.fixture(scope="module")
+def reference(runtime):
+    """The library's greedy plain decoding in this process: what `generate` prints."""
+    from redrafter_mlx.io import runtime as rt
 
-    plan = GENERIC_PLAN if plan is None else plan
-    key = (id(model), id(drafter), plan, max_context)
-    if key not in _VERIFIERS:
-        built = build_verifier(model, drafter, plan=plan, max_context=max_context)
-        _VERIFIERS[key] = (model, drafter, built)
-    return _VERIFIERS[key][2]
+    plain = rt.decoding(runtime, BeamShape(1, 2), mode=Mode.AUTOREGRESSIVE)
 
+    def answer(prompt, max_tokens: int) -> tuple[str, str]:
+        if isinstance(prompt, str):
+            ids = runtime.tokenizer.encode(prompt)
+        else:
+            ids = rt.encode_chat(runtime, prompt)
+        session = Session(runtime.verifier, runtime.tokenizer, plain, warm=False)
+        steps = list(session.generate(ids, max_tokens=max_tokens))
+        return "".join(s.text for s in steps), steps[-1].finish_reason
 
-def decoding_of(drafter=None, shape=None, sampler=None, *, autoregressive=False):
-    """The :class:`Decoding` of a run with ``drafter`` (or None) at ``shape``."""
-    from redrafter_mlx.core.accept import greedy
-    from redrafter_mlx.core.mode import Mode
-    from redrafter_mlx.core.shape import BeamShape
-    from redrafter_mlx.core.step import Decoding
-
-    shape = BeamShape() if shape is None else shape
-    autoregressive = autoregressive or (drafter is None and not shape.lookup)
-    mode = Mode.choose(drafter=drafter is not None, shape=shape, autoregressive=autoregressive)
-    return Decoding(mode, shape, greedy if sampler is None else sampler)
-
-
-def run_steps(
-    model,
-    prompt,
-    drafter=None,
-    shape=None,
-    sampler=None,
-    *,
-    plan=None,
-    max_context=None,
-    cache=None,
-    autoregressive=False,
-):
-    """The decode loop's steps (the prefill's first token first) for ``prompt``."""
-    from redrafter_mlx.core.stream import decode_steps
-
-    verifier = verifier_for(model, drafter, plan, max_context)
-    decoding = decoding_of(drafter, shape, sampler, autoregressive=autoregressive)
-    cache = verifier.new_sequence() if cache is None else cache
-    return decode_steps(verifier, cache, prompt, decoding)
-
-
-def make_runtime(model, tokenizer, config, drafter=None, model_id="tiny", drafter_id=None):
-    """A :class:`Runtime` as ``load_runtime`` builds it, over an in-memory model."""
-    from redrafter_mlx.backend.plan import build_verifier
-    from redrafter_mlx.io.runtime import Runtime
-
-    verifier = build_verifier(model, drafter, max_context=config.get("max_position_embeddings"))
-    return Runtime(verifier.model, tokenizer, config, drafter, model_id, drafter_id, verifier)
-
-
-def chat_session(
-    model,
-    drafter=None,
-    shape=None,
-    template=None,
-    *,
-    plan=None,
-    max_context=None,
-    autoregressive=False,
-    **kwargs,
-):
-    """A chat over ``model`` (autoregressive without a drafter unless the shape has lookup
-    beams), warmed up as the command's is."""
-    from redrafter_mlx.cli.chat import ChatSession
-    from redrafter_mlx.core.session import Session
-
-    verifier = verifier_for(model, drafter, plan, max_context)
-    decoding = decoding_of(drafter, shape, autoregressive=autoregressive)
-    tokenizer = kwargs.pop("tokenizer")
-    return ChatSession(Session(verifier, tokenizer, decoding), template, **kwargs)
+    return answer

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import make_runtime, toy_tokenizer
 from rich.console import Console
+from support import make_runtime, toy_tokenizer
 
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import autotune

@@ -8,7 +8,7 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import make_runtime, toy_tokenizer
+from support import make_runtime, toy_tokenizer
 
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import bench
@@ -189,7 +189,7 @@ def test_speedups_ratio_of_medians_and_median_of_ratios():
 
 def test_uniform_tokens_per_second():
     events = [(0.0, [7], ""), (1.0, [1, 2, 3], ""), (2.0, [4], "")]
-    tps, latencies = measure._tps_and_latencies(events)
+    tps, latencies = measure.tps_and_latencies(events)
     assert tps == pytest.approx(4 / 2.0)
     assert latencies == pytest.approx([1 / 3] * 3 + [1.0])
 

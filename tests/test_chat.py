@@ -15,7 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import chat_session, decoding_of, make_runtime, tiny_llama, verifier_for
+from support import chat_session, decoding_of, make_runtime, tiny_llama, verifier_for
+from support.chat import EOS, ToyTokenizer, ask, encode_text, session, toy_template
 
 from redrafter_mlx.backend import blas
 from redrafter_mlx.cli.chat import (
@@ -31,7 +32,6 @@ from redrafter_mlx.cli.chat import (
     save_conversation,
     unknown_hint,
 )
-from redrafter_mlx.core.accept import greedy
 from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
@@ -40,68 +40,6 @@ from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# ---------------------------------------------------------------- a toy tokenizer + template
-
-EOS, USER, ASSISTANT, SYSTEM = 1, 2, 3, 4
-ROLE = {"user": USER, "assistant": ASSISTANT, "system": SYSTEM}
-BASE = 0x100  # token id t <-> character chr(BASE + t): exact round trip for generated text
-
-
-def encode_text(text: str) -> list[int]:
-    return [ord(c) - BASE if BASE <= ord(c) < BASE + 64 else ord(c) % 59 + 5 for c in text]
-
-
-def toy_template(messages: list[dict]) -> list[int]:
-    """<role> text <eos> per message, then the generation prompt <assistant>."""
-    ids = []
-    for m in messages:
-        ids += [ROLE[m["role"]], *encode_text(m["content"]), EOS]
-    return ids + [ASSISTANT]
-
-
-class ToyDetokenizer:
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.tokens, self.seen = [], 0
-
-    def add_token(self, token):
-        self.tokens.append(token)
-
-    def finalize(self):
-        pass
-
-    @property
-    def text(self):
-        return "".join(chr(BASE + t) for t in self.tokens)
-
-    @property
-    def last_segment(self):
-        segment = self.text[self.seen :]
-        self.seen = len(self.text)
-        return segment
-
-
-class ToyTokenizer:
-    eos_token_ids = [EOS]
-
-    def __init__(self):
-        self.detokenizer = ToyDetokenizer()
-
-
-GREEDY = greedy  # the fast path: argmax of raw logits
-
-
-def session(target, drafter=None, **kwargs) -> ChatSession:
-    return chat_session(
-        target, drafter, BeamShape(2, 3), toy_template, tokenizer=ToyTokenizer(), **kwargs
-    )
-
-
-def ask(chat: ChatSession, text: str) -> str:
-    return "".join(r.text for r in chat.reply(text))
 
 
 def fresh_answer(target, messages: list[dict], max_tokens: int) -> str:
@@ -176,9 +114,8 @@ def test_drop_oldest_turn_keeps_system_and_last_turn():
     msgs = turns(2) + [{"role": "user", "content": "now"}]
     shorter = drop_oldest_turn(msgs)
     assert [m["content"] for m in shorter] == ["sys", "q1", "a1", "now"]
-    last = drop_oldest_turn(drop_oldest_turn(shorter))
-    assert last is None or last == [msgs[0], msgs[-1]]
-    assert drop_oldest_turn([msgs[0], msgs[-1]]) is None
+    assert drop_oldest_turn(shorter) == [msgs[0], msgs[-1]]  # the system message, the last turn
+    assert drop_oldest_turn([msgs[0], msgs[-1]]) is None  # the last turn is never dropped
     assert [m["content"] for m in drop_oldest_turn(turns(2, system=False))] == ["q1", "a1"]
 
 

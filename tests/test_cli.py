@@ -256,11 +256,11 @@ def plain_progress(monkeypatch):
 
 def pair(tmp_path):
     """The tiny model's folder, a drafter for it and a prompts file of two prompts."""
-    from conftest import model_folder
+    from support import tiny_model_folder
 
     from redrafter_mlx.core.drafter import random_drafter, save_drafter
 
-    model = model_folder(tmp_path / "model")
+    model = tiny_model_folder(tmp_path / "model")
     save_drafter(random_drafter(64, 64, seed=1), tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w5 w6 w7"}\n{"prompt": "w8 w9 w10"}\n')

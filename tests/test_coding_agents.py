@@ -1,6 +1,6 @@
 """The coding agents people point at a local server, as their users install them (npm, pinned
 versions), each run once non-interactively against `redrafter-mlx serve` on a tiny random
-model with a tools chat template and a 128k context (tests/tool_model.py): Claude Code
+model with a tools chat template and a 128k context (tests/support/tool_model.py): Claude Code
 (Anthropic's Messages API), Codex CLI (OpenAI's Responses API) and opencode (chat
 completions). A run passes when the server answered every request with a 200 and no client
 left mid-answer: the model's noise ends by length (the agent's own output limit for Claude
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-import tool_model
+from support import tool_model
 
 pytestmark = pytest.mark.coding_agents
 

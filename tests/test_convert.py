@@ -21,9 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import shared_data
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from support import shared_data
 
 from redrafter_mlx.cli import convert as convert_cli
 from redrafter_mlx.core.llm import target_dims

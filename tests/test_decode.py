@@ -7,20 +7,26 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decoding_of, run_steps, tiny_llama, verifier_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p, make_sampler
-from scipy.stats import chisquare
+from support import decoding_of, run_steps, tiny_llama, verifier_for
+from support.decoding import (
+    PADDED,
+    VOCAB,
+    answers_to_the_context_end,
+    assert_drawn_from,
+    autoregressive,
+    first_three_token_probs,
+    take,
+)
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import llm
 from redrafter_mlx.core import speculative as tree_step
 from redrafter_mlx.core.accept import choose, greedy
 from redrafter_mlx.core.accept import make_sampler as our_sampler
 from redrafter_mlx.core.draft import BeamDrafter, beam_search, select_paths
 from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
@@ -29,23 +35,6 @@ from redrafter_mlx.tuning.measure import time_steps
 
 GREEDY = greedy  # the fast path: argmax of raw logits
 PROMPT = [5, 17, 33, 2, 41]
-
-
-def take(steps, n):
-    """First ``n`` tokens of a step generator, and the number of decode steps used."""
-    out, count = [], -1  # the prefill's step is not a decode step
-    for step in steps:
-        out += step.tokens
-        count += 1
-        if len(out) >= n:
-            return out[:n], count
-
-
-def autoregressive(model, prompt, n):
-    return take(run_steps(model, prompt), n)[0]
-
-
-PADDED = (4, 8, 16, 32, 64, 128)  # pads most trees: exactness must not depend on padding
 
 
 def speculative(
@@ -170,29 +159,6 @@ def test_near_the_context_end_redrafter_stops_where_plain_decoding_does(
     limit = len(PROMPT) + 30
     plain, speculative = answers_to_the_context_end(target, beam_drafter, shape, PROMPT, limit)
     assert plain == speculative and plain[1] == limit
-
-
-def answers_to_the_context_end(model, drafter, shape, prompt, limit):
-    """``(tokens, cache length)`` of the autoregressive and the speculative answer, each run
-    until ContextFull at a ``limit``-token context."""
-    answers = []
-    for speculative in (False, True):
-        verifier = verifier_for(model, drafter, max_context=limit)
-        cache, out = verifier.new_sequence(), []
-        steps = run_steps(
-            model,
-            prompt,
-            drafter,
-            shape,
-            max_context=limit,
-            cache=cache,
-            autoregressive=not speculative,
-        )
-        with pytest.raises(ContextFull):
-            for step in steps:
-                out += step.tokens
-        answers.append((out, cache.offset))
-    return answers
 
 
 def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
@@ -360,17 +326,6 @@ def test_temperature_and_top_k_draw_the_same_from_raw_logits():
 
 # --- sampling is exact: chi-square against the target's own distribution -------------------
 
-VOCAB = 8
-
-
-def _target_probs(model, sampler_filter, temp, prefix):
-    cache = llm.new_sequence(model)
-    n = len(prefix)
-    hidden = llm.forward(model, mx.array(prefix), mx.arange(n), llm.chain_mask(0, n), cache)
-    logits = llm.lm_head(model, hidden[-1])
-    logprobs = sampler_filter(logits - mx.logsumexp(logits))
-    return np.array(mx.softmax(logprobs / temp), dtype=np.float64)
-
 
 @pytest.mark.parametrize(
     "temp,top_p,width,search",
@@ -390,32 +345,6 @@ def test_sampling_matches_target_distribution(temp, top_p, width, search):
         tokens, _ = speculative(model, bd, prompt, 3, width, 3, sampler, search_width=search)
         counts[np.arange(3), tokens] += 1
     assert_drawn_from(counts, probs, runs)
-
-
-def first_three_token_probs(model, filt, temp, prompt) -> list[np.ndarray]:
-    """The target's marginal distributions of the 1st, 2nd and 3rd token after ``prompt``."""
-    p1 = _target_probs(model, filt, temp, prompt)
-    p2_given = [_target_probs(model, filt, temp, prompt + [x]) for x in range(VOCAB)]
-    p2 = sum(p1[x] * p2_given[x] for x in range(VOCAB))
-    p3 = sum(
-        p1[x] * p2_given[x][y] * _target_probs(model, filt, temp, prompt + [x, y])
-        for x in range(VOCAB)
-        for y in range(VOCAB)
-        if p1[x] * p2_given[x][y] > 0
-    )
-    return [p1, p2, p3]
-
-
-def assert_drawn_from(counts: np.ndarray, probs: list[np.ndarray], runs: int) -> None:
-    """Chi-square test of each position's token counts ``counts (3, V)`` against ``probs``."""
-    for observed, expected in zip(counts, probs, strict=True):
-        keep = expected * runs >= 5  # pool rare cells so the chi-square approximation holds
-        obs = np.append(observed[keep], observed[~keep].sum())
-        exp = np.append(expected[keep], expected[~keep].sum()) * runs
-        obs, exp = obs[exp > 0], exp[exp > 0]
-        exp = exp / exp.sum() * obs.sum()  # float rounding of the probabilities
-        assert observed[expected == 0].sum() == 0  # top-p never lets a filtered token through
-        assert chisquare(obs, exp).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from redrafter_mlx.tuning import device
@@ -17,7 +19,11 @@ IOREG = """+-o AGXAcceleratorG14X  <class AGXAcceleratorG14X, id 0x1000004ba>
 def mac(monkeypatch):
     outputs = {"sysctl": "Apple M2 Pro", "ioreg": IOREG}
     monkeypatch.setattr(device.sys, "platform", "darwin")
-    monkeypatch.setattr(device, "_command", lambda argv: outputs[argv[0]])
+
+    def run(argv, **_):  # the system tools, as macOS answers them
+        return subprocess.CompletedProcess(argv, 0, stdout=outputs[argv[0]], stderr="")
+
+    monkeypatch.setattr(device.subprocess, "run", run)
     for cached in (device.cpu_model, device.apple_gpu_cores):
         cached.cache_clear()
     yield outputs

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,9 +19,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import shared_data
-from families import model_folder
-from test_train import write_conversations
+from support import shared_data, write_conversations
+from support.distributed import LAUNCH, free_ports, rank_pid
+from support.families import model_folder
 
 from redrafter_mlx.cli import main
 from redrafter_mlx.training.cache import Cache
@@ -31,28 +30,7 @@ from redrafter_mlx.training.sharded import BOUNDARY, NEXT, TOKENS, cut
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = "vicuna-7b-v1.3-tokenizer"
-LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
 TIMEOUT = 240
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free now (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n < 65536 and all(_free(port + k) for k in range(n)):
-            return port
-    raise RuntimeError("no free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def command(ranks: int, flags: list[str]) -> list[str]:
@@ -186,20 +164,6 @@ def test_two_ranks_train_what_one_process_trains(runs):
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=5e-6, err_msg=name)
-
-
-def rank_pid(marker: str, rank: int) -> int | None:
-    """The process of ``rank`` in the run started with ``marker``."""
-    want = {f"REDRAFTER_TEST_RUN={marker}".encode(), f"MLX_RANK={rank}".encode()}
-    for proc in Path("/proc").iterdir():
-        try:
-            env = set((proc / "environ").read_bytes().split(b"\0"))
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:  # not a process, or gone
-            continue
-        if want <= env and b"redrafter_mlx" in cmdline:
-            return int(proc.name)
-    return None
 
 
 @pytest.mark.slow  # two more launches: about 45 s here

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import model_folder, tiny_llama, toy_tokenizer
+from support import tiny_llama, tiny_model_folder, toy_tokenizer
 
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
 from redrafter_mlx.core.errors import ReDrafterError
@@ -266,7 +266,7 @@ def test_upload_refuses_a_folder_that_holds_no_drafter_before_writing_anything(
     from redrafter_mlx.cli import main
 
     if what == "model":
-        folder = model_folder(tmp_path / "model")
+        folder = tiny_model_folder(tmp_path / "model")
     else:
         folder = drafter_folder(tmp_path / "d")
         if what == "config only":
@@ -308,7 +308,7 @@ def test_the_4bit_variant_of_a_model_loads_the_drafter_trained_for_it(tmp_path):
     from redrafter_mlx.io import runtime as rt
     from redrafter_mlx.io.load import load_target
 
-    full, four = model_folder(tmp_path / "m16"), model_folder(tmp_path / "m4", bits=4)
+    full, four = tiny_model_folder(tmp_path / "m16"), tiny_model_folder(tmp_path / "m4", bits=4)
     target, tok, config = load_target(full)
     folder = drafter_folder(tmp_path / "mine")
     drafters.record_trained(folder, drafters.ModelIdentity.of(target, config, tok), str(full))
@@ -332,7 +332,7 @@ def test_generate_without_a_drafter_for_the_model_says_so_and_uses_lookup_beams(
     from redrafter_mlx.cli import main
 
     monkeypatch.setenv("REDRAFTER_CPU_TUNING", cpu_plan)
-    folder = model_folder(tmp_path / "m16")
+    folder = tiny_model_folder(tmp_path / "m16")
     prompt = ["--model", str(folder), "--prompt", "w5 w6 w7", "--max-tokens", "12"]
     main(["generate", *prompt])
     found = capsys.readouterr()
@@ -407,7 +407,7 @@ def test_a_registry_entry_that_holds_no_drafter_is_skipped_for_the_next_source(
     cut drafter or a file: it is named in ``skipped`` and the older entry's drafter is used
     (the newest used to be returned, and loading it failed)."""
     if what == "model":
-        bad = model_folder(tmp_path / "target")
+        bad = tiny_model_folder(tmp_path / "target")
     elif what == "config only":
         bad = tmp_path / "config-only"
         bad.mkdir()
@@ -438,7 +438,7 @@ def test_generate_past_an_entry_that_is_no_drafter_answers_and_says_so_once(
     from redrafter_mlx.cli import main
     from redrafter_mlx.io.load import load_target
 
-    folder = model_folder(tmp_path / "m16")
+    folder = tiny_model_folder(tmp_path / "m16")
     target, tok, config = load_target(folder)
     identity = drafters.ModelIdentity.of(target, config, tok)
     entry = {"path": str(folder), "model": str(folder), "identity": dataclasses.asdict(identity)}

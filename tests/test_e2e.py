@@ -9,8 +9,8 @@ import sys
 
 import mlx.core as mx
 import pytest
-from conftest import decoding_of, verifier_for
 from mlx_lm.generate import generate_step
+from support import decoding_of, verifier_for
 
 from redrafter_mlx.core.accept import greedy
 from redrafter_mlx.core.draft import BeamDrafter

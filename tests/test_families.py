@@ -1,4 +1,5 @@
-"""Tree verification through mlx-lm's own model classes, family by family (tests/families.py).
+"""Tree verification through mlx-lm's own model classes, family by family
+(tests/support/families.py).
 
 The reference is always mlx-lm itself: its forward over each root-to-node path, and
 ``mlx_lm.generate``'s greedy tokens.
@@ -7,17 +8,33 @@ The reference is always mlx-lm itself: its forward over each root-to-node path, 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_steps, shared_data
-from families import FAMILIES, build, config, exchanges, model_folder, save
-from mlx_lm.generate import generate_step
-from test_chat import ask, session
+from support import run_steps, shared_data
+from support.chat import ask, session
+from support.families import (
+    FAMILIES,
+    PLANS,
+    PREFIX,
+    PROMPTS,
+    QUANTIZED,
+    TOKENIZER,
+    PartOracle,
+    build,
+    config,
+    exchanges,
+    mlx_lm_greedy,
+    model_folder,
+    ours,
+    quantized_folder,
+    random_beams,
+    run_json,
+    train_flags,
+)
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, make_forward
+from redrafter_mlx.backend.plan import make_forward
 from redrafter_mlx.cli import main
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.draft import BeamDrafter
@@ -28,23 +45,10 @@ from redrafter_mlx.core.tree import pack_beams, tree_mask
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.runtime import decoding, encode_chat, load_runtime
 
-PLANS = {"generic": GENERIC_PLAN, "cpu": CPU_PLAN}
-PREFIX = [3, 14, 15, 9, 26, 5, 35]  # longer than gemma3_text's test window (5)
-
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
     return request.param, build(request.param)
-
-
-def random_beams(rng: np.random.Generator, width: int, length: int, vocab: int) -> np.ndarray:
-    """``(W, L)`` beams sharing their root and, often, more of a prefix (a real tree)."""
-    beams = rng.integers(0, vocab, (width, length))
-    beams[:, 0] = beams[0, 0]
-    for w in range(1, width):
-        shared = rng.integers(0, length)
-        beams[w, :shared] = beams[rng.integers(0, w), :shared]
-    return beams
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
@@ -70,31 +74,6 @@ def test_tree_verify_equals_mlx_lm_on_each_path(family, plan):
             want_logits = model(path)[0, -1]
             np.testing.assert_allclose(hidden[node], want_hidden, atol=2e-4, rtol=1e-4)
             np.testing.assert_allclose(logits[node], want_logits, atol=2e-4, rtol=1e-4)
-
-
-def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: x.argmax(-1))
-    return [int(token) for token, _ in steps]
-
-
-class PartOracle:
-    """Drafts the target's own continuation for a random number of tokens in one beam (a
-    random row), then tokens that cannot match, so each step accepts a known count and its
-    path is compacted out of the tree."""
-
-    def __init__(self, continuation: list[int], vocab: int, seed: int):
-        self.continuation, self.vocab = continuation, vocab
-        self.rng, self.start = np.random.default_rng(seed), 0
-
-    def search(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
-        want = np.array(self.continuation[self.start : self.start + length])
-        want = np.pad(want, (0, length - len(want)))
-        beams = (want + self.rng.integers(1, self.vocab, (width, length))) % self.vocab
-        beams[:, 0] = want[0]
-        good = int(self.rng.integers(0, length))  # drafted tokens that match
-        beams[self.rng.integers(0, width), : good + 1] = want[: good + 1]
-        self.start += good + 1
-        return mx.array(beams), None, 0
 
 
 def test_accepted_paths_equal_mlx_lm_generate(family):
@@ -141,26 +120,12 @@ def test_chat_turns_equal_autoregressive(family):
 # ----------------------------------------------------------------------------------------------
 # the trainer and the commands, on a tiny folder of each family
 
-TOKENIZER = "vicuna-7b-v1.3-tokenizer"  # SentencePiece; the folders get a ChatML template
-PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?"]
-
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory):
     """sharegpt-tiny's exchanges, one conversation each (JSONL)."""
     out = tmp_path_factory.mktemp("data") / "exchanges.jsonl"
     return exchanges(shared_data("sharegpt-tiny/sharegpt_tiny.json"), out)
-
-
-def train_flags(model: Path, data: Path, root: Path) -> list[str]:
-    return [
-        "train",
-        *("--model", str(model), "--data", str(data)),
-        *("--out", str(root / "drafter"), "--cache-dir", str(root / "cache")),
-        *("--heldout", "1", "--max-tokens", "4000", "--head", "own", "--draft-vocab", "64"),
-        *("--exit-dim", "64", "--batch-size", "32", "--epochs", "6", "--eval-every", "100"),
-        *("--seed", "0", "--quiet"),
-    ]
 
 
 def generated(runtime, prompt: str, shape: BeamShape, *, autoregressive: bool) -> list[int]:
@@ -190,27 +155,6 @@ def test_a_drafter_trained_on_sharegpt_tiny_loads_and_decodes_exactly(
 # ----------------------------------------------------------------------------------------------
 # quantized targets
 
-QUANTIZED = {"4bit": (64, 4, "affine"), "8bit": (64, 8, "affine"), "mxfp4": (32, 4, "mxfp4")}
-
-
-def quantized_folder(name: str, kind: str, out: Path) -> Path:
-    """The family's tiny model quantized by mlx-lm and saved as a folder (as mlx-community
-    publishes them: the ``quantization`` block in config.json)."""
-    from mlx_lm.utils import quantize_model
-
-    group_size, bits, mode = QUANTIZED[kind]
-    model = build(name)
-    _, cfg = quantize_model(model, config(name), group_size, bits, mode=mode)
-    return save(model, cfg, out)
-
-
-def ours(model, prompt: list[int], n: int, drafter=None, shape=None, plan=None) -> list[int]:
-    got = []
-    for step in run_steps(model, prompt, drafter, shape, plan=plan):
-        got += step.tokens
-        if len(got) >= n:
-            return got[:n]
-
 
 @pytest.mark.parametrize("kind", list(QUANTIZED))
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text"])
@@ -230,12 +174,6 @@ def test_quantized_targets_decode_exactly(name, kind, tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # a user's whole path, from the command line
-
-
-def run_json(capsys, argv: list[str]) -> dict:
-    capsys.readouterr()
-    main(argv)
-    return json.loads(capsys.readouterr().out)
 
 
 def test_qwen3_from_hf_folder_to_exact_redrafter_output(conversations, tmp_path, capsys):

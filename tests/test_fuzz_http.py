@@ -20,14 +20,11 @@ from urllib.parse import urlsplit
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import (  # noqa: F401 (fixtures)
+from support.serving import (
     FRANCE,
     MODEL,
     STORY,
     Served,
-    reference,
-    runtime,
-    server,
 )
 
 EXAMPLES = int(os.environ.get("REDRAFTER_FUZZ_EXAMPLES", "25"))

@@ -1,4 +1,4 @@
-"""A user's path on a hybrid model's folder (a Gated DeltaNet hybrid, tests/families.py):
+"""A user's path on a hybrid model's folder (a Gated DeltaNet hybrid, tests/support/families.py):
 a drafter trained with ``redrafter-mlx train`` (teacher-forced, or on the target's own
 answers) decodes exactly through ``generate``, and ``eval-drafter`` runs on the pair."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import shared_data
-from families import exchanges, model_folder
-from test_families import PROMPTS, TOKENIZER, run_json, train_flags
+from support import shared_data
+from support.families import PROMPTS, TOKENIZER, exchanges, model_folder, run_json, train_flags
 
 from redrafter_mlx.cli import main
 

@@ -1,6 +1,6 @@
 """Hybrid models (attention among Gated DeltaNet, short-convolution or Mamba2 layers) and
-Mamba2 alone, through mlx-lm's own classes (tests/families.py's HYBRIDS): trees verified with
-recurrent state along each node's path, exactly.
+Mamba2 alone, through mlx-lm's own classes (tests/support/families.py's HYBRIDS): trees
+verified with recurrent state along each node's path, exactly.
 
 Each test names its plans (the generic one Metal and CUDA run, and this CPU's), so the file is
 not in ``make test``'s second pass (``REDRAFTER_CPU_TUNING=0``), which would run it again as it
@@ -15,15 +15,17 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decoding_of, run_steps, verifier_for
-from families import HYBRIDS, build, config
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache
-from test_chat import ask, session, toy_template
-from test_decode import assert_drawn_from, first_three_token_probs
-from test_families import (
+from support import decoding_of, run_steps, verifier_for
+from support.chat import ask, session, toy_template
+from support.decoding import assert_drawn_from, first_three_token_probs
+from support.families import (
+    HYBRIDS,
     PLANS,
     PREFIX,
     PartOracle,
+    build,
+    config,
     mlx_lm_greedy,
     ours,
     quantized_folder,
@@ -204,7 +206,7 @@ def test_sampling_on_a_hybrid_matches_the_target_distribution():
 
 
 def build_small_vocab(family: str, vocab: int):
-    from families import build_config
+    from support.families import build_config
 
     model = build_config({**config(family), "vocab_size": vocab}, seed=6)
     # sharper logits than random weights give, so the test sees a non-uniform distribution
@@ -301,9 +303,9 @@ def test_the_python_api_on_a_plain_mlx_lm_hybrid_equals_mlx_lm(lookup):
     """``redrafter_mlx.stream_generate`` on a hybrid loaded as mlx-lm builds it (no drafter):
     mlx-lm's tokens, text and, in float32, log-probs."""
     import mlx_lm
-    from conftest import toy_tokenizer
-    from families import build_config
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+    from support import toy_tokenizer
+    from support.families import build_config
 
     import redrafter_mlx
 

@@ -8,10 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import run_steps, tiny_llama
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
+from support import run_steps, tiny_llama
 
 from redrafter_mlx.backend.fused import attention, rope_tables
 from redrafter_mlx.backend.plan import CPU_PLAN, make_forward

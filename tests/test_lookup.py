@@ -8,19 +8,19 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decoding_of, run_steps, tiny_llama, verifier_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_sampler
-from test_decode import (
+from support import decoding_of, run_steps, tiny_llama, verifier_for
+from support.decoding import (
     PADDED,
     VOCAB,
-    _target_probs,
     answers_to_the_context_end,
     assert_drawn_from,
     autoregressive,
     first_three_token_probs,
     take,
+    target_probs,
 )
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
@@ -90,9 +90,13 @@ def test_index_proposes_what_a_scan_finds_and_rewinds_to_a_fresh_index(
     want = scanned(history, pending, count, length, low, high)
     assert index.propose(pending, count, length).tolist() == want
     index.rewind(cut)
-    fresh = NgramIndex(history[:cut], max_ngram=high, min_ngram=low)
-    assert index.tokens == fresh.tokens
-    assert index._ends == fresh._ends
+    kept = history[:cut]
+    assert index.tokens == kept
+    for token in range(6):  # no n-gram of the dropped tokens is left behind
+        proposed = index.propose(token, 6, length).tolist()
+        assert proposed == scanned(kept, token, 6, length, low, high)
+    index.extend(history[cut:])  # and it grows again as a fresh one would
+    assert index.propose(pending, count, length).tolist() == want
 
 
 def test_accepted_tokens_are_attributed_to_the_beams_that_held_them():
@@ -245,7 +249,7 @@ def test_sampling_with_lookup_beams_matches_target_distribution(temp, top_p, wit
     drafter = BeamDrafter(random_drafter(64, VOCAB, seed=7), model.model.embed_tokens)
     sampler = make_sampler(temp, top_p=top_p)
     filt = (lambda x: apply_top_p(x, top_p)) if top_p else (lambda x: x)
-    likeliest = [int(np.argmax(_target_probs(model, filt, temp, [2, x]))) for x in range(VOCAB)]
+    likeliest = [int(np.argmax(target_probs(model, filt, temp, [2, x]))) for x in range(VOCAB)]
     prompt = [t for x in range(VOCAB) for t in (2, x, likeliest[x])] + [2]
     probs = first_three_token_probs(model, filt, temp, prompt)
     shape = BeamShape(2, 3, lookup=3)

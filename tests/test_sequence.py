@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decoding_of, tiny_llama, verifier_for
+from support import decoding_of, tiny_llama, verifier_for
 
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.draft import BeamDrafter

@@ -1,6 +1,6 @@
 """`redrafter-mlx serve` for agents and apps, through the official `openai` and `anthropic`
 clients: tool calls (a round trip on a tiny model overfit to call a tool, see
-tests/tool_model.py), Anthropic's Messages API (text, streaming and its event sequence, stop
+tests/support/tool_model.py), Anthropic's Messages API (text, streaming and its event sequence, stop
 sequences, errors, usage, count_tokens), interleaved conversations and the answers' split
 into text and tool calls. One server per module, on the tiny model (fast to load)."""
 
@@ -11,8 +11,8 @@ import random
 import re
 
 import pytest
-import tool_model
-from test_serve import Served, serving
+from support import tool_model
+from support.serving import Served, serving
 
 from redrafter_mlx.core.stream import StepResponse
 

@@ -21,9 +21,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import shared_data
-from families import model_folder
-from test_distributed import LAUNCH, free_ports, rank_pid
+from support import shared_data
+from support.distributed import LAUNCH, free_ports, rank_pid
+from support.families import model_folder
 
 from redrafter_mlx.core.drafter import random_drafter, save_drafter
 

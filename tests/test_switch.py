@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import run_steps, tiny_llama
+from support import run_steps, tiny_llama
 
 from redrafter_mlx.backend import blas
 from redrafter_mlx.backend.fused import FusedForward

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import shared_data
+from support import shared_data
 
 from redrafter_mlx.io.templates import (
     VICUNA_SYSTEM,

@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import shared_data
 from mlx_lm.models import llama
+from support import shared_data, write_conversations
 
 from redrafter_mlx.backend.plan import build_verifier
 from redrafter_mlx.cli import train as T
@@ -84,29 +84,6 @@ def learnable_target(seed: int = 0) -> llama.Model:
     model.lm_head.weight = model.model.embed_tokens.weight[mx.argsort(perm)]
     mx.eval(model.parameters())
     return model
-
-
-def write_conversations(path: Path, n: int, seed: int = 0) -> None:
-    """``n`` two-exchange ShareGPT conversations, written as a JSON array cut off mid-way."""
-    rng = np.random.default_rng(seed)
-
-    def text(k):
-        return " ".join("".join(rng.choice(LETTERS, rng.integers(2, 7))) for _ in range(k))
-
-    convs = [
-        {
-            "id": str(i),
-            "conversations": [
-                {"from": "human", "value": text(3)},
-                {"from": "gpt", "value": text(12)},
-                {"from": "human", "value": text(2)},
-                {"from": "gpt", "value": text(8)},
-            ],
-        }
-        for i in range(n + 1)
-    ]
-    full = json.dumps(convs, indent=1)
-    path.write_text(full[: full.rindex('"from": "gpt"')])  # the last conversation is cut off
 
 
 def test_reads_truncated_sharegpt_file(tmp_path):

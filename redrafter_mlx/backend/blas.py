@@ -94,7 +94,7 @@ def _note(why: str) -> None:
     return None
 
 
-def _bundled_blas() -> str | None:
+def bundled_blas() -> str | None:
     """The reference BLAS inside mlx's Linux wheel (``mlx_cpu.libs``), found without importing
     MLX."""
     spec = importlib.util.find_spec("mlx")
@@ -120,7 +120,7 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     ours = []
     kernel = None if env.get("REDRAFTER_NO_SMALLROWS") else smallrows_library()
     openblas = not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS)
-    bundled = None if openblas else env.get(NEXT_ENV) or _bundled_blas()
+    bundled = None if openblas else env.get(NEXT_ENV) or bundled_blas()
     if kernel and (openblas or bundled):
         ours.append(str(kernel))
     if openblas:

@@ -7,7 +7,6 @@ a full context. Library code: returns numbers, prints nothing.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.step import Decoding, PhaseTimer, Step, TopLogprobs
-from redrafter_mlx.core.stops import first_stop
+from redrafter_mlx.core.stops import find_stop_string, first_stop, held_back, stop_at
 
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm: 256 tokens)
 SOURCES = ("drafter", "lookup", "both")  # where accepted drafts came from (Step.accepted_from)
@@ -222,18 +221,18 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
         stats.generation_tokens += len(emitted)
         if cut is None and reason is not None:
             detokenizer.finalize()  # may flush held characters: look at them too
-            cut = _find_stop_string(detokenizer.text, stop_strings, shown)
+            cut = find_stop_string(detokenizer.text, stop_strings, shown)
         if cut is not None:
             reason, end = "stop", cut
         elif reason is not None:
             end = len(detokenizer.text)
         else:
-            end = len(detokenizer.text) - _stop_string_start(detokenizer.text, stop_strings)
+            end = len(detokenizer.text) - held_back(detokenizer.text, stop_strings)
         text, shown = detokenizer.text[shown:end], max(shown, end)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         logprobs = None if step.logprobs is None else step.logprobs[: len(emitted)]
         top = None if step.top_logprobs is None else step.top_logprobs[: len(emitted)]
-        matched = None if cut is None else _stop_at(detokenizer.text, stop_strings, cut)
+        matched = None if cut is None else stop_at(detokenizer.text, stop_strings, cut)
         yield StepResponse(text, emitted, stats, reason, logprobs, top, matched)
         if reason is not None:
             steps.close()
@@ -263,58 +262,10 @@ def _add_until_stop_string(
     for i, token in enumerate(tokens):
         before = len(detokenizer.text)
         detokenizer.add_token(token)
-        cut = _find_stop_string(detokenizer.text, stop_strings, before)
+        cut = find_stop_string(detokenizer.text, stop_strings, before)
         if cut is not None:
             return tokens[: i + 1], cut
     return tokens, None
-
-
-def _find_stop_string(text: str, stop_strings: tuple[str, ...], since: int) -> int | None:
-    """Start of the first stop string in ``text`` that ends after position ``since``."""
-    hits = [text.find(s, max(since - len(s) + 1, 0)) for s in stop_strings]
-    hits = [h for h in hits if h >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_at(text: str, stop_strings: tuple[str, ...], cut: int) -> str:
-    """The stop string found at ``cut`` (the first listed, when several begin there)."""
-    return next(s for s in stop_strings if text.startswith(s, cut))
-
-
-def _stop_string_start(text: str, stop_strings: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that begins a stop string (held back: the next
-    tokens may complete it). Host work per call is linear in the stops' lengths."""
-    return max((_overlap(text, s) for s in stop_strings), default=0)
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``stop``: a KMP walk
-    over ``text``'s last ``len(stop) - 1`` characters, O(len(stop)). (Trying each beginning
-    ``stop[:k]`` in turn copies and compares O(len(stop)**2) characters: seconds per step for
-    a stop string of 10**5 characters.)"""
-    if not text or text[-1] not in stop:  # the common case, at C speed
-        return 0
-    failure = _failure_table(stop)
-    matched = 0  # characters of stop matched by the end of the text read so far
-    for char in text[max(len(text) - len(stop) + 1, 0) :]:
-        while matched and stop[matched] != char:
-            matched = failure[matched - 1]
-        matched += stop[matched] == char
-    return matched  # < len(stop): at most len(stop) - 1 characters were read
-
-
-@functools.lru_cache(maxsize=64)
-def _failure_table(stop: str) -> tuple[int, ...]:
-    """KMP's prefix function: entry i is the length of the longest proper beginning of
-    ``stop[: i + 1]`` that is also its end. Built once per stop string (stops repeat)."""
-    table = [0] * len(stop)
-    k = 0
-    for i in range(1, len(stop)):
-        while k and stop[i] != stop[k]:
-            k = table[k - 1]
-        k += stop[i] == stop[k]
-        table[i] = k
-    return tuple(table)
 
 
 def _finish(detokenizer, stats: GenerationStats, reason: str, shown: int) -> StepResponse:

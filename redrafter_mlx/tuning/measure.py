@@ -98,7 +98,7 @@ def _timed_stream(responses: Iterable) -> tuple[list[tuple[float, list[int], str
     return events, last
 
 
-def _tps_and_latencies(events: list[tuple[float, list[int], str]]) -> tuple[float, list[float]]:
+def tps_and_latencies(events: list[tuple[float, list[int], str]]) -> tuple[float, list[float]]:
     """Uniform tokens/s: tokens after the first over the time after the first."""
     lat, count = [], 0
     for (t0, _, _), (t1, tokens, _) in zip(events, events[1:], strict=False):
@@ -124,7 +124,7 @@ def run_mlx_lm(runtime: Runtime, prompt: list[int], *, max_tokens: int, temp: fl
     if events and last.finish_reason == "stop":  # mlx-lm ends on the EOS token; we never emit it
         events[-1] = (events[-1][0], [], events[-1][2])
     tokens = [t for _, ts, _ in events for t in ts]
-    tps, lat = _tps_and_latencies([e for e in events if e[1]])
+    tps, lat = tps_and_latencies([e for e in events if e[1]])
     steps = max(len(tokens) - 1, 0)
     return Run(
         tokens,
@@ -158,7 +158,7 @@ def run_decoder(
     stream = session.generate(prompt, max_tokens=max_tokens, timer=timer)
     events, last = _timed_stream(stream)
     stats = last.stats
-    tps, lat = _tps_and_latencies([e for e in events if e[1]])
+    tps, lat = tps_and_latencies([e for e in events if e[1]])
     return Run(
         [t for _, ts, _ in events for t in ts],
         "".join(e[2] for e in events),

@@ -21,8 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from conftest import tiny_llama
-from families import save
+
+from support import tiny_llama
+from support.families import save
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}

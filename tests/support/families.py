@@ -13,7 +13,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.cli import main
+from support import run_steps
 
 VOCAB = 97
 BASE = {
@@ -312,3 +318,88 @@ def exchanges(sharegpt: Path, out: Path) -> Path:
             lines.append(json.dumps({"conversations": turns[i : i + 2]}))
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# what the family tests share: plans, references, oracles, folders, commands
+
+PLANS = {"generic": GENERIC_PLAN, "cpu": CPU_PLAN}
+PREFIX = [3, 14, 15, 9, 26, 5, 35]  # longer than gemma3_text's test window (5)
+
+
+def random_beams(rng: np.random.Generator, width: int, length: int, vocab: int) -> np.ndarray:
+    """``(W, L)`` beams sharing their root and, often, more of a prefix (a real tree)."""
+    beams = rng.integers(0, vocab, (width, length))
+    beams[:, 0] = beams[0, 0]
+    for w in range(1, width):
+        shared = rng.integers(0, length)
+        beams[w, :shared] = beams[rng.integers(0, w), :shared]
+    return beams
+
+
+def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: x.argmax(-1))
+    return [int(token) for token, _ in steps]
+
+
+class PartOracle:
+    """Drafts the target's own continuation for a random number of tokens in one beam (a
+    random row), then tokens that cannot match, so each step accepts a known count and its
+    path is compacted out of the tree."""
+
+    def __init__(self, continuation: list[int], vocab: int, seed: int):
+        self.continuation, self.vocab = continuation, vocab
+        self.rng, self.start = np.random.default_rng(seed), 0
+
+    def search(self, context, pending, *, width, length, min_prob=0.0, search_width=0):
+        want = np.array(self.continuation[self.start : self.start + length])
+        want = np.pad(want, (0, length - len(want)))
+        beams = (want + self.rng.integers(1, self.vocab, (width, length))) % self.vocab
+        beams[:, 0] = want[0]
+        good = int(self.rng.integers(0, length))  # drafted tokens that match
+        beams[self.rng.integers(0, width), : good + 1] = want[: good + 1]
+        self.start += good + 1
+        return mx.array(beams), None, 0
+
+
+TOKENIZER = "vicuna-7b-v1.3-tokenizer"  # SentencePiece; the folders get a ChatML template
+PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?"]
+
+
+def train_flags(model: Path, data: Path, root: Path) -> list[str]:
+    return [
+        "train",
+        *("--model", str(model), "--data", str(data)),
+        *("--out", str(root / "drafter"), "--cache-dir", str(root / "cache")),
+        *("--heldout", "1", "--max-tokens", "4000", "--head", "own", "--draft-vocab", "64"),
+        *("--exit-dim", "64", "--batch-size", "32", "--epochs", "6", "--eval-every", "100"),
+        *("--seed", "0", "--quiet"),
+    ]
+
+
+QUANTIZED = {"4bit": (64, 4, "affine"), "8bit": (64, 8, "affine"), "mxfp4": (32, 4, "mxfp4")}
+
+
+def quantized_folder(name: str, kind: str, out: Path) -> Path:
+    """The family's tiny model quantized by mlx-lm and saved as a folder (as mlx-community
+    publishes them: the ``quantization`` block in config.json)."""
+    from mlx_lm.utils import quantize_model
+
+    group_size, bits, mode = QUANTIZED[kind]
+    model = build(name)
+    _, cfg = quantize_model(model, config(name), group_size, bits, mode=mode)
+    return save(model, cfg, out)
+
+
+def ours(model, prompt: list[int], n: int, drafter=None, shape=None, plan=None) -> list[int]:
+    got = []
+    for step in run_steps(model, prompt, drafter, shape, plan=plan):
+        got += step.tokens
+        if len(got) >= n:
+            return got[:n]
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    main(argv)
+    return json.loads(capsys.readouterr().out)

@@ -1,0 +1,116 @@
+"""core/prompt_cache.py: several conversations' sessions for one server. A request gets the
+session whose cached tokens it extends (the one sharing most), else a new one while there is
+room, else the least recently used one; byte bounds drop the least recently used first."""
+
+from __future__ import annotations
+
+import pytest
+from support import decoding_of, toy_tokenizer, verifier_for
+
+from redrafter_mlx.core.prompt_cache import TAIL, PromptCache, session_bytes
+from redrafter_mlx.core.session import Session
+
+A = [5, 6, 7, 8, 9, 12, 13]
+B = [40, 41, 42, 43, 44, 45]
+
+
+@pytest.fixture
+def new_session(target):
+    def new() -> Session:
+        return Session(verifier_for(target), toy_tokenizer(), decoding_of(), warm=False)
+
+    return new
+
+
+def turn(cache: PromptCache, ids: list[int], max_tokens: int = 6) -> Session:
+    """One request: the session taken, the answer generated on it, then the byte bound."""
+    session = cache.take(ids)
+    for _ in session.generate(ids, max_tokens=max_tokens):
+        pass
+    cache.trim()
+    return session
+
+
+def test_a_request_extending_a_conversation_gets_its_session_back(new_session):
+    cache = PromptCache(new_session, max_sessions=4)
+    a, b = turn(cache, A), turn(cache, B)
+    assert a is not b and cache.sessions == [a, b]  # most recent last
+    assert cache.take(a.cache.ids + [10, 11]) is a
+    assert cache.sessions == [b, a]
+
+
+def test_a_resent_history_may_end_differently_but_only_in_its_last_tokens(new_session):
+    """A chat template may spell the end of the last answer differently from how it was
+    generated: up to TAIL cached tokens may differ, not more."""
+    cache = PromptCache(new_session, max_sessions=4)
+    a = turn(cache, A, max_tokens=12)
+    cached = a.cache.ids
+    assert len(cached) > TAIL + 1
+    assert cache.take(cached[:-TAIL] + [60, 61]) is a
+    other = cache.take(cached[: -TAIL - 1] + [60, 61])
+    assert other is not a and len(cache.sessions) == 2
+
+
+def test_of_the_conversations_a_request_extends_the_one_sharing_most_is_taken(new_session):
+    """Whichever of them was used last."""
+    short, long = new_session(), new_session()
+    for _ in short.generate(A, max_tokens=4):
+        pass
+    for _ in long.generate(short.cache.ids + B + B, max_tokens=4):  # 12 more than ``short``
+        pass
+    made = iter([short, long])
+    cache = PromptCache(lambda: next(made), max_sessions=4)
+    assert cache.take([1]) is short and cache.take([2]) is long  # new sessions, as made
+    assert cache.take(short.cache.ids + [60]) is short  # extends only ``short``: now recent
+    assert cache.take(long.cache.ids + [60]) is long  # not the more recent ``short``
+    assert cache.take(long.cache.ids + [61]) is long  # nor the less recent one
+
+
+def test_without_room_the_least_recently_used_session_answers_from_what_it_shares(
+    new_session, target
+):
+    cache = PromptCache(new_session, max_sessions=2)
+    a, b = turn(cache, A), turn(cache, B)
+    turn(cache, a.cache.ids + [10])  # ``a`` used again: ``b`` is the least recent
+    c = B[:3] + [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # shares B's first 3, extends none
+    got = cache.take(c)
+    assert got is b and cache.sessions == [a, b]
+    answer = [t for r in got.generate(c, max_tokens=6) for t in r.tokens]
+    assert got.reused == 3
+    fresh = Session(verifier_for(target), toy_tokenizer(), decoding_of(), warm=False)
+    assert answer == [t for r in fresh.generate(c, max_tokens=6) for t in r.tokens]
+
+
+def test_the_byte_bound_drops_the_least_recently_used_and_keeps_the_one_in_use(new_session):
+    cache = PromptCache(new_session, max_sessions=4)
+    sessions = [turn(cache, ids) for ids in (A, B, [30, 31, 32])]
+    sizes = [session_bytes(s) for s in sessions]
+    assert all(size > 0 for size in sizes)  # K/V of every layer, allocated for the turn
+    assert cache.cached_bytes == sum(sizes)
+    cache.max_bytes = sum(sizes) - 1
+    cache.trim()
+    assert cache.sessions == sessions[1:]
+    assert cache.cached_bytes == sum(sizes[1:])
+    cache.max_bytes = 0
+    cache.trim()
+    assert cache.sessions == sessions[2:]  # the one in use stays, whatever its size
+
+
+def test_a_session_s_bytes_follow_its_cache_as_it_grows(new_session):
+    session = new_session()
+    assert session_bytes(session) == 0  # nothing allocated before the first prompt
+    for _ in session.generate(A, max_tokens=4):
+        pass
+    small = session_bytes(session)
+    for _ in session.generate([5 + i % 50 for i in range(300)], max_tokens=4):
+        pass
+    assert session_bytes(session) > small  # the capacity grew for the longer prompt
+
+
+@pytest.mark.parametrize(
+    "bounds,message",
+    [({"max_sessions": 0}, "prompt cache size 0"), ({"max_bytes": -1}, "prompt cache bytes -1")],
+)
+def test_bounds_no_cache_can_keep_are_refused(new_session, bounds, message):
+    with pytest.raises(ValueError, match=message):
+        PromptCache(new_session, **bounds)

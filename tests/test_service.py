@@ -1,0 +1,121 @@
+"""core/service.py as the server uses it: one worker thread, requests in arrival order, each at
+the shape its temperature picks; closing cancels what still waits; a request's own error or a
+failure mid-answer reaches its caller alone and the next request is served from a clean cache.
+(Arrival order, a full queue, clients that leave and the prompt cache through the service are
+in test_serve.py.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from support import toy_tokenizer, verifier_for
+from support.serving import reference_tokens, run, tiny_service
+
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.service import Engine, GenerationService, Request, Sampling
+from redrafter_mlx.core.shape import BeamShape
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def test_close_cancels_the_waiting_requests_and_lets_the_running_one_finish(target):
+    release = threading.Event()
+
+    def held() -> bool:  # asked before the job starts: holds the worker until released
+        release.wait(30)
+        return False
+
+    service = tiny_service(target, queue_size=4)
+    running = service.submit(Request(PROMPT, max_tokens=6), held)
+    waiting = [service.submit(Request([40 + i, 41], max_tokens=6)) for i in range(2)]
+    closing = threading.Thread(target=service.close)
+    closing.start()
+    assert [job.start(timeout=30) for job in waiting] == [None, None]  # cancelled, never run
+    release.set()
+    closing.join(30)
+    assert not closing.is_alive() and not service.alive
+    assert run(running) == (reference_tokens(target, PROMPT, 6), "length")
+    assert running.outcome == "finished"
+
+
+def test_a_prompt_that_cannot_be_encoded_fails_alone(target):
+    def encode(prompt):
+        if isinstance(prompt, str):
+            raise KeyError("no chat template")
+        return list(prompt)
+
+    def setup() -> Engine:
+        shape = BeamShape(2, 3)
+        return Engine(
+            verifier_for(target), toy_tokenizer(), encode, Mode.AUTOREGRESSIVE, shape, shape
+        )
+
+    service = GenerationService(setup)
+    service.start()
+    for prompt, message in (("hello", "cannot be encoded: 'no chat template'"), ([], "no tokens")):
+        job = service.submit(Request(prompt, max_tokens=4))
+        with pytest.raises(ConfigError, match=message):
+            job.start(timeout=30)
+        assert job.outcome == "failed"
+    assert run(service.submit(Request(PROMPT, max_tokens=4)))[0] == reference_tokens(
+        target, PROMPT, 4
+    )
+    service.close()
+
+
+def test_a_failure_mid_answer_reaches_its_caller_and_the_next_starts_from_a_clean_cache(target):
+    """An error that is not the request's own (here a stop string that is no string) is raised
+    to the caller; the cache it may have left half-written is not reused."""
+    service = tiny_service(target)
+    run(service.submit(Request(PROMPT, max_tokens=4)))
+    broken = service.submit(Request(PROMPT + [10], max_tokens=4, stop_strings=(5,)))
+    with pytest.raises(TypeError):
+        broken.start(timeout=30)
+    assert broken.outcome == "failed"
+    job = service.submit(Request(PROMPT + [10], max_tokens=4))
+    assert job.start(timeout=30).cached_tokens == 0
+    assert [t for s in job.steps() for t in s.tokens] == reference_tokens(target, PROMPT + [10], 4)
+    service.close()
+
+
+def test_each_request_runs_at_the_shape_its_temperature_picks_and_a_seed_repeats_it(
+    target, drafter
+):
+    greedy_shape, sampling_shape = BeamShape(2, 3), BeamShape(1, 4)
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+
+    def setup() -> Engine:
+        verifier = verifier_for(target, beams)
+        return Engine(verifier, toy_tokenizer(), list, Mode.REDRAFTER, greedy_shape, sampling_shape)
+
+    service = GenerationService(setup)
+    service.start()
+    job = service.submit(Request(PROMPT, max_tokens=8))
+    started = job.start(timeout=30)
+    assert (started.shape, started.mode) == (greedy_shape, Mode.REDRAFTER)
+    assert [t for s in job.steps() for t in s.tokens] == reference_tokens(target, PROMPT, 8)
+    drawn = []
+    for _ in range(2):
+        job = service.submit(Request(PROMPT, max_tokens=8, sampling=Sampling(1.0, seed=7)))
+        assert job.start(timeout=30).shape == sampling_shape
+        drawn.append([t for s in job.steps() for t in s.tokens])
+    assert drawn[0] == drawn[1] != reference_tokens(target, PROMPT, 8)
+    service.close()
+
+
+@pytest.mark.parametrize(
+    "bounds,message",
+    [
+        ({"queue_size": 0}, "queue size 0"),
+        ({"prompt_cache_size": 0}, "prompt cache size 0"),
+        ({"prompt_cache_bytes": -1}, "prompt cache bytes -1"),
+    ],
+)
+def test_bad_bounds_are_refused_on_the_callers_thread_before_any_setup(bounds, message):
+    built = []
+    with pytest.raises(ValueError, match=message):
+        GenerationService(lambda: built.append(1), **bounds)
+    assert built == []
