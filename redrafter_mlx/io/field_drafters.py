@@ -1,0 +1,80 @@
+"""Drafters the field ships (EAGLE-3 so far), loaded from their published layouts.
+
+A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
+``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
+and the folders mlx-vlm converts them into) is EAGLE-3; anything else is left to ReDrafter's
+loader. A drafter that does not fit its target is refused in one line naming what differs:
+hidden size, vocabulary, or the target layers it reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
+from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
+from redrafter_mlx.core.errors import DrafterError
+from redrafter_mlx.core.llm import embedding, inner_model, target_dims
+
+REDRAFTER = "redrafter"
+
+
+def drafter_kind(folder: Path | str) -> str:
+    """The type of the drafter in ``folder``: ``"eagle3"`` or ``"redrafter"`` (what every
+    other config is left to)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return REDRAFTER
+    if not isinstance(config, dict):
+        return REDRAFTER
+    types = {config.get("speculators_model_type"), config.get("model_type")}
+    return EAGLE3 if EAGLE3 in types else REDRAFTER
+
+
+def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """An :class:`~redrafter_mlx.core.eagle3.Eagle3Drafter` from a speculators / SGLang /
+    mlx-vlm folder, checked against ``target``; its weights cast to ``dtype`` when given."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    layers = len(inner_model(target).layers)
+    try:
+        args = Eagle3Args.from_dict(json.loads(config_file.read_text()), target_layers=layers)
+    except (OSError, ValueError) as e:
+        raise DrafterError(f"{config_file}: {e}") from None
+    if problem := misfit(args, target):
+        raise DrafterError(f"{folder}: EAGLE-3 drafter {problem}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"{folder}: no *.safetensors weights")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (ValueError, RuntimeError) as e:
+            raise DrafterError(f"{f}: unreadable ({e})") from None
+    module = Eagle3(args)
+    module.load(weights, embedding(target))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return Eagle3Drafter(module)
+
+
+def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
+    """What of an EAGLE-3 drafter does not fit ``target``, in words (None: it fits)."""
+    hidden, vocab = target_dims(target)
+    layers = len(inner_model(target).layers)
+    if args.target_hidden_size != hidden:
+        return f"reads hidden size {args.target_hidden_size}, but the target's is {hidden}"
+    if args.vocab_size != vocab:
+        return f"has vocabulary {args.vocab_size}, but the target's is {vocab}"
+    if len(args.taps) != 3:
+        return f"reads {len(args.taps)} target layers (EAGLE-3 fuses 3)"
+    if max(args.taps) >= layers:
+        return f"reads target layers {list(args.taps)}, but the target has {layers} layers"
+    return None
