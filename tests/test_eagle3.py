@@ -6,6 +6,7 @@ without it.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ def eagle3_folder(
     layer_ids=(1, 2, 3),
     norm_before_residual: bool = True,
     seed: int = 0,
+    vocab: int = VOCAB,
 ) -> Path:
     """A random EAGLE-3 drafter written as the speculators layout holds one on the Hub:
     ``config.json`` with ``transformer_layer_config``, tensors ``fc``, ``layers.0.*``
@@ -51,13 +53,13 @@ def eagle3_folder(
     def norm(n):
         return mx.array(rng.normal(1, 0.3, n).astype(np.float32))
 
-    kept = np.sort(rng.choice(VOCAB, DRAFT_VOCAB, replace=False))
-    t2d = np.zeros(VOCAB, bool)
+    kept = np.sort(rng.choice(vocab, DRAFT_VOCAB, replace=False))
+    t2d = np.zeros(vocab, bool)
     t2d[kept] = True
     p = "layers.0."
     tensors = {
         "fc.weight": w(hidden, 3 * target_hidden),
-        "embed_tokens.weight": w(VOCAB, hidden, scale=0.5),
+        "embed_tokens.weight": w(vocab, hidden, scale=0.5),
         "norm.weight": norm(hidden),
         "lm_head.weight": w(DRAFT_VOCAB, hidden, scale=0.3),
         "d2t": mx.array((kept - np.arange(DRAFT_VOCAB)).astype(np.int64)),
@@ -89,7 +91,7 @@ def eagle3_folder(
             "num_key_value_heads": kv_heads,
             "head_dim": dim,
             "rms_norm_eps": 1e-6,
-            "vocab_size": VOCAB,
+            "vocab_size": vocab,
             "rope_theta": 10000.0,
         },
         "speculators_config": {
@@ -287,3 +289,61 @@ def test_sampling_with_eagle3_keeps_the_targets_distribution(tmp_path, qwen3):
     observed = np.append(counts[keep], counts[~keep].sum())
     expected = np.append(probs[keep], probs[~keep].sum()) * runs
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_one_host_read_per_step_with_eagle3(tmp_path, qwen3, monkeypatch):
+    from redrafter_mlx.core import speculative as tree_step
+
+    drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), qwen3)
+    reads = []
+    real = tree_step.host_read
+    monkeypatch.setattr(tree_step, "host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    steps = list(itertools.islice(run_steps(qwen3, [5, 17, 33], drafter, BeamShape(3, 4)), 8))
+    assert len(reads) == len(steps)  # the prefill's read, then one per step
+
+
+def test_a_reused_prefix_leaves_the_drafter_as_a_fresh_prompt_does(tmp_path, qwen3):
+    """A second turn reuses the first's K/V: the drafter's part is rewound and caught up to
+    what feeding the whole conversation at once gives it (tree- and chain-computed target
+    states agree to float error)."""
+    from conftest import decoding_of, verifier_for
+
+    drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), qwen3)
+    verifier = verifier_for(qwen3, drafter)
+    decoding = decoding_of(drafter, BeamShape(3, 4))
+    sequence = verifier.new_sequence()
+    state, _ = verifier.prefill(sequence, [5, 17, 33, 2], decoding)
+    for _ in range(4):
+        state, _ = verifier.step(state)
+    turn = [*sequence.ids[:-2], 7, 8, 9]  # the next prompt shares all but the last 2 ids
+    reused, _ = sequence.reuse_prefix(turn)
+    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
+    fresh = verifier.new_sequence()
+    once, _ = verifier.prefill(fresh, turn, decoding)
+    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    assert (
+        (ours.length, ours.entries) == (theirs.length, theirs.entries) == (len(turn), len(turn) - 1)
+    )
+    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert again.pending == once.pending
+
+
+def test_generate_with_an_eagle3_folder_says_so_and_equals_autoregressive(tmp_path, capsys):
+    from conftest import shared_data
+    from families import model_folder
+
+    from redrafter_mlx.cli import main
+
+    model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    drafter = eagle3_folder(tmp_path / "eagle3", layer_ids=(1, 2, 2), vocab=vocab)
+    base = ["generate", "--model", str(model), "--prompt", "Hi there", "--max-tokens", "16"]
+    capsys.readouterr()
+    main([*base, "--autoregressive", "--json"])
+    want = json.loads(capsys.readouterr().out)
+    main([*base, "--drafter", str(drafter), "--beam-width", "3", "--beam-length", "4", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
+    main([*base, "--drafter", str(drafter), "--beam-width", "2", "--beam-length", "3"])
+    assert f"drafter: {drafter} (type EAGLE-3; --drafter, given)" in capsys.readouterr().err

@@ -106,6 +106,10 @@ class Eagle3Args:
         return tuple(max(i - 1, 0) for i in self.target_layer_ids)
 
     @property
+    def draft_vocab(self) -> int:
+        return self.draft_vocab_size
+
+    @property
     def own_head(self) -> bool:
         return not (self.tie_word_embeddings and self.draft_vocab_size == self.vocab_size)
 
@@ -340,6 +344,7 @@ class Eagle3Drafter:
 
     def __init__(self, module: Eagle3):
         self.module = module
+        self.drafter = module  # what width checks read (``args.draft_vocab``), as BeamDrafter's
         self.taps = module.args.taps
 
     def new_part(self) -> Eagle3Part:
