@@ -86,6 +86,12 @@ def new_part(drafter) -> Part | None:
     return None if make is None else make()
 
 
+def prunes(drafter) -> bool:
+    """Whether ``drafter``'s beams hold positions to prune (token -1 at log-prob -inf: a
+    best-first tree's beams end where their node does), so the step reads their log-probs."""
+    return bool(getattr(drafter, "prunes", False))
+
+
 def observe(drafter, sequence: Sequence, taps: dict, rows: mx.array) -> None:
     """Hand ``drafter`` a forward's tapped states of ``rows`` (nothing for a drafter without
     per-sequence state)."""

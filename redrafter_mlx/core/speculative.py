@@ -161,18 +161,20 @@ def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
         return (None, None), 0
     options = verifier.search_options(decoding.shape)
     beams, logprobs, syncs = drafting.draft(verifier.drafter, sequence, reading, options)
+    if not (decoding.shape.min_prob or drafting.prunes(verifier.drafter)):
+        logprobs = None  # nothing prunes the tree by them: the read leaves them out
     return (beams, logprobs), syncs
 
 
 def read_step(decoding: Decoding, values: mx.array, drafted: tuple, evaluated=()):
     """The step's one host read: ``values`` then the drafted beams flattened (int), plus the
-    drafted tokens' log-probs when the tree is pruned by them (None otherwise); ``evaluated``'s
-    arrays are evaluated with it and stay on the device."""
+    drafted tokens' log-probs when the tree is pruned by them (:func:`draft` leaves them None
+    otherwise); ``evaluated``'s arrays are evaluated with it and stay on the device."""
     beams, logprobs = drafted
     ints = values.astype(mx.int32)
     if beams is not None:
         ints = mx.concatenate([ints, beams.reshape(-1)])
-    if beams is None or not decoding.shape.min_prob:
+    if beams is None or logprobs is None:
         return host_read(ints, evaluated=evaluated), None
     return host_read(ints, logprobs, evaluated=evaluated)
 

@@ -1,8 +1,9 @@
-"""Drafters the field ships (EAGLE-3 so far), loaded from their published layouts.
+"""Drafters the field ships (EAGLE-3, DFlash), loaded from their published layouts.
 
 A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
 ``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
-and the folders mlx-vlm converts them into) is EAGLE-3; anything else is left to ReDrafter's
+and the folders mlx-vlm converts them into) is EAGLE-3; a ``dflash_config`` or a
+``DFlash*`` architecture (z-lab ``*-DFlash``) is DFlash; anything else is left to ReDrafter's
 loader. A drafter that does not fit its target is refused in one line naming what differs:
 hidden size, vocabulary, or the target layers it reads.
 """
@@ -15,12 +16,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
 from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import embedding, inner_model, target_dims
+from redrafter_mlx.core.llm import embedding, head_linear, inner_model, target_dims
 
 REDRAFTER = "redrafter"
+DFLASH = "dflash"
+KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", REDRAFTER: "ReDrafter"}
 
 
 def drafter_kind(folder: Path | str) -> str:
@@ -33,7 +37,64 @@ def drafter_kind(folder: Path | str) -> str:
     if not isinstance(config, dict):
         return REDRAFTER
     types = {config.get("speculators_model_type"), config.get("model_type")}
-    return EAGLE3 if EAGLE3 in types else REDRAFTER
+    if EAGLE3 in types:
+        return EAGLE3
+    architectures = config.get("architectures") or []
+    if "dflash_config" in config or any("DFlash" in str(a) for a in architectures):
+        return DFLASH
+    return REDRAFTER
+
+
+def load_any(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """The field drafter in ``folder`` by its type (:func:`drafter_kind`); None for a
+    ReDrafter drafter (loaded by ``core/drafter.py``)."""
+    kind = drafter_kind(folder)
+    if kind == EAGLE3:
+        return load_eagle3(folder, target, dtype)
+    if kind == DFLASH:
+        return load_dflash(folder, target, dtype)
+    return None
+
+
+def _weights(folder: Path) -> dict[str, mx.array]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"{folder}: no *.safetensors weights")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (ValueError, RuntimeError) as e:
+            raise DrafterError(f"{f}: unreadable ({e})") from None
+    return weights
+
+
+def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm folder,
+    checked against ``target``; its weights cast to ``dtype`` when given."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        args = DFlashArgs.from_dict(json.loads(config_file.read_text()))
+    except (OSError, ValueError) as e:
+        raise DrafterError(f"{config_file}: {e}") from None
+    hidden, vocab = target_dims(target)
+    layers = len(inner_model(target).layers)
+    problem = None
+    if args.hidden_size != hidden:
+        problem = f"has hidden size {args.hidden_size}, but the target's is {hidden}"
+    elif args.vocab_size != vocab or not 0 <= args.mask_token_id < vocab:
+        problem = f"has vocabulary {args.vocab_size}, but the target's is {vocab}"
+    elif max(args.target_layer_ids) >= layers:
+        problem = f"reads target layers {args.target_layer_ids}, but the target has {layers} layers"
+    if problem:
+        raise DrafterError(f"{folder}: DFlash drafter {problem}")
+    module = DFlash(args)
+    module.load(_weights(folder), embedding(target), lambda h: head_linear(target, h))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return DFlashDrafter(module)
 
 
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -48,17 +109,8 @@ def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
         raise DrafterError(f"{config_file}: {e}") from None
     if problem := misfit(args, target):
         raise DrafterError(f"{folder}: EAGLE-3 drafter {problem}")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DrafterError(f"{folder}: no *.safetensors weights")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except (ValueError, RuntimeError) as e:
-            raise DrafterError(f"{f}: unreadable ({e})") from None
     module = Eagle3(args)
-    module.load(weights, embedding(target))
+    module.load(_weights(folder), embedding(target))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())

@@ -17,6 +17,7 @@ from redrafter_mlx.backend.plan import build_verifier, plan_for
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.dflash import DFlashDrafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.eagle3 import Eagle3Drafter
@@ -28,7 +29,7 @@ from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
 from redrafter_mlx.io.embedded import default_model_path, is_embedded_model
-from redrafter_mlx.io.field_drafters import EAGLE3, drafter_kind, load_eagle3
+from redrafter_mlx.io.field_drafters import KIND_NAMES, drafter_kind, load_any
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.templates import apply_chat_template
 
@@ -43,7 +44,7 @@ class Runtime:
     model: nn.Module
     tokenizer: object
     config: dict
-    drafter: BeamDrafter | Eagle3Drafter | None
+    drafter: BeamDrafter | Eagle3Drafter | DFlashDrafter | None
     model_id: str
     drafter_id: str | None
     verifier: Verifier
@@ -123,10 +124,10 @@ def load_runtime(
 def _load_any_drafter(path, target, dtype, choice: DrafterChoice):
     """The drafter in ``path`` by the type its config names (io/field_drafters.py), and the
     choice's reason with that type said first for a type other than ReDrafter's."""
-    kind = drafter_kind(path)
-    if kind == EAGLE3:
-        reason = f"type EAGLE-3; {choice.reason}"
-        return load_eagle3(path, target, dtype), dataclasses.replace(choice, reason=reason)
+    field = load_any(path, target, dtype)
+    if field is not None:
+        reason = f"type {KIND_NAMES[drafter_kind(path)]}; {choice.reason}"
+        return field, dataclasses.replace(choice, reason=reason)
     return BeamDrafter(load_drafter(path, target, dtype), embedding(target)), choice
 
 
