@@ -240,3 +240,27 @@ def test_generate_with_a_dflash_folder_says_so(tmp_path, capsys):
     assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
     main([*base, "--drafter", str(folder), "--beam-width", "4", "--beam-length", "3"])
     assert f"drafter: {folder} (type DFlash; --drafter, given)" in capsys.readouterr().err
+
+
+def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
+    """dflash-mlx 0.1.8's drafter over the same prompt states (its cache-free call)."""
+    model = pytest.importorskip("dflash_mlx.model", reason="dflash-mlx 0.1.8 not installed")
+    from redrafter_mlx.core.llm import embedding, head_linear
+
+    folder = dflash_folder(tmp_path / "d")
+    config = json.loads((folder / "config.json").read_text())
+    ref = model.DFlashDraftModel(model.DFlashDraftModelArgs.from_dict(config))
+    ref.load_weights(list(mx.load(str(folder / "model.safetensors")).items()))
+    ours = load_dflash(folder, qwen3)
+    rng = np.random.default_rng(4)
+    prompt, bonus = [int(t) for t in rng.integers(0, 90, 9)], 31
+    states = [mx.array(rng.normal(0, 1, (9, HIDDEN)).astype(np.float32)) for _ in ours.taps]
+    block = mx.array([[bonus] + [96] * 5])
+    hidden = ref(
+        noise_embedding=embedding(qwen3)(block),
+        target_hidden=mx.concatenate(states, -1)[None],
+    )
+    expected = head_linear(qwen3, hidden[0, 1:])
+    sequence = fed(ours, states, prompt)
+    got = ours.logits(sequence, Reading.after_prompt(mx.zeros((HIDDEN,)), mx.array(bonus)))
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4)
