@@ -193,6 +193,10 @@ class DFlash(nn.Module):
         if own is not None:
             embed = nn.Embedding(*own.shape)
             embed.weight = own
+        self.bind(embed, head)
+
+    def bind(self, embed: nn.Module, head) -> None:
+        """Score with ``head`` (``hidden -> logits``) and embed with ``embed``: the target's."""
         self._target = (embed, head)
 
     def features(self, taps: list[mx.array]) -> mx.array:
