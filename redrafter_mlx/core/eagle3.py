@@ -193,6 +193,8 @@ class Eagle3(nn.Module):
     """The drafter's weights, by the speculators layout's names (``fc``, ``layers.{i}``,
     ``norm``, ``lm_head``, ``d2t``, optional ``embed_tokens`` and ``input_norm``)."""
 
+    shift = 1  # entry t (feature t, token t + 1) sits at drafter position t + 1
+
     def __init__(self, args: Eagle3Args):
         super().__init__()
         self.args = args
@@ -373,7 +375,7 @@ class Eagle3Drafter:
         tokens = mx.array(sequence.ids[start + 1 : stop + 1])[None]
         hidden = part.features[start:stop][None]
         mask = _causal(start, stop - start)
-        _, new = self.module.run(tokens, hidden, start + 1, part.cache, mask)
+        _, new = self.module.run(tokens, hidden, start + self.module.shift, part.cache, mask)
         part.append_entries(new, stop - start)
 
     def entries(self, sequence: Sequence, reading: Reading) -> tuple:
@@ -391,7 +393,11 @@ class Eagle3Drafter:
             part.cache = self._empty_cache()
         count = tokens.shape[0]
         out, new = self.module.run(
-            tokens[None], hidden[None], part.length, part.cache, _causal(part.entries, count)
+            tokens[None],
+            hidden[None],
+            part.entries + self.module.shift,
+            part.cache,
+            _causal(part.entries, count),
         )
         part.stage_entries(new)
         return out[0], new, reading.count
@@ -409,7 +415,7 @@ class Eagle3Drafter:
             for (k, v), (nk, nv) in zip(part.cache, new, strict=True)
         ]
         valid = mx.arange(prefix[0][0].shape[2]) <= part.entries + root  # entries after the
-        position = part.length + root  # root's belong to rows that were not accepted
+        position = part.entries + root + self.module.shift  # root's: rows not accepted
         beams, logprobs = self.search(
             outputs[root], reading.pending, prefix, valid, position, width=kept, length=length
         )
