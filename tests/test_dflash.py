@@ -269,3 +269,13 @@ def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
     sequence = fed(ours, states, prompt)
     got = ours.logits(sequence, Reading.after_prompt(mx.zeros((HIDDEN,)), mx.array(bonus)))
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4)
+
+
+def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3):
+    from conftest import decoding_of, verifier_for
+
+    drafter = load_dflash(dflash_folder(tmp_path / "d", block=6), qwen3)
+    verifier = verifier_for(qwen3, drafter)
+    verifier.check(decoding_of(drafter, BeamShape(4, 6)))
+    with pytest.raises(ValueError, match="beam length 7 exceeds the DFlash drafter's block size 6"):
+        verifier.check(decoding_of(drafter, BeamShape(4, 7)))

@@ -67,7 +67,8 @@ class Verifier:
 
     def check(self, decoding: Decoding) -> None:
         """ValueError when ``decoding`` cannot run here: a drafter mode without a drafter,
-        lookup alone without lookup beams, or more beams than draft tokens."""
+        lookup alone without lookup beams, more beams than draft tokens, or a shape the
+        drafter cannot draft (longer beams than a DFlash block)."""
         mode, shape = decoding.mode, decoding.shape
         if mode is Mode.REDRAFTER and self.drafter is None:
             raise ValueError("ReDrafter decoding needs a drafter")
@@ -75,6 +76,8 @@ class Verifier:
             raise ValueError("speculative decoding needs a drafter or lookup beams")
         if mode.drafted and isinstance(self.drafter, BeamDrafter):
             check_width(self.drafter.drafter, shape.searched)
+        if mode.drafted:
+            drafting.check_shape(self.drafter, shape)
 
     # -- prefill and steps
 

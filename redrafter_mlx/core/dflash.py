@@ -293,6 +293,15 @@ class DFlashDrafter:
         features = self.module.features([taps[i][rows] for i in self.taps])
         part.staged = self.module.context(features, part.length)
 
+    def check_shape(self, shape) -> None:
+        """ValueError when beams of ``shape`` are longer than the block drafts (the pending
+        token and ``block_size - 1`` marginals)."""
+        if shape.length > self.module.args.block_size:
+            raise ValueError(
+                f"beam length {shape.length} exceeds the DFlash drafter's block size "
+                f"{self.module.args.block_size}"
+            )
+
     def blank(self, count: int) -> list[tuple[mx.array, mx.array]]:
         args = self.module.args
         shape = (1, args.num_key_value_heads, count, args.head_dim)
@@ -322,10 +331,6 @@ class DFlashDrafter:
     def draft(self, sequence: Sequence, reading: Reading, *, width: int, length: int, **_):
         """``width`` beams of ``length`` from the best-first tree of ``width`` nodes: beam
         ``j`` is the path to the ``j``-th most probable node, then -1s (log-prob -inf)."""
-        if length > self.module.args.block_size:
-            raise ValueError(
-                f"beam length {length} exceeds the DFlash block size {self.module.args.block_size}"
-            )
         logprobs = log_softmax(self.logits(sequence, reading)[: length - 1].astype(mx.float32))
         beams, token_logprobs = best_first(logprobs, reading.pending, width)
         return beams, token_logprobs, 0

@@ -92,6 +92,13 @@ def prunes(drafter) -> bool:
     return bool(getattr(drafter, "prunes", False))
 
 
+def check_shape(drafter, shape) -> None:
+    """ValueError (one line) when ``drafter`` cannot draft beams of ``shape``."""
+    check = getattr(drafter, "check_shape", None)
+    if check is not None:
+        check(shape)
+
+
 def observe(drafter, sequence: Sequence, taps: dict, rows: mx.array) -> None:
     """Hand ``drafter`` a forward's tapped states of ``rows`` (nothing for a drafter without
     per-sequence state)."""

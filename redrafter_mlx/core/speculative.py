@@ -29,8 +29,9 @@ from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask
 @dataclass(frozen=True)
 class TreeState:
     """Between two speculative steps: the host's next token ``pending``, the beams drafted for
-    it ``drafted (W, L)`` (no rows without a drafter) and, when the shape's floor prunes the
-    tree, their drafted tokens' log-probs ``floor_logprobs (W, L - 1)`` (else None);
+    it ``drafted (W, L)`` (no rows without a drafter) and, when the tree is pruned by them (the
+    shape's floor, or a drafter whose beams end early: ``drafting.prunes``), their drafted
+    tokens' log-probs ``floor_logprobs (W, L - 1)`` (else None);
     ``version`` the sequence's when this state was made."""
 
     sequence: Sequence
@@ -57,7 +58,7 @@ def drafted_state(
     it)."""
     drafted, _ = draft(verifier, decoding, sequence, Reading.after_prompt(context, pending))
     evaluated = () if emitted is None else emitted.arrays()
-    read, floor_logprobs = read_step(decoding, pending[None], drafted, evaluated)
+    read, floor_logprobs = read_step(pending[None], drafted, evaluated)
     beams = _beams(decoding, read[1:])
     timer = timer or PhaseTimer()
     return TreeState(
@@ -85,7 +86,7 @@ def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
     )
     drafted, draft_syncs = draft(verifier, decoding, sequence, reading)
     chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-    read, floor_logprobs = read_step(decoding, chosen, drafted, emitted.arrays())
+    read, floor_logprobs = read_step(chosen, drafted, emitted.arrays())
     timer.mark("draft")
     best, num_accepted, next_token = (int(x) for x in read[:3])
     root_and_accepted = beams[best, : num_accepted + 1].tolist()
@@ -166,7 +167,7 @@ def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
     return (beams, logprobs), syncs
 
 
-def read_step(decoding: Decoding, values: mx.array, drafted: tuple, evaluated=()):
+def read_step(values: mx.array, drafted: tuple, evaluated=()):
     """The step's one host read: ``values`` then the drafted beams flattened (int), plus the
     drafted tokens' log-probs when the tree is pruned by them (:func:`draft` leaves them None
     otherwise); ``evaluated``'s arrays are evaluated with it and stay on the device."""
