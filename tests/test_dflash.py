@@ -279,3 +279,27 @@ def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3
     verifier.check(decoding_of(drafter, BeamShape(4, 6)))
     with pytest.raises(ValueError, match="beam length 7 exceeds the DFlash drafter's block size 6"):
         verifier.check(decoding_of(drafter, BeamShape(4, 7)))
+
+
+def test_a_reused_prefix_leaves_the_context_as_a_fresh_prompt_does(tmp_path, qwen3):
+    """A second turn rewinds the drafter's context with the sequence and feeds the rest: the
+    same context K/V as the whole conversation fed at once (to float error)."""
+    from conftest import decoding_of, verifier_for
+
+    drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
+    verifier = verifier_for(qwen3, drafter)
+    decoding = decoding_of(drafter, BeamShape(6, 4))
+    sequence = verifier.new_sequence()
+    state, _ = verifier.prefill(sequence, [5, 17, 33, 2], decoding)
+    for _ in range(4):
+        state, _ = verifier.step(state)
+    turn = [*sequence.ids[:-2], 7, 8, 9]
+    reused, _ = sequence.reuse_prefix(turn)
+    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
+    fresh = verifier.new_sequence()
+    once, _ = verifier.prefill(fresh, turn, decoding)
+    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    assert ours.length == theirs.length == len(turn)
+    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert (again.pending, again.drafted.tolist()) == (once.pending, once.drafted.tolist())

@@ -151,3 +151,30 @@ def test_greedy_with_mtp_equals_autoregressive(tmp_path, qwen3_5, shape):
     prompt = [5, 17, 33, 2, 41, 8]
     got = tokens_of(run_steps(qwen3_5, prompt, drafter, shape), 40)
     assert got == tokens_of(run_steps(qwen3_5, prompt), 40)
+
+
+def test_a_second_turn_drafts_as_a_fresh_prompt_does(tmp_path, qwen3_5):
+    """On the hybrid target a second turn rewinds to a snapshot of the recurrent layers and
+    the head's K/V with it: the same entries as the whole conversation fed at once."""
+    from conftest import decoding_of, verifier_for
+
+    drafter = load_mtp(original_folder(tmp_path / "o"), qwen3_5)
+    verifier = verifier_for(qwen3_5, drafter)
+    decoding = decoding_of(drafter, BeamShape(3, 4))
+    sequence = verifier.new_sequence()
+    prompt = [5, 17, 33, 2]
+    state, _ = verifier.prefill(sequence, prompt, decoding)
+    for _ in range(3):
+        state, _ = verifier.step(state)
+    turn = [*sequence.ids, 7, 8, 9]  # the next turn extends the conversation
+    reused, _ = sequence.reuse_prefix(turn)
+    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
+    fresh = verifier.new_sequence()
+    once, _ = verifier.prefill(fresh, turn, decoding)
+    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    assert (
+        (ours.length, ours.entries) == (theirs.length, theirs.entries) == (len(turn), len(turn) - 1)
+    )
+    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert again.pending == once.pending
