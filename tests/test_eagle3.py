@@ -352,3 +352,38 @@ def test_generate_with_an_eagle3_folder_says_so_and_equals_autoregressive(tmp_pa
     assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
     main([*base, "--drafter", str(drafter), "--beam-width", "2", "--beam-length", "3"])
     assert f"drafter: {drafter} (type EAGLE-3; --drafter, given)" in capsys.readouterr().err
+
+
+def test_sglang_midlayer_names_load_to_the_same_drafter(tmp_path, qwen3):
+    """SGLang and the original EAGLE-3 name the decoder layer ``midlayer``."""
+    folder = eagle3_folder(tmp_path / "speculators", layer_ids=(1, 2, 2))
+    sglang = tmp_path / "sglang"
+    sglang.mkdir()
+    weights = mx.load(str(folder / "model.safetensors"))
+    renamed = {k.replace("layers.0.", "midlayer."): v for k, v in weights.items()}
+    mx.save_safetensors(str(sglang / "model.safetensors"), renamed)
+    (sglang / "config.json").write_text((folder / "config.json").read_text())
+    a, b = load_eagle3(folder, qwen3), load_eagle3(sglang, qwen3)
+    for (name, x), (_, y) in zip(
+        tree_flatten(a.module.parameters()), tree_flatten(b.module.parameters()), strict=True
+    ):
+        assert mx.array_equal(x, y), name
+
+
+@pytest.mark.filterwarnings("ignore:MLX was imported before")  # tests import MLX first
+def test_the_python_api_loads_an_eagle3_folder(tmp_path):
+    from conftest import shared_data
+    from families import model_folder
+
+    from redrafter_mlx import generate, load
+
+    model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    drafter = eagle3_folder(tmp_path / "eagle3", layer_ids=(1, 2, 2), vocab=vocab)
+    target, tokenizer = load(str(model), drafter=str(drafter))
+    assert target.runtime.drafter.kind == "eagle3"
+    plain, _ = load(str(model), drafter="none")
+    prompt = "Hi there"
+    assert generate(target, tokenizer, prompt, max_tokens=12) == generate(
+        plain, tokenizer, prompt, max_tokens=12
+    )
