@@ -178,3 +178,32 @@ def test_a_second_turn_drafts_as_a_fresh_prompt_does(tmp_path, qwen3_5):
     for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
     assert again.pending == once.pending
+
+
+def test_sampling_with_mtp_keeps_the_targets_distribution(tmp_path, qwen3_5):
+    """As for EAGLE-3 and DFlash: 40 first drafts per step, chi-square against the target's
+    marginal of the second emitted token, on the hybrid."""
+    from scipy.stats import chisquare
+
+    from redrafter_mlx.core.accept import make_sampler
+
+    drafter = load_mtp(original_folder(tmp_path / "o"), qwen3_5)
+    vocab, prompt, runs, temp = 97, [5, 17, 33], 300, 0.3  # this target is near uniform at 1
+    first = np.array(mx.softmax(qwen3_5(mx.array([prompt]))[0, -1] / temp), np.float64)
+    pairs = mx.array([prompt + [t] for t in range(vocab)])
+    second = np.array(mx.softmax(qwen3_5(pairs)[:, -1] / temp, axis=-1), np.float64)
+    probs = first @ second
+    probs /= probs.sum()
+    counts, accepted = np.zeros(vocab), 0
+    for seed in range(runs):
+        mx.random.seed(seed)
+        steps = run_steps(qwen3_5, prompt, drafter, BeamShape(40, 2), make_sampler(temp))
+        next(steps)
+        step = next(steps)
+        counts[step.tokens[0]] += 1
+        accepted += len(step.tokens) > 1
+    assert accepted >= runs // 5
+    keep = probs * runs >= 5
+    assert keep.sum() >= 3  # the test tells tokens apart
+    observed = np.append(counts[keep], counts[~keep].sum())
+    assert chisquare(observed, np.append(probs[keep], probs[~keep].sum()) * runs).pvalue > 1e-3
