@@ -22,7 +22,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
-.PHONY: help setup preflight chat serve generate test test-fast bench autotune lint format clean
+.PHONY: help setup preflight chat serve generate test test-fast test-deps bench autotune lint format clean
 
 help:
 	@echo "redrafter-mlx: lossless speculative decoding (ReDrafter) with MLX"
@@ -35,6 +35,7 @@ help:
 	@echo "  make bench      speed against mlx-lm, same run, into bench-out/"
 	@echo "  make autotune   find and store the fastest beam shape for this chip"
 	@echo "  make test-fast  the tests without the slow end-to-end ones"
+	@echo "  make test-deps  the reference drafters (mlx-vlm, dflash-mlx) the drafter tests compare with"
 	@echo "  make lint       ruff and the layers contract;  make format: ruff format"
 	@echo "  make clean      remove .venv and build outputs"
 	@echo
@@ -101,6 +102,13 @@ EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests
 test: setup
 	$(RUN) $(PY) -m pytest -q $(ARGS)
 	$(if $(ARGS),,$(RUN) REDRAFTER_CPU_TUNING=0 $(PY) -m pytest -q $(EXACTNESS))
+
+# Test-only: the reference drafters our EAGLE-3 / DFlash / MTP are checked against
+# (tests/test_eagle3.py skips without them). --no-deps: mlx-vlm's own list is heavy; its drafter
+# modules need only requests besides what is installed.
+test-deps: setup
+	$(PY) -m pip install -q --no-deps mlx-vlm==0.7.10 dflash-mlx==0.1.8
+	$(PY) -m pip install -q requests
 
 test-fast: setup
 	$(RUN) $(PY) -m pytest -q -m "not slow" $(ARGS)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from redrafter_mlx.core import autoregressive, llm, speculative
+from redrafter_mlx.core import autoregressive, drafting, llm, speculative
 from redrafter_mlx.core.accept import Sampler, choose
 from redrafter_mlx.core.draft import BeamDrafter, check_width
 from redrafter_mlx.core.errors import Cancelled, ContextFull
@@ -45,7 +45,8 @@ class Verifier:
 
     ``forward`` is the target's verify forward (``llm.Forward`` or a plan's own, over a copy of
     the target: the caller's model is not changed); ``model`` is the model it runs. ``drafter``
-    is a :class:`BeamDrafter` or anything with its ``search`` method.
+    is a :class:`BeamDrafter`, a :class:`~redrafter_mlx.core.drafting.Source` (EAGLE-3 and
+    the others: taps, a part per sequence) or anything with a ``search`` method.
     """
 
     forward: llm.Forward
@@ -58,11 +59,16 @@ class Verifier:
         return self.forward.model
 
     def new_sequence(self) -> Sequence:
-        return llm.new_sequence(self.model)
+        sequence = llm.new_sequence(self.model)
+        part = drafting.new_part(self.drafter)
+        if part is not None:  # the drafter's own state, committed and rewound with it
+            sequence.parts.append(part)
+        return sequence
 
     def check(self, decoding: Decoding) -> None:
         """ValueError when ``decoding`` cannot run here: a drafter mode without a drafter,
-        lookup alone without lookup beams, or more beams than draft tokens."""
+        lookup alone without lookup beams, more beams than draft tokens, or a shape the
+        drafter cannot draft (longer beams than a DFlash block)."""
         mode, shape = decoding.mode, decoding.shape
         if mode is Mode.REDRAFTER and self.drafter is None:
             raise ValueError("ReDrafter decoding needs a drafter")
@@ -70,6 +76,8 @@ class Verifier:
             raise ValueError("speculative decoding needs a drafter or lookup beams")
         if mode.drafted and isinstance(self.drafter, BeamDrafter):
             check_width(self.drafter.drafter, shape.searched)
+        if mode.drafted:
+            drafting.check_shape(self.drafter, shape)
 
     # -- prefill and steps
 
@@ -145,13 +153,17 @@ class Verifier:
             raise ValueError("empty prompt: nothing to condition on")
         self.check_room(sequence, len(prompt) + 1)
         chunk_size = self.plan.prefill_chunk
+        taps = dict.fromkeys(drafting.taps_of(self.drafter))
         for start in range(0, len(prompt), chunk_size):
             if cancelled is not None and start and cancelled():
                 raise Cancelled("cancelled during the prompt")
             chunk = prompt[start : start + chunk_size]
             positions = mx.arange(sequence.offset, sequence.offset + len(chunk))
             # prompts have arbitrary lengths: uncompiled (fixed shapes are the decode steps')
-            hidden = self.forward(mx.array(chunk), positions, llm.CAUSAL, sequence, compiled=False)
+            hidden = self.forward(
+                mx.array(chunk), positions, llm.CAUSAL, sequence, compiled=False, taps=taps
+            )
+            drafting.observe(self.drafter, sequence, taps, mx.arange(len(chunk)))
             mx.eval(hidden, *sequence.arrays())  # bound the graph per chunk
             mx.clear_cache()  # a chunk's activations are large: give them back (as mlx-lm)
             sequence.commit(chunk)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from redrafter_mlx.core import drafting
 from redrafter_mlx.core.accept import accept
+from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.step import Decoding, Emitted, PhaseTimer, Step, emitted_logprobs, host_read
 from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask, verified_size
@@ -27,8 +29,9 @@ from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask
 @dataclass(frozen=True)
 class TreeState:
     """Between two speculative steps: the host's next token ``pending``, the beams drafted for
-    it ``drafted (W, L)`` (no rows without a drafter) and, when the shape's floor prunes the
-    tree, their drafted tokens' log-probs ``floor_logprobs (W, L - 1)`` (else None);
+    it ``drafted (W, L)`` (no rows without a drafter) and, when the tree is pruned by them (the
+    shape's floor, or a drafter whose beams end early: ``drafting.prunes``), their drafted
+    tokens' log-probs ``floor_logprobs (W, L - 1)`` (else None);
     ``version`` the sequence's when this state was made."""
 
     sequence: Sequence
@@ -50,11 +53,12 @@ def drafted_state(
     emitted: Emitted | None = None,
     timer: PhaseTimer | None = None,
 ) -> TreeState:
-    """The state of ``pending ()`` drafted from the hidden state ``context (H,)``, after one
-    host read (``emitted``'s arrays evaluated with it)."""
-    drafted, _ = draft(verifier, decoding, context, pending)
+    """The state of ``pending ()`` drafted from the hidden state ``context (H,)`` (after a
+    prompt: its rows are committed), after one host read (``emitted``'s arrays evaluated with
+    it)."""
+    drafted, _ = draft(verifier, decoding, sequence, Reading.after_prompt(context, pending))
     evaluated = () if emitted is None else emitted.arrays()
-    read, floor_logprobs = read_step(decoding, pending[None], drafted, evaluated)
+    read, floor_logprobs = read_step(pending[None], drafted, evaluated)
     beams = _beams(decoding, read[1:])
     timer = timer or PhaseTimer()
     return TreeState(
@@ -67,14 +71,22 @@ def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
     sequence, timer, decoding = state.sequence, state.timer, state.decoding
     timer.start()
     beams, tree, size = pack(verifier, state)
-    hidden, logits, result = verify(verifier, state, beams, tree)
+    hidden, taps, logits, result = verify(verifier, state, beams, tree)
     path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
     emitted = emitted_logprobs(decoding, logits[result.path], path_tokens)
+    drafting.observe(verifier.drafter, sequence, taps, result.path)
     sequence.stage(None if tree.paths_in_place else result.path, result.last_node)
     timer.mark("compact", *sequence.arrays())
-    drafted, draft_syncs = draft(verifier, decoding, hidden[result.last_node], result.next_token)
+    reading = Reading(
+        hidden[result.last_node],
+        result.next_token,
+        result.path,
+        mx.array(beams)[result.best],
+        result.num_accepted + 1,
+    )
+    drafted, draft_syncs = draft(verifier, decoding, sequence, reading)
     chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-    read, floor_logprobs = read_step(decoding, chosen, drafted, emitted.arrays())
+    read, floor_logprobs = read_step(chosen, drafted, emitted.arrays())
     timer.mark("draft")
     best, num_accepted, next_token = (int(x) for x in read[:3])
     root_and_accepted = beams[best, : num_accepted + 1].tolist()
@@ -118,14 +130,16 @@ def pack(verifier, state: TreeState) -> tuple[np.ndarray, Tree, int]:
 
 def verify(verifier, state: TreeState, beams: np.ndarray, tree: Tree):
     """One target forward over ``tree`` (K/V into the sequence's scratch) and the acceptance
-    of ``beams``, lazily -> ``(hidden (T, H), logits (T, V), Acceptance)``."""
+    of ``beams``, lazily -> ``(hidden (T, H), taps, logits (T, V), Acceptance)``; ``taps``: the
+    outputs ``(T, H)`` of the layers the drafter reads."""
     sequence, timer = state.sequence, state.timer
     mask = tree_mask(tree, sequence.offset)
     positions = mx.array(sequence.offset + tree.depths)
     timer.mark("pack", mask)
     compiled = verifier.compiles(tree.size, state.decoding)
+    taps = dict.fromkeys(drafting.taps_of(verifier.drafter))
     hidden = verifier.forward(
-        mx.array(tree.tokens), positions, mask, sequence, compiled=compiled, tree=tree
+        mx.array(tree.tokens), positions, mask, sequence, compiled=compiled, tree=tree, taps=taps
     )
     logits = verifier.forward.lm_head(hidden)
     timer.mark("verify", logits)
@@ -137,29 +151,31 @@ def verify(verifier, state: TreeState, beams: np.ndarray, tree: Tree):
         state.decoding.sampler,
     )
     timer.mark("accept", result.num_accepted, result.next_token)
-    return hidden, logits, result
+    return hidden, taps, logits, result
 
 
-def draft(verifier, decoding: Decoding, context: mx.array, token: mx.array):
-    """The drafter's beams ``(W, L)`` (and log-probs) of the decoding's shape from the hidden
-    state ``context (H,)`` and the pending ``token ()``, lazily, and the host reads the search
-    made; ``(None, None), 0`` without a drafter."""
+def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
+    """The drafter's beams ``(W, L)`` (and log-probs) of the decoding's shape from
+    ``reading`` (its pending token first), lazily, and the host reads the search made;
+    ``(None, None), 0`` without a drafter."""
     if not decoding.mode.drafted:
         return (None, None), 0
     options = verifier.search_options(decoding.shape)
-    beams, logprobs, syncs = verifier.drafter.search(context, token, **options)
+    beams, logprobs, syncs = drafting.draft(verifier.drafter, sequence, reading, options)
+    if not (decoding.shape.min_prob or drafting.prunes(verifier.drafter)):
+        logprobs = None  # nothing prunes the tree by them: the read leaves them out
     return (beams, logprobs), syncs
 
 
-def read_step(decoding: Decoding, values: mx.array, drafted: tuple, evaluated=()):
+def read_step(values: mx.array, drafted: tuple, evaluated=()):
     """The step's one host read: ``values`` then the drafted beams flattened (int), plus the
-    drafted tokens' log-probs when the tree is pruned by them (None otherwise); ``evaluated``'s
-    arrays are evaluated with it and stay on the device."""
+    drafted tokens' log-probs when the tree is pruned by them (:func:`draft` leaves them None
+    otherwise); ``evaluated``'s arrays are evaluated with it and stay on the device."""
     beams, logprobs = drafted
     ints = values.astype(mx.int32)
     if beams is not None:
         ints = mx.concatenate([ints, beams.reshape(-1)])
-    if beams is None or not decoding.shape.min_prob:
+    if beams is None or logprobs is None:
         return host_read(ints, evaluated=evaluated), None
     return host_read(ints, logprobs, evaluated=evaluated)
 

@@ -6,6 +6,7 @@ Library code: failures raise :mod:`redrafter_mlx.core.errors` exceptions with on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,10 @@ from redrafter_mlx.backend.plan import build_verifier, plan_for
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.dflash import DFlashDrafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
+from redrafter_mlx.core.eagle3 import Eagle3Drafter
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
 from redrafter_mlx.core.llm import compute_dtype, embedding
 from redrafter_mlx.core.mode import Mode
@@ -26,6 +29,7 @@ from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
 from redrafter_mlx.io.embedded import default_model_path, is_embedded_model
+from redrafter_mlx.io.field_drafters import KIND_NAMES, drafter_kind, load_any
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.templates import apply_chat_template
 
@@ -40,7 +44,7 @@ class Runtime:
     model: nn.Module
     tokenizer: object
     config: dict
-    drafter: BeamDrafter | None
+    drafter: BeamDrafter | Eagle3Drafter | DFlashDrafter | None
     model_id: str
     drafter_id: str | None
     verifier: Verifier
@@ -93,8 +97,7 @@ def load_runtime(
         beam_drafter = None
         if drafter_path is not None:
             dtype = None if plan.drafter_float32 else compute_dtype(target)
-            loaded = load_drafter(drafter_path, target, dtype)
-            beam_drafter = BeamDrafter(loaded, embedding(target))
+            beam_drafter, choice = _load_any_drafter(drafter_path, target, dtype, choice)
     except ReDrafterError:
         raise
     except (ValueError, OSError) as e:  # e.g. an unreadable file: one line, no traceback
@@ -117,6 +120,16 @@ def load_runtime(
         verifier,
         choice,
     )
+
+
+def _load_any_drafter(path, target, dtype, choice: DrafterChoice):
+    """The drafter in ``path`` by the type its config names (io/field_drafters.py), and the
+    choice's reason with that type said first for a type other than ReDrafter's."""
+    field = load_any(path, target, dtype)
+    if field is not None:
+        reason = f"type {KIND_NAMES[drafter_kind(path)]}; {choice.reason}"
+        return field, dataclasses.replace(choice, reason=reason)
+    return BeamDrafter(load_drafter(path, target, dtype), embedding(target)), choice
 
 
 def decoding(

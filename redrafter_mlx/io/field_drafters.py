@@ -1,0 +1,177 @@
+"""Drafters the field ships (EAGLE-3, DFlash, Qwen3.5 MTP heads), loaded from their layouts.
+
+A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
+``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
+and the folders mlx-vlm converts them into) is EAGLE-3; a ``dflash_config`` or a
+``DFlash*`` architecture (z-lab ``*-DFlash``) is DFlash; ``model_type`` ``qwen3_5_mtp``
+(mlx-vlm's split folder) or a config declaring ``mtp_num_hidden_layers`` (an original Qwen3.5
+checkpoint, its ``mtp.*`` tensors) is a native MTP head; anything else is left to ReDrafter's
+loader. A drafter that does not fit its target is refused in one line naming what differs:
+hidden size, vocabulary, or the target layers it reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.qwen3_5 import TextModelArgs
+
+from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
+from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
+from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
+from redrafter_mlx.core.errors import DrafterError
+from redrafter_mlx.core.llm import embedding, head_linear, inner_model, lm_head, target_dims
+from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
+from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
+
+REDRAFTER = "redrafter"
+DFLASH = "dflash"
+MTP = "mtp"
+KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter"}
+
+
+def drafter_kind(folder: Path | str) -> str:
+    """The type of the drafter in ``folder``: ``"eagle3"`` or ``"redrafter"`` (what every
+    other config is left to)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return REDRAFTER
+    if not isinstance(config, dict):
+        return REDRAFTER
+    types = {config.get("speculators_model_type"), config.get("model_type")}
+    if EAGLE3 in types:
+        return EAGLE3
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if MTP_MODEL_TYPE in types or (text.get("mtp_num_hidden_layers") or 0) > 0:
+        return MTP  # mlx-vlm's split folder, or a Qwen3.5 checkpoint with its MTP head
+    architectures = config.get("architectures") or []
+    if "dflash_config" in config or any("DFlash" in str(a) for a in architectures):
+        return DFLASH
+    return REDRAFTER
+
+
+def load_any(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """The field drafter in ``folder`` by its type (:func:`drafter_kind`); None for a
+    ReDrafter drafter (loaded by ``core/drafter.py``)."""
+    kind = drafter_kind(folder)
+    if kind == EAGLE3:
+        return load_eagle3(folder, target, dtype)
+    if kind == DFLASH:
+        return load_dflash(folder, target, dtype)
+    if kind == MTP:
+        return load_mtp(folder, target, dtype)
+    return None
+
+
+def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """An :class:`~redrafter_mlx.core.mtp.MTPDrafter` from a Qwen3.5 checkpoint's ``mtp.*``
+    tensors or mlx-vlm's split ``qwen3_5_mtp`` folder, checked against ``target``."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        text = config.get("text_config") or config
+        args = TextModelArgs.from_dict(text)
+        depth = int(text.get("mtp_num_hidden_layers", 1))
+    except (OSError, ValueError, TypeError) as e:
+        raise DrafterError(f"{config_file}: not a Qwen3.5 MTP config ({e})") from None
+    hidden, vocab = target_dims(target)
+    if args.num_experts:
+        raise DrafterError(f"{folder}: MoE MTP heads (Qwen3.5 MoE) are not supported yet")
+    if args.hidden_size != hidden:
+        raise DrafterError(
+            f"{folder}: MTP head has hidden size {args.hidden_size}, but the target's is {hidden}"
+        )
+    if args.vocab_size != vocab:
+        raise DrafterError(
+            f"{folder}: MTP head has vocabulary {args.vocab_size}, but the target's is {vocab}"
+        )
+    weights = {k[k.index("mtp.") :] if "mtp." in k else k: v for k, v in _weights(folder).items()}
+    module = MTPHead(args, depth)
+    module.load(weights)
+    inner = inner_model(target)
+    module.bind(embedding(target), inner.norm, lambda h: lm_head(target, h))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return MTPDrafter(module, len(inner.layers) - 1)
+
+
+def _weights(folder: Path) -> dict[str, mx.array]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"{folder}: no *.safetensors weights")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (ValueError, RuntimeError) as e:
+            raise DrafterError(f"{f}: unreadable ({e})") from None
+    return weights
+
+
+def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm folder,
+    checked against ``target``; its weights cast to ``dtype`` when given."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        args = DFlashArgs.from_dict(json.loads(config_file.read_text()))
+    except (OSError, ValueError) as e:
+        raise DrafterError(f"{config_file}: {e}") from None
+    hidden, vocab = target_dims(target)
+    layers = len(inner_model(target).layers)
+    problem = None
+    if args.hidden_size != hidden:
+        problem = f"has hidden size {args.hidden_size}, but the target's is {hidden}"
+    elif args.vocab_size != vocab or not 0 <= args.mask_token_id < vocab:
+        problem = f"has vocabulary {args.vocab_size}, but the target's is {vocab}"
+    elif max(args.target_layer_ids) >= layers:
+        problem = f"reads target layers {args.target_layer_ids}, but the target has {layers} layers"
+    if problem:
+        raise DrafterError(f"{folder}: DFlash drafter {problem}")
+    module = DFlash(args)
+    module.load(_weights(folder), embedding(target), lambda h: head_linear(target, h))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return DFlashDrafter(module)
+
+
+def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """An :class:`~redrafter_mlx.core.eagle3.Eagle3Drafter` from a speculators / SGLang /
+    mlx-vlm folder, checked against ``target``; its weights cast to ``dtype`` when given."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    layers = len(inner_model(target).layers)
+    try:
+        args = Eagle3Args.from_dict(json.loads(config_file.read_text()), target_layers=layers)
+    except (OSError, ValueError) as e:
+        raise DrafterError(f"{config_file}: {e}") from None
+    if problem := misfit(args, target):
+        raise DrafterError(f"{folder}: EAGLE-3 drafter {problem}")
+    module = Eagle3(args)
+    module.load(_weights(folder), embedding(target))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return Eagle3Drafter(module)
+
+
+def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
+    """What of an EAGLE-3 drafter does not fit ``target``, in words (None: it fits)."""
+    hidden, vocab = target_dims(target)
+    layers = len(inner_model(target).layers)
+    if args.target_hidden_size != hidden:
+        return f"reads hidden size {args.target_hidden_size}, but the target's is {hidden}"
+    if args.vocab_size != vocab:
+        return f"has vocabulary {args.vocab_size}, but the target's is {vocab}"
+    if len(args.taps) != 3:
+        return f"reads {len(args.taps)} target layers (EAGLE-3 fuses 3)"
+    if max(args.taps) >= layers:
+        return f"reads target layers {list(args.taps)}, but the target has {layers} layers"
+    return None

@@ -1,0 +1,306 @@
+"""DFlash drafters: mlx-vlm's marginals, DDTree's best-first tree, exact decoding.
+
+The reference tests need mlx-vlm 0.7.10 (`make test-deps`); they skip without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import run_steps
+from families import build
+
+from redrafter_mlx.core.dflash import best_first
+from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.errors import DrafterError
+from redrafter_mlx.core.sequence import Sequence
+from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.io.field_drafters import drafter_kind, load_dflash
+
+VOCAB, HIDDEN = 97, 64
+
+
+def dflash_folder(
+    out: Path, *, hidden=HIDDEN, layer_ids=(0, 1), block=6, mask=96, layers=2, seed=0
+) -> Path:
+    """A random DFlash drafter as z-lab's repositories hold one: ``config.json`` with
+    ``dflash_config`` (``mask_token_id``, ``target_layer_ids``) and ``block_size``; tensors
+    ``fc`` (``len(ids) * H -> H``), ``hidden_norm``, ``layers.{i}`` (Qwen3 attention with
+    ``q_norm``/``k_norm``, a gated MLP), ``norm``; no embedding or head (the target's)."""
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim, inter = 4, 2, 16, 96
+
+    def w(*shape, scale=0.15):
+        return mx.array(rng.normal(0, scale, shape).astype(np.float32))
+
+    def norm(n):
+        return mx.array(rng.normal(1, 0.3, n).astype(np.float32))
+
+    tensors = {"fc.weight": w(hidden, len(layer_ids) * hidden), "hidden_norm.weight": norm(hidden)}
+    tensors["norm.weight"] = norm(hidden)
+    for i in range(layers):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": norm(hidden),
+            p + "post_attention_layernorm.weight": norm(hidden),
+            p + "self_attn.q_proj.weight": w(heads * dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * dim),
+            p + "self_attn.q_norm.weight": norm(dim),
+            p + "self_attn.k_norm.weight": norm(dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+        }
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": dim,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "block_size": block,
+        "num_target_layers": 2,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": list(layer_ids)},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), tensors)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return build("qwen3")
+
+
+def reference(folder: Path, target):
+    dflash = pytest.importorskip(
+        "mlx_vlm.speculative.drafters.qwen3_dflash", reason="mlx-vlm 0.7.10 not installed"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    model = dflash.Model(dflash.ModelConfig.from_dict(config))
+    weights = mx.load(str(folder / "model.safetensors"))
+    model.load_weights(list(model.sanitize(weights).items()))
+    mx.eval(model.parameters())
+    return model, model.reset(target)
+
+
+def fed(drafter, states, tokens):
+    sequence = Sequence(1, mx.float32)
+    sequence.parts.append(drafter.new_part())
+    drafter.observe(sequence, dict(zip(drafter.taps, states, strict=True)), mx.arange(len(tokens)))
+    sequence.commit(tokens)
+    return sequence
+
+
+def test_marginals_equal_mlx_vlms_over_two_rounds(tmp_path, qwen3):
+    folder = dflash_folder(tmp_path / "d")
+    ref, cache = reference(folder, qwen3)
+    ours = load_dflash(folder, qwen3)
+    rng = np.random.default_rng(1)
+
+    def states(n):
+        return [mx.array(rng.normal(0, 1, (n, HIDDEN)).astype(np.float32)) for _ in ours.taps]
+
+    prompt, bonus, block = [int(t) for t in rng.integers(0, 90, 7)], 11, 6
+    first = states(len(prompt))
+    expected = ref(mx.array([[bonus] + [96] * (block - 1)]), mx.concatenate(first, -1)[None], cache)
+    sequence = fed(ours, first, prompt)
+    got = ours.logits(sequence, Reading.after_prompt(mx.zeros((HIDDEN,)), mx.array(bonus)))
+    np.testing.assert_allclose(np.array(got), np.array(expected[0, 1:]), atol=1e-4)
+
+    # a step verifies [bonus, d1..d4]; 2 drafts accepted: the context grows by 3 rows
+    verify, accepted, next_token = states(block - 1), 2, 23
+    ours.observe(sequence, dict(zip(ours.taps, verify, strict=True)), mx.arange(block - 1))
+    path_tokens = mx.array([bonus, 40, 41, 42, 43])
+    step = Reading(
+        mx.zeros((HIDDEN,)), mx.array(next_token), mx.arange(5), path_tokens, mx.array(3)
+    )
+    got = ours.logits(sequence, step)
+    rows = mx.concatenate(verify, -1)[None, : accepted + 1]
+    expected = ref(mx.array([[next_token] + [96] * (block - 1)]), rows, cache)
+    np.testing.assert_allclose(np.array(got), np.array(expected[0, 1:]), atol=1e-4)
+    sequence.commit([bonus, 40, 41])
+    again = ours.logits(sequence, Reading.after_prompt(mx.zeros((HIDDEN,)), mx.array(23)))
+    np.testing.assert_allclose(np.array(again), np.array(got), atol=1e-5)
+
+
+def test_best_first_tree_is_ddtrees(tmp_path):
+    ddtree = pytest.importorskip("mlx_vlm.speculative.ddtree", reason="mlx-vlm not installed")
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(0, 2, (5, VOCAB)).astype(np.float32))
+    for budget in (1, 4, 9, 16):
+        nodes = ddtree.build_ddtree(logits[None], budget, slot_offset=0)
+        want = {node.token_ids for node in nodes}
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        beams, token_logprobs = best_first(logprobs, mx.array(7), budget)
+        got = {tuple(t for t in row[1:] if t >= 0) for row in beams.tolist()}
+        assert got == want
+        finite = np.isfinite(np.array(token_logprobs))
+        assert (finite == (np.array(beams[:, 1:]) >= 0)).all()
+
+
+def test_a_dflash_drafter_for_another_target_is_refused_in_one_line(tmp_path, qwen3):
+    assert drafter_kind(dflash_folder(tmp_path / "ok")) == "dflash"
+    with pytest.raises(DrafterError, match=r"reads target layers \[0, 5\], but the target has 2"):
+        load_dflash(dflash_folder(tmp_path / "deep", layer_ids=(0, 5)), qwen3)
+    with pytest.raises(DrafterError, match="has hidden size 32, but the target's is 64"):
+        load_dflash(dflash_folder(tmp_path / "narrow", hidden=32), qwen3)
+
+
+def tokens_of(steps, n):
+    out = []
+    for step in steps:
+        out += step.tokens
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize(
+    "shape", [BeamShape(1, 4), BeamShape(6, 5), BeamShape(8, 6, lookup=1)], ids=str
+)
+def test_greedy_with_dflash_equals_autoregressive(tmp_path, family, shape):
+    target = build(family)
+    drafter = load_dflash(dflash_folder(tmp_path / "d"), target)
+    prompt = [5, 17, 33, 2, 41, 8]
+    assert tokens_of(run_steps(target, prompt, drafter, shape), 40) == tokens_of(
+        run_steps(target, prompt), 40
+    )
+
+
+def test_one_host_read_per_step_with_dflash(tmp_path, qwen3, monkeypatch):
+    from redrafter_mlx.core import speculative as tree_step
+
+    drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
+    reads = []
+    real = tree_step.host_read
+    monkeypatch.setattr(tree_step, "host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    steps = list(itertools.islice(run_steps(qwen3, [5, 17, 33], drafter, BeamShape(6, 5)), 8))
+    assert len(reads) == len(steps)
+    assert all(step.tree_size <= 1 + 6 for step in steps[1:])  # the best-first tree's nodes
+
+
+def test_sampling_with_dflash_keeps_the_targets_distribution(tmp_path, qwen3):
+    from scipy.stats import chisquare
+
+    from redrafter_mlx.core.accept import make_sampler
+
+    drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
+    prompt, runs = [5, 17, 33], 300
+    first = np.array(mx.softmax(qwen3(mx.array([prompt]))[0, -1]), np.float64)
+    second = np.array(
+        mx.softmax(qwen3(mx.array([prompt + [t] for t in range(VOCAB)]))[:, -1], axis=-1),
+        np.float64,
+    )
+    probs = first @ second
+    probs /= probs.sum()
+    counts, accepted = np.zeros(VOCAB), 0
+    for seed in range(runs):
+        mx.random.seed(seed)
+        # 40 beams of one draft: 40 distinct first drafts, so many steps accept one
+        steps = run_steps(qwen3, prompt, drafter, BeamShape(40, 2), make_sampler(1.0))
+        next(steps)
+        step = next(steps)
+        counts[step.tokens[0]] += 1
+        accepted += len(step.tokens) > 1
+    assert accepted >= runs // 5  # the drafts were tested, not just the target's own draws
+    keep = probs * runs >= 5
+    assert keep.sum() >= 3  # the test tells tokens apart
+    observed = np.append(counts[keep], counts[~keep].sum())
+    assert chisquare(observed, np.append(probs[keep], probs[~keep].sum()) * runs).pvalue > 1e-3
+
+
+def test_generate_with_a_dflash_folder_says_so(tmp_path, capsys):
+    from conftest import shared_data
+    from families import model_folder
+
+    from redrafter_mlx.cli import main
+
+    model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    folder = dflash_folder(tmp_path / "dflash", mask=vocab - 1)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    base = ["generate", "--model", str(model), "--prompt", "Hi there", "--max-tokens", "16"]
+    capsys.readouterr()
+    main([*base, "--autoregressive", "--json"])
+    want = json.loads(capsys.readouterr().out)
+    main([*base, "--drafter", str(folder), "--beam-width", "6", "--beam-length", "4", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
+    main([*base, "--drafter", str(folder), "--beam-width", "4", "--beam-length", "3"])
+    assert f"drafter: {folder} (type DFlash; --drafter, given)" in capsys.readouterr().err
+
+
+def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
+    """dflash-mlx 0.1.8's drafter over the same prompt states (its cache-free call)."""
+    model = pytest.importorskip("dflash_mlx.model", reason="dflash-mlx 0.1.8 not installed")
+    from redrafter_mlx.core.llm import embedding, head_linear
+
+    folder = dflash_folder(tmp_path / "d")
+    config = json.loads((folder / "config.json").read_text())
+    ref = model.DFlashDraftModel(model.DFlashDraftModelArgs.from_dict(config))
+    ref.load_weights(list(mx.load(str(folder / "model.safetensors")).items()))
+    ours = load_dflash(folder, qwen3)
+    rng = np.random.default_rng(4)
+    prompt, bonus = [int(t) for t in rng.integers(0, 90, 9)], 31
+    states = [mx.array(rng.normal(0, 1, (9, HIDDEN)).astype(np.float32)) for _ in ours.taps]
+    block = mx.array([[bonus] + [96] * 5])
+    hidden = ref(
+        noise_embedding=embedding(qwen3)(block),
+        target_hidden=mx.concatenate(states, -1)[None],
+    )
+    expected = head_linear(qwen3, hidden[0, 1:])
+    sequence = fed(ours, states, prompt)
+    got = ours.logits(sequence, Reading.after_prompt(mx.zeros((HIDDEN,)), mx.array(bonus)))
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4)
+
+
+def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3):
+    from conftest import decoding_of, verifier_for
+
+    drafter = load_dflash(dflash_folder(tmp_path / "d", block=6), qwen3)
+    verifier = verifier_for(qwen3, drafter)
+    verifier.check(decoding_of(drafter, BeamShape(4, 6)))
+    with pytest.raises(ValueError, match="beam length 7 exceeds the DFlash drafter's block size 6"):
+        verifier.check(decoding_of(drafter, BeamShape(4, 7)))
+
+
+def test_a_reused_prefix_leaves_the_context_as_a_fresh_prompt_does(tmp_path, qwen3):
+    """A second turn rewinds the drafter's context with the sequence and feeds the rest: the
+    same context K/V as the whole conversation fed at once (to float error)."""
+    from conftest import decoding_of, verifier_for
+
+    drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
+    verifier = verifier_for(qwen3, drafter)
+    decoding = decoding_of(drafter, BeamShape(6, 4))
+    sequence = verifier.new_sequence()
+    state, _ = verifier.prefill(sequence, [5, 17, 33, 2], decoding)
+    for _ in range(4):
+        state, _ = verifier.step(state)
+    turn = [*sequence.ids[:-2], 7, 8, 9]
+    reused, _ = sequence.reuse_prefix(turn)
+    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
+    fresh = verifier.new_sequence()
+    once, _ = verifier.prefill(fresh, turn, decoding)
+    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    assert ours.length == theirs.length == len(turn)
+    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert (again.pending, again.drafted.tolist()) == (once.pending, once.drafted.tolist())
