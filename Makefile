@@ -97,9 +97,10 @@ generate: setup
 # The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
 # specialisation: REDRAFTER_CPU_TUNING=0); `make test ARGS=...` runs only what ARGS names.
 EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
-	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py
+	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py tests/test_sequence.py \
+	tests/test_eagle3.py tests/test_dflash.py tests/test_mtp.py
 
-test: setup
+test: setup test-deps
 	$(RUN) $(PY) -m pytest -q $(ARGS)
 	$(if $(ARGS),,$(RUN) REDRAFTER_CPU_TUNING=0 $(PY) -m pytest -q $(EXACTNESS))
 

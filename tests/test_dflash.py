@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_steps
-from families import build
+from support import run_steps
+from support.families import build
 
 from redrafter_mlx.core.dflash import best_first
 from redrafter_mlx.core.drafting import Reading
@@ -227,8 +227,8 @@ def test_sampling_with_dflash_keeps_the_targets_distribution(tmp_path, qwen3):
 
 
 def test_generate_with_a_dflash_folder_says_so(tmp_path, capsys):
-    from conftest import shared_data
-    from families import model_folder
+    from support import shared_data
+    from support.families import model_folder
 
     from redrafter_mlx.cli import main
 
@@ -273,7 +273,7 @@ def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
 
 
 def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3):
-    from conftest import decoding_of, verifier_for
+    from support import decoding_of, verifier_for
 
     drafter = load_dflash(dflash_folder(tmp_path / "d", block=6), qwen3)
     verifier = verifier_for(qwen3, drafter)
@@ -285,7 +285,7 @@ def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3
 def test_a_reused_prefix_leaves_the_context_as_a_fresh_prompt_does(tmp_path, qwen3):
     """A second turn rewinds the drafter's context with the sequence and feeds the rest: the
     same context K/V as the whole conversation fed at once (to float error)."""
-    from conftest import decoding_of, verifier_for
+    from support import decoding_of, verifier_for
 
     drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
     verifier = verifier_for(qwen3, drafter)

@@ -15,9 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import run_steps
-from families import build
 from mlx.utils import tree_flatten
+from support import run_steps
+from support.families import build
 
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.drafting import Reading
@@ -312,7 +312,7 @@ def test_a_reused_prefix_leaves_the_drafter_as_a_fresh_prompt_does(tmp_path, qwe
     """A second turn reuses the first's K/V: the drafter's part is rewound and caught up to
     what feeding the whole conversation at once gives it (tree- and chain-computed target
     states agree to float error)."""
-    from conftest import decoding_of, verifier_for
+    from support import decoding_of, verifier_for
 
     drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), qwen3)
     verifier = verifier_for(qwen3, drafter)
@@ -336,8 +336,8 @@ def test_a_reused_prefix_leaves_the_drafter_as_a_fresh_prompt_does(tmp_path, qwe
 
 
 def test_generate_with_an_eagle3_folder_says_so_and_equals_autoregressive(tmp_path, capsys):
-    from conftest import shared_data
-    from families import model_folder
+    from support import shared_data
+    from support.families import model_folder
 
     from redrafter_mlx.cli import main
 
@@ -373,8 +373,8 @@ def test_sglang_midlayer_names_load_to_the_same_drafter(tmp_path, qwen3):
 
 @pytest.mark.filterwarnings("ignore:MLX was imported before")  # tests import MLX first
 def test_the_python_api_loads_an_eagle3_folder(tmp_path):
-    from conftest import shared_data
-    from families import model_folder
+    from support import shared_data
+    from support.families import model_folder
 
     from redrafter_mlx import generate, load
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_steps
-from families import build, config
+from support import run_steps
+from support.families import build, config
 
 from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.errors import DrafterError
@@ -156,7 +156,7 @@ def test_greedy_with_mtp_equals_autoregressive(tmp_path, qwen3_5, shape):
 def test_a_second_turn_drafts_as_a_fresh_prompt_does(tmp_path, qwen3_5):
     """On the hybrid target a second turn rewinds to a snapshot of the recurrent layers and
     the head's K/V with it: the same entries as the whole conversation fed at once."""
-    from conftest import decoding_of, verifier_for
+    from support import decoding_of, verifier_for
 
     drafter = load_mtp(original_folder(tmp_path / "o"), qwen3_5)
     verifier = verifier_for(qwen3_5, drafter)
