@@ -1,5 +1,5 @@
 """core/prompt_cache.py: several conversations' sessions for one server. A request gets the
-session whose cached tokens it extends (the one sharing most), else a new one while there is
+session whose last prompt it extends (the one sharing most), else a new one while there is
 room, else the least recently used one; byte bounds drop the least recently used first."""
 
 from __future__ import annotations
@@ -35,35 +35,43 @@ def test_a_request_extending_a_conversation_gets_its_session_back(new_session):
     cache = PromptCache(new_session, max_sessions=4)
     a, b = turn(cache, A), turn(cache, B)
     assert a is not b and cache.sessions == [a, b]  # most recent last
-    assert cache.take(a.cache.ids + [10, 11]) is a
+    assert cache.take([*a.sequence.ids, 10, 11]) is a
     assert cache.sessions == [b, a]
 
 
 def test_a_resent_history_may_end_differently_but_only_in_its_last_tokens(new_session):
-    """A chat template may spell the end of the last answer differently from how it was
-    generated: up to TAIL cached tokens may differ, not more."""
+    """A client resends the answer as text, which need not tokenize back into the tokens
+    generated, and a template may end the prompt differently: a request extends a session
+    when it begins with that session's last prompt but for at most TAIL tokens (and at most
+    half of it), whatever follows."""
     cache = PromptCache(new_session, max_sessions=4)
-    a = turn(cache, A, max_tokens=12)
-    cached = a.cache.ids
-    assert len(cached) > TAIL + 1
-    assert cache.take(cached[:-TAIL] + [60, 61]) is a
-    other = cache.take(cached[: -TAIL - 1] + [60, 61])
+    prompt = [5 + i % 40 for i in range(3 * TAIL)]
+    a = turn(cache, prompt)
+    assert cache.take([*prompt[:-TAIL], 60, 61]) is a  # the answer and the tail spelled anew
+    other = cache.take([*prompt[: -TAIL - 1], 60, 61])
     assert other is not a and len(cache.sessions) == 2
 
 
-def test_of_the_conversations_a_request_extends_the_one_sharing_most_is_taken(new_session):
-    """Whichever of them was used last."""
-    short, long = new_session(), new_session()
-    for _ in short.generate(A, max_tokens=4):
+def test_a_short_prompt_is_not_extended_by_a_shared_first_token(new_session):
+    cache = PromptCache(new_session, max_sessions=4)
+    a = turn(cache, A)
+    assert cache.take([A[0], 60, 61, 62]) is not a  # more than half of A differs
+
+
+def test_of_the_conversations_a_request_extends_the_one_sharing_most_is_taken(new_session, target):
+    """Two conversations whose last prompts a request both begins with: the longer one
+    shared is taken, whichever was used last."""
+    scratch = new_session()
+    for _ in scratch.generate(A, max_tokens=4):
         pass
-    for _ in long.generate(short.cache.ids + B + B, max_tokens=4):  # 12 more than ``short``
-        pass
-    made = iter([short, long])
-    cache = PromptCache(lambda: next(made), max_sessions=4)
-    assert cache.take([1]) is short and cache.take([2]) is long  # new sessions, as made
-    assert cache.take(short.cache.ids + [60]) is short  # extends only ``short``: now recent
-    assert cache.take(long.cache.ids + [60]) is long  # not the more recent ``short``
-    assert cache.take(long.cache.ids + [61]) is long  # nor the less recent one
+    short_ids = list(scratch.sequence.ids)  # what a conversation of prompt A caches
+    cache = PromptCache(new_session, max_sessions=4)
+    long = turn(cache, short_ids + B + B, max_tokens=4)
+    short = turn(cache, A, max_tokens=4)  # begins with no session's last prompt: a new one
+    assert short is not long and list(short.sequence.ids) == short_ids
+    assert cache.take([*long.sequence.ids, 60]) is long  # extends both: shares most with long
+    assert cache.take([*short.sequence.ids, 60]) is short  # extends only short
+    assert cache.take([*long.sequence.ids, 61]) is long  # not the more recent short
 
 
 def test_without_room_the_least_recently_used_session_answers_from_what_it_shares(
@@ -71,7 +79,7 @@ def test_without_room_the_least_recently_used_session_answers_from_what_it_share
 ):
     cache = PromptCache(new_session, max_sessions=2)
     a, b = turn(cache, A), turn(cache, B)
-    turn(cache, a.cache.ids + [10])  # ``a`` used again: ``b`` is the least recent
+    turn(cache, [*a.sequence.ids, 10])  # ``a`` used again: ``b`` is the least recent
     c = B[:3] + [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # shares B's first 3, extends none
     got = cache.take(c)
     assert got is b and cache.sessions == [a, b]
