@@ -141,24 +141,85 @@ def _after_attention(
 
 
 def attention(queries, keys, values, scale: float, mask: mx.array | None, grouped: bool):
-    """Queries (1, heads, T, D), keys/values (1, kv_heads, S, D), mask (T, S) -> (1, heads, T, D).
+    """Queries (1, heads, T, D), keys/values (1, kv_heads, S + T, D), mask (T, S + T) ->
+    (1, heads, T, D). The new tokens are the last T keys; every query sees all S cached ones.
 
-    ``grouped``: each K/V head's query group runs as one matmul (heads grouped as rows), which
-    costs less than ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend;
-    otherwise that fused kernel.
+    ``grouped``: :func:`split_attention` (each K/V head's query group as one matmul, the cached
+    prefix unmasked, its exponentials by :func:`exp2`), which costs less than
+    ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend; otherwise that
+    fused kernel.
     """
     if not grouped:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return split_attention(queries, keys, values, scale, mask)
+
+
+def split_attention(queries, keys, values, scale: float, mask: mx.array | None) -> mx.array:
+    """Attention as two blocks sharing one softmax: the S cached keys, which every query sees
+    (no mask: nothing of size T x S is built or selected), and the T new ones under the mask's
+    (T, T) block; their exponentials against one running max, summed, and the output divided
+    once by the total (exact: the softmax's own arithmetic, split by columns).
+
+    On the CPU backend ``mx.exp`` runs about 12 ns an element (scalar), and a tree of T nodes
+    takes ``heads * T * S`` of them per layer: :func:`exp2` on scores scaled by log2(e) costs
+    less than half as much.
+    """
     _, heads, t, d = queries.shape
-    kv_heads = keys.shape[1]
-    grouped = (queries * scale).reshape(1, kv_heads, heads // kv_heads * t, d)
-    scores = grouped @ keys.swapaxes(-1, -2)  # (1, kv_heads, group * T, S)
+    kv_heads, cached = keys.shape[1], keys.shape[2] - t
+    rows = heads // kv_heads * t  # each K/V head's query group as rows of one matmul
+    grouped = (queries * (scale * LOG2_E)).reshape(1, kv_heads, rows, d)
+
+    def scores(start: int, stop: int | None) -> mx.array:  # (1, kv_heads, rows, keys), log2
+        block = grouped @ keys[..., start:stop, :].swapaxes(-1, -2)
+        return block.astype(mx.float32)
+
+    new = scores(cached, None)
     if mask is not None:
-        scores = scores.reshape(1, kv_heads, heads // kv_heads, t, -1)
-        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-        scores = scores.reshape(1, kv_heads, heads // kv_heads * t, -1)
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ values).reshape(1, heads, t, d)
+        visible = mask[:, cached:]  # (T, T): the tree's ancestors, a chain's causal block
+        new = mx.where(visible, new.reshape(1, kv_heads, -1, t, t), -mx.inf).reshape(new.shape)
+    peak = new.max(axis=-1, keepdims=True)  # finite: each token sees itself
+    old = scores(0, cached) if cached else None
+    if old is not None:
+        peak = mx.maximum(peak, old.max(axis=-1, keepdims=True))
+    probs = exp2(new - peak)
+    if mask is not None:
+        probs = mx.where(visible, probs.reshape(1, kv_heads, -1, t, t), 0.0).reshape(new.shape)
+    total = probs.sum(axis=-1, keepdims=True)
+    out = probs.astype(values.dtype) @ values[..., cached:, :]
+    if old is not None:
+        probs = exp2(old - peak)
+        total = total + probs.sum(axis=-1, keepdims=True)
+        out = out + probs.astype(values.dtype) @ values[..., :cached, :]
+    return (out / total.astype(out.dtype)).reshape(1, heads, t, d)
+
+
+LOG2_E = 1.4426950408889634
+# 2**f on [-1/2, 1/2], highest power first (Cephes, as MLX's own exp uses)
+EXP2_POLY = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+ROUND = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds a float32 to an integer
+
+
+def exp2(x: mx.array) -> mx.array:
+    """``2 ** x`` for float32 ``x <= 0`` (within 2e-7 relative; 0 below -127), from additions,
+    products and one bit shift: each a vectorised pass on the CPU backend, where ``mx.exp``
+    runs a scalar loop. ``x = n + f`` with n an integer and ``|f| <= 1/2``; ``2 ** f`` is a
+    polynomial, ``2 ** n`` the float whose exponent field is ``n + 127``."""
+    x = mx.maximum(x, -127.0)  # -inf (masked) too; 2**-127's exponent field is 0: +0.0
+    n = (x + ROUND) - ROUND
+    f = x - n
+    poly = EXP2_POLY[0]
+    for c in EXP2_POLY[1:]:
+        poly = poly * f + c
+    power = mx.left_shift(n.astype(mx.int32) + 127, 23).view(mx.float32)
+    return poly * power
 
 
 class _CompiledLayers:
