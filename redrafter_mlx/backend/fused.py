@@ -12,6 +12,7 @@ traced once per number of tokens.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import mlx.core as mx
@@ -155,45 +156,83 @@ def attention(queries, keys, values, scale: float, mask: mx.array | None, groupe
 
 
 def split_attention(queries, keys, values, scale: float, mask: mx.array | None) -> mx.array:
-    """Attention as two blocks sharing one softmax: the S cached keys, which every query sees
-    (no mask: nothing of size T x S is built or selected), and the T new ones under the mask's
-    (T, T) block; their exponentials against one running max, summed, and the output divided
-    once by the total (exact: the softmax's own arithmetic, split by columns).
+    """Attention in blocks of keys sharing one softmax: the S cached keys, which every query
+    sees (no mask: nothing of size T x S is built or selected), and the T new ones under the
+    mask's (T, T) block (one block of all keys when ``mask`` is None); their exponentials
+    against one max, summed, and the output divided once by the total (exact: the softmax's
+    own arithmetic, split by columns).
 
     On the CPU backend ``mx.exp`` runs about 12 ns an element (scalar), and a tree of T nodes
     takes ``heads * T * S`` of them per layer: :func:`exp2` on scores scaled by log2(e) costs
-    less than half as much.
+    less than half as much. Products run :func:`product_rows` rows at a time.
     """
     _, heads, t, d = queries.shape
     kv_heads, cached = keys.shape[1], keys.shape[2] - t
-    rows = heads // kv_heads * t  # each K/V head's query group as rows of one matmul
+    rows = heads // kv_heads * t  # each K/V head's query group as rows
     grouped = (queries * (scale * LOG2_E)).reshape(1, kv_heads, rows, d)
-
-    def scores(start: int, stop: int | None) -> mx.array:  # (1, kv_heads, rows, keys), log2
-        block = grouped @ keys[..., start:stop, :].swapaxes(-1, -2)
-        return block.astype(mx.float32)
-
-    new = scores(cached, None)
-    if mask is not None:
-        visible = mask[:, cached:]  # (T, T): the tree's ancestors, a chain's causal block
-        new = mx.where(visible, new.reshape(1, kv_heads, -1, t, t), -mx.inf).reshape(new.shape)
-    peak = new.max(axis=-1, keepdims=True)  # finite: each token sees itself
-    old = scores(0, cached) if cached else None
-    if old is not None:
-        peak = mx.maximum(peak, old.max(axis=-1, keepdims=True))
-    probs = exp2(new - peak)
-    if mask is not None:
-        probs = mx.where(visible, probs.reshape(1, kv_heads, -1, t, t), 0.0).reshape(new.shape)
-    total = probs.sum(axis=-1, keepdims=True)
-    out = probs.astype(values.dtype) @ values[..., cached:, :]
-    if old is not None:
-        probs = exp2(old - peak)
+    product = partial(_grouped_product, rows=product_rows(t, heads // kv_heads))
+    if mask is None or rows * cached < SPLIT_MIN:  # a few ops cost less than fewer elements
+        blocks = [(0, None, mask)]
+    else:  # (T, T) block: the tree's ancestors, a chain's causal block
+        blocks = [(0, cached, None), (cached, None, mask[:, cached:])]
+    scores = []
+    for start, stop, visible in blocks:  # (1, kv_heads, rows, keys), in log2 units
+        block = product(grouped, keys[..., start:stop, :].swapaxes(-1, -2)).astype(mx.float32)
+        scores.append(block if visible is None else _masked(block, visible, -mx.inf))
+    peak = functools.reduce(mx.maximum, [x.max(axis=-1, keepdims=True) for x in scores])
+    total, out = 0.0, 0.0
+    for (start, stop, visible), block in zip(blocks, scores, strict=True):
+        probs = _pow2(block - peak)  # peak is finite: each token sees itself
+        probs = probs if visible is None else _masked(probs, visible, 0.0)
         total = total + probs.sum(axis=-1, keepdims=True)
-        out = out + probs.astype(values.dtype) @ values[..., :cached, :]
+        out = out + product(probs.astype(values.dtype), values[..., start:stop, :])
     return (out / total.astype(out.dtype)).reshape(1, heads, t, d)
 
 
+def _masked(block: mx.array, visible: mx.array, fill: float) -> mx.array:
+    """``block (1, K, group * T, n)`` with ``fill`` where ``visible (T, n)`` is False."""
+    t, n = visible.shape
+    kv_heads = block.shape[1]
+    return mx.where(visible, block.reshape(1, kv_heads, -1, t, n), fill).reshape(block.shape)
+
+
+# Below these many scores, MLX's per-op overhead (~10 us) outweighs the per-element savings:
+# attention runs as one block over all keys, and ``mx.exp`` (one op) instead of exp2 (16).
+SPLIT_MIN = EXP2_MIN = 32768
+
+
+def _pow2(x: mx.array) -> mx.array:
+    """``2 ** x`` for ``x <= 0``: :func:`exp2` for big arrays, ``mx.exp`` for small ones."""
+    return exp2(x) if x.size >= EXP2_MIN else mx.exp(x * LN_2)
+
+
+SMALL_ROWS = 8  # the most rows the small-row BLAS kernel takes (backend/csrc/smallrows.c)
+
+
+def product_rows(t: int, group: int) -> int | None:
+    """Rows per matmul in the attention of ``t`` tokens with ``group`` query heads per K/V
+    head: as many whole heads' ``t`` rows as the small-row kernel takes (up to 8), or chunks
+    of 8 rows for the bigger verified trees (16, 32), so that kernel runs each product
+    (OpenBLAS runs 9-48-row products against the cache slower, and its threads stall when the
+    cores are shared); None: one product per K/V head (prompt chunks)."""
+    if t > SMALL_ROWS:
+        return SMALL_ROWS if t % SMALL_ROWS == 0 and t <= 4 * SMALL_ROWS else None
+    heads = max(g for g in range(1, group + 1) if group % g == 0 and g * t <= SMALL_ROWS)
+    return heads * t
+
+
+def _grouped_product(a: mx.array, b: mx.array, rows: int | None) -> mx.array:
+    """a (1, K, R, X) @ b (1, K, X, Y) -> (1, K, R, Y), as products of ``rows`` rows of ``a``
+    each against their head's ``b`` (broadcast, not copied); one product per head for None."""
+    if rows is None:
+        return a @ b
+    kv_heads, _, inner = a.shape[1:]
+    chunks = a.reshape(1, kv_heads, -1, rows, inner) @ b[:, :, None]
+    return chunks.reshape(1, kv_heads, -1, b.shape[-1])
+
+
 LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
 # 2**f on [-1/2, 1/2], highest power first (Cephes, as MLX's own exp uses)
 EXP2_POLY = (
     1.535336188319500e-4,
