@@ -47,6 +47,9 @@ class Session:
         # of the prompt tokens the cache shared, those fed again: recurrent layers keep their
         # state only at the end of each prompt and at the cache's end, not at every token
         self.reread = 0
+        # context length -> this answer's decoding (an autotune profile's shape per context
+        # band, ``tuning.profiles.decoding_by_context``); None: the session's for every answer
+        self.by_context: Callable[[int], Decoding] | None = None
         if warm:
             self.warm_up()
         elif seed is not None:
@@ -61,6 +64,7 @@ class Session:
         verifier cannot run it)."""
         self.verifier.check(decoding)
         self._decoding = decoding
+        self.by_context = None  # an explicit choice holds for every answer
         self.warm_up()
 
     def change(self, **fields) -> None:
@@ -76,6 +80,11 @@ class Session:
     def reset(self) -> None:
         """Forget the conversation's tokens."""
         self.cache.rewind(0)
+
+    def decoding_at(self, context: int) -> Decoding:
+        """The decoding of an answer after ``context`` prompt tokens: :attr:`by_context`'s
+        choice where one is set, else the session's."""
+        return self._decoding if self.by_context is None else self.by_context(context)
 
     def prepare(self, ids: list[int]) -> list[int]:
         """Rewind the cache to the longest prefix it shares with ``ids`` (a whole prompt) and
@@ -104,7 +113,7 @@ class Session:
             self.verifier,
             self.tokenizer,
             new,
-            decoding or self._decoding,
+            decoding or self.decoding_at(len(ids)),
             cache=self.cache,
             max_tokens=max_tokens,
             stop_strings=stop_strings,
