@@ -143,10 +143,12 @@ def _after_attention(
 
 def attention(queries, keys, values, scale: float, mask: mx.array | None, grouped: bool):
     """Queries (1, heads, T, D), keys/values (1, kv_heads, S + T, D), mask (T, S + T) ->
-    (1, heads, T, D). The new tokens are the last T keys; every query sees all S cached ones.
+    (1, heads, T, D). The new tokens are the last T keys; every query sees all S cached ones
+    (the forward's masks are chains and trees after the cache: their first S columns are all
+    True, and a long cache's attention reads only the last T).
 
-    ``grouped``: :func:`split_attention` (each K/V head's query group as one matmul, the cached
-    prefix unmasked, its exponentials by :func:`exp2`), which costs less than
+    ``grouped``: :func:`split_attention` (query heads grouped per K/V head, the cached prefix
+    unmasked, exponentials by :func:`exp2`), which costs less than
     ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend; otherwise that
     fused kernel.
     """
