@@ -162,7 +162,7 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
 
 
 @pytest.mark.parametrize("cached", [0, 5, 700])
-@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("t", [1, 3, 16, 40])
 def test_split_attention_equals_masked_attention(t, cached):
     """The CPU's attention (grouped query heads, the cached prefix unmasked and the new block
     under its (T, T) mask, one softmax over both, :func:`exp2`) computes what

@@ -170,6 +170,8 @@ def split_attention(queries, keys, values, scale: float, mask: mx.array | None) 
     """
     _, heads, t, d = queries.shape
     kv_heads, cached = keys.shape[1], keys.shape[2] - t
+    if t > 4 * SMALL_ROWS:  # a prompt chunk: scores too many for exp2's passes to stay in cache
+        return softmax_attention(queries, keys, values, scale, mask)
     rows = heads // kv_heads * t  # each K/V head's query group as rows
     grouped = (queries * (scale * LOG2_E)).reshape(1, kv_heads, rows, d)
     product = partial(_grouped_product, rows=product_rows(t, heads // kv_heads))
@@ -191,6 +193,19 @@ def split_attention(queries, keys, values, scale: float, mask: mx.array | None) 
     return (out / total.astype(out.dtype)).reshape(1, heads, t, d)
 
 
+def softmax_attention(queries, keys, values, scale: float, mask: mx.array | None) -> mx.array:
+    """Query heads grouped per K/V head (one product each), every key under the whole mask,
+    ``mx.softmax``: for prompt chunks, whose (group * T, S + T) scores per head are large."""
+    _, heads, t, d = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = (queries * scale).reshape(1, kv_heads, heads // kv_heads * t, d)
+    scores = grouped @ keys.swapaxes(-1, -2)  # (1, kv_heads, group * T, S + T)
+    if mask is not None:
+        scores = _masked(scores, mask, -mx.inf)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ values).reshape(1, heads, t, d)
+
+
 def _masked(block: mx.array, visible: mx.array, fill: float) -> mx.array:
     """``block (1, K, group * T, n)`` with ``fill`` where ``visible (T, n)`` is False."""
     t, n = visible.shape
@@ -200,12 +215,14 @@ def _masked(block: mx.array, visible: mx.array, fill: float) -> mx.array:
 
 # Below these many scores, MLX's per-op overhead (~10 us) outweighs the per-element savings:
 # attention runs as one block over all keys, and ``mx.exp`` (one op) instead of exp2 (16).
+# Above EXP2_MAX (8 MB of scores) exp2's 16 passes no longer stay in cache.
 SPLIT_MIN = EXP2_MIN = 32768
+EXP2_MAX = 1 << 21
 
 
 def _pow2(x: mx.array) -> mx.array:
-    """``2 ** x`` for ``x <= 0``: :func:`exp2` for big arrays, ``mx.exp`` for small ones."""
-    return exp2(x) if x.size >= EXP2_MIN else mx.exp(x * LN_2)
+    """``2 ** x`` for ``x <= 0``: :func:`exp2` for mid-sized arrays, else ``mx.exp``."""
+    return exp2(x) if EXP2_MIN <= x.size <= EXP2_MAX else mx.exp(x * LN_2)
 
 
 SMALL_ROWS = 8  # the most rows the small-row BLAS kernel takes (backend/csrc/smallrows.c)
