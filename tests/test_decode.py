@@ -87,6 +87,19 @@ def test_greedy_equals_autoregressive(
     assert got == expected
 
 
+@pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
+def test_greedy_equals_autoregressive_after_a_long_prompt(target, beam_drafter, plan):
+    """After 700 prompt tokens (two prefill chunks on the CPU plan; every tree attends to the
+    whole cached prefix unmasked there, and to itself under its mask) greedy output with
+    drafted and lookup beams is the autoregressive output, and so is the plan's own plain
+    decoding."""
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 64, size=700)]
+    expected = autoregressive(target, prompt, 32)
+    steps = run_steps(target, prompt, beam_drafter, BeamShape(2, 3, lookup=1), plan=plan)
+    assert take(steps, 32)[0] == expected
+    assert take(run_steps(target, prompt, plan=plan), 32)[0] == expected
+
+
 def test_greedy_exact_with_a_drafter_that_often_agrees():
     """A target with small vocab makes random drafts often right: exercises long accepts."""
     model = tiny_llama(seed=3, vocab=8)

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from support import run_steps, tiny_llama
 
-from redrafter_mlx.backend.fused import attention, rope_tables
+from redrafter_mlx.backend.fused import attention, exp2, rope_tables
 from redrafter_mlx.backend.plan import CPU_PLAN, make_forward
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.plan import Plan
@@ -161,21 +161,36 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_grouped_attention_equals_fused_kernel(t):
-    """The CPU's grouped-query attention (each K/V head's queries as one matmul) computes what
-    ``mx.fast.scaled_dot_product_attention`` does, masked tree rows included."""
-    rng = np.random.default_rng(t)
+@pytest.mark.parametrize("cached", [0, 5, 700])
+@pytest.mark.parametrize("t", [1, 3, 16, 40])
+def test_split_attention_equals_masked_attention(t, cached):
+    """The CPU's attention (grouped query heads, the cached prefix unmasked and the new block
+    under its (T, T) mask, one softmax over both, :func:`exp2`) computes what
+    ``mx.fast.scaled_dot_product_attention`` does with the whole (T, S + T) mask: tree rows
+    (random ancestor sets, each node seeing itself) and a prompt chunk's causal rows."""
+    rng = np.random.default_rng(t + cached)
     queries, keys, values = (
-        mx.array(rng.standard_normal(shape).astype(np.float32))
-        for shape in ((1, 6, t, 8), (1, 2, 5 + t, 8), (1, 2, 5 + t, 8))
+        mx.array(3 * rng.standard_normal(shape).astype(np.float32))
+        for shape in ((1, 6, t, 8), (1, 2, cached + t, 8), (1, 2, cached + t, 8))
     )
-    mask = (
-        None if t == 1 else mx.array(rng.random((t, 5 + t)) < 0.7) | mx.eye(t, 5 + t, 5, mx.bool_)
-    )
-    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
-    got = attention(queries, keys, values, 0.3, mask, grouped=True)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    tree = mx.array(rng.random((t, t)) < 0.5) | mx.eye(t, dtype=mx.bool_)
+    masks = [None, llm.chain_mask(cached, t)] if t == 1 else [llm.chain_mask(cached, t)]
+    if t > 1:
+        masks.append(mx.concatenate([mx.ones((t, cached), mx.bool_), tree], axis=1))
+    for mask in masks:
+        want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
+        got = attention(queries, keys, values, 0.3, mask, grouped=True)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_exp2_is_a_power_of_two_to_float32_precision():
+    """:func:`exp2` over the range a softmax's shifted scores take (0 down to -inf): relative
+    error within a few float32 ulps where 2**x is a normal float, 0 below 2**-127."""
+    x = np.concatenate([-np.geomspace(1e-8, 126, 20000), np.linspace(-126, 0, 20000), [0.0]])
+    got = np.array(exp2(mx.array(x.astype(np.float32))))
+    want = np.exp2(x.astype(np.float32).astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=3e-7)
+    assert np.array(exp2(mx.array([-127.5, -200.0, -np.inf], mx.float32))).tolist() == [0, 0, 0]
 
 
 def test_fused_projections_keep_module_weights():

@@ -12,6 +12,7 @@ traced once per number of tokens.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import mlx.core as mx
@@ -141,24 +142,142 @@ def _after_attention(
 
 
 def attention(queries, keys, values, scale: float, mask: mx.array | None, grouped: bool):
-    """Queries (1, heads, T, D), keys/values (1, kv_heads, S, D), mask (T, S) -> (1, heads, T, D).
+    """Queries (1, heads, T, D), keys/values (1, kv_heads, S + T, D), mask (T, S + T) ->
+    (1, heads, T, D). The new tokens are the last T keys; every query sees all S cached ones
+    (the forward's masks are chains and trees after the cache: their first S columns are all
+    True, and a long cache's attention reads only the last T).
 
-    ``grouped``: each K/V head's query group runs as one matmul (heads grouped as rows), which
-    costs less than ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend;
-    otherwise that fused kernel.
+    ``grouped``: :func:`split_attention` (query heads grouped per K/V head, the cached prefix
+    unmasked, exponentials by :func:`exp2`), which costs less than
+    ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend; otherwise that
+    fused kernel.
     """
     if not grouped:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return split_attention(queries, keys, values, scale, mask)
+
+
+def split_attention(queries, keys, values, scale: float, mask: mx.array | None) -> mx.array:
+    """Attention in blocks of keys sharing one softmax: the S cached keys, which every query
+    sees (no mask: nothing of size T x S is built or selected), and the T new ones under the
+    mask's (T, T) block (one block of all keys when ``mask`` is None); their exponentials
+    against one max, summed, and the output divided once by the total (exact: the softmax's
+    own arithmetic, split by columns).
+
+    On the CPU backend ``mx.exp`` runs about 12 ns an element (scalar), and a tree of T nodes
+    takes ``heads * T * S`` of them per layer: :func:`exp2` on scores scaled by log2(e) costs
+    less than half as much. Products run :func:`product_rows` rows at a time.
+    """
+    _, heads, t, d = queries.shape
+    kv_heads, cached = keys.shape[1], keys.shape[2] - t
+    if t > 4 * SMALL_ROWS:  # a prompt chunk: scores too many for exp2's passes to stay in cache
+        return softmax_attention(queries, keys, values, scale, mask)
+    rows = heads // kv_heads * t  # each K/V head's query group as rows
+    grouped = (queries * (scale * LOG2_E)).reshape(1, kv_heads, rows, d)
+    product = partial(_grouped_product, rows=product_rows(t, heads // kv_heads))
+    if mask is None or rows * cached < SPLIT_MIN:  # a few ops cost less than fewer elements
+        blocks = [(0, None, mask)]
+    else:  # (T, T) block: the tree's ancestors, a chain's causal block
+        blocks = [(0, cached, None), (cached, None, mask[:, cached:])]
+    scores = []
+    for start, stop, visible in blocks:  # (1, kv_heads, rows, keys), in log2 units
+        block = product(grouped, keys[..., start:stop, :].swapaxes(-1, -2)).astype(mx.float32)
+        scores.append(block if visible is None else _masked(block, visible, -mx.inf))
+    peak = functools.reduce(mx.maximum, [x.max(axis=-1, keepdims=True) for x in scores])
+    total, out = 0.0, 0.0
+    for (start, stop, visible), block in zip(blocks, scores, strict=True):
+        probs = _pow2(block - peak)  # peak is finite: each token sees itself
+        probs = probs if visible is None else _masked(probs, visible, 0.0)
+        total = total + probs.sum(axis=-1, keepdims=True)
+        out = out + product(probs.astype(values.dtype), values[..., start:stop, :])
+    return (out / total.astype(out.dtype)).reshape(1, heads, t, d)
+
+
+def softmax_attention(queries, keys, values, scale: float, mask: mx.array | None) -> mx.array:
+    """Query heads grouped per K/V head (one product each), every key under the whole mask,
+    ``mx.softmax``: for prompt chunks, whose (group * T, S + T) scores per head are large."""
     _, heads, t, d = queries.shape
     kv_heads = keys.shape[1]
     grouped = (queries * scale).reshape(1, kv_heads, heads // kv_heads * t, d)
-    scores = grouped @ keys.swapaxes(-1, -2)  # (1, kv_heads, group * T, S)
+    scores = grouped @ keys.swapaxes(-1, -2)  # (1, kv_heads, group * T, S + T)
     if mask is not None:
-        scores = scores.reshape(1, kv_heads, heads // kv_heads, t, -1)
-        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-        scores = scores.reshape(1, kv_heads, heads // kv_heads * t, -1)
+        scores = _masked(scores, mask, -mx.inf)
     probs = mx.softmax(scores, axis=-1, precise=True)
     return (probs @ values).reshape(1, heads, t, d)
+
+
+def _masked(block: mx.array, visible: mx.array, fill: float) -> mx.array:
+    """``block (1, K, group * T, n)`` with ``fill`` where ``visible (T, n)`` is False."""
+    t, n = visible.shape
+    kv_heads = block.shape[1]
+    return mx.where(visible, block.reshape(1, kv_heads, -1, t, n), fill).reshape(block.shape)
+
+
+# Below these many scores, MLX's per-op overhead (~10 us) outweighs the per-element savings:
+# attention runs as one block over all keys, and ``mx.exp`` (one op) instead of exp2 (16).
+# Above EXP2_MAX (8 MB of scores) exp2's 16 passes no longer stay in cache.
+SPLIT_MIN = EXP2_MIN = 32768
+EXP2_MAX = 1 << 21
+
+
+def _pow2(x: mx.array) -> mx.array:
+    """``2 ** x`` for ``x <= 0``: :func:`exp2` for mid-sized arrays, else ``mx.exp``."""
+    return exp2(x) if EXP2_MIN <= x.size <= EXP2_MAX else mx.exp(x * LN_2)
+
+
+SMALL_ROWS = 8  # the most rows the small-row BLAS kernel takes (backend/csrc/smallrows.c)
+
+
+def product_rows(t: int, group: int) -> int | None:
+    """Rows per matmul in the attention of ``t`` tokens with ``group`` query heads per K/V
+    head: as many whole heads' ``t`` rows as the small-row kernel takes (up to 8), or chunks
+    of 8 rows for the bigger verified trees (16, 32), so that kernel runs each product
+    (OpenBLAS runs 9-48-row products against the cache slower, and its threads stall when the
+    cores are shared); None: one product per K/V head (prompt chunks)."""
+    if t > SMALL_ROWS:
+        return SMALL_ROWS if t % SMALL_ROWS == 0 and t <= 4 * SMALL_ROWS else None
+    heads = max(g for g in range(1, group + 1) if group % g == 0 and g * t <= SMALL_ROWS)
+    return heads * t
+
+
+def _grouped_product(a: mx.array, b: mx.array, rows: int | None) -> mx.array:
+    """a (1, K, R, X) @ b (1, K, X, Y) -> (1, K, R, Y), as products of ``rows`` rows of ``a``
+    each against their head's ``b`` (broadcast, not copied); one product per head for None."""
+    if rows is None:
+        return a @ b
+    kv_heads, _, inner = a.shape[1:]
+    chunks = a.reshape(1, kv_heads, -1, rows, inner) @ b[:, :, None]
+    return chunks.reshape(1, kv_heads, -1, b.shape[-1])
+
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+# 2**f on [-1/2, 1/2], highest power first (Cephes, as MLX's own exp uses)
+EXP2_POLY = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+ROUND = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds a float32 to an integer
+
+
+def exp2(x: mx.array) -> mx.array:
+    """``2 ** x`` for float32 ``x <= 0`` (within 2e-7 relative; 0 below -127), from additions,
+    products and one bit shift: each a vectorised pass on the CPU backend, where ``mx.exp``
+    runs a scalar loop. ``x = n + f`` with n an integer and ``|f| <= 1/2``; ``2 ** f`` is a
+    polynomial, ``2 ** n`` the float whose exponent field is ``n + 127``."""
+    x = mx.maximum(x, -127.0)  # -inf (masked) too; 2**-127's exponent field is 0: +0.0
+    n = (x + ROUND) - ROUND
+    f = x - n
+    poly = EXP2_POLY[0]
+    for c in EXP2_POLY[1:]:
+        poly = poly * f + c
+    power = mx.left_shift(n.astype(mx.int32) + 127, 23).view(mx.float32)
+    return poly * power
 
 
 class _CompiledLayers:

@@ -30,13 +30,18 @@ from redrafter_mlx.tuning.profiles import (
     warn,
 )
 from redrafter_mlx.tuning.search import (
+    CONTEXTS,
     DEFAULT_LENGTHS,
     DEFAULT_WIDTHS,
+    FINALISTS,
     HELDOUT_PROMPTS,
     SearchResult,
+    choose_bands,
+    context_costs,
     full_grid,
     heldout_prompt_ids,
     make_measure,
+    observed_tokens_per_step,
     profile_entry,
     successive_halving,
 )
@@ -118,6 +123,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "file order and the first round ranks every shape on the first prompt: put a typical "
         "one first (the best shape can depend on the context length)",
     )
+    parser.add_argument(
+        "--contexts",
+        type=context_list,
+        default=list(CONTEXTS),
+        help="context lengths to time the best shapes and plain decoding at, for a shape per "
+        "context band (default %(default)s, cut to the model's context; 0: one shape for all)",
+    )
     parser.add_argument("--full-grid", action="store_true", help="exhaustive grid instead")
     parser.add_argument(
         "--repetitions", type=flags.at_least(1), default=2, help="grid runs per prompt"
@@ -133,6 +145,32 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-save", action="store_true", help="do not store the profile")
     parser.add_argument("--show", action="store_true", help="print stored profiles and exit")
     return parser
+
+
+def context_list(text: str) -> list[int]:
+    """``--contexts``: comma-separated positive token counts, or 0 for none."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
+    if values == [0]:
+        return []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be positive: {text!r}")
+    return values
+
+
+def tune_bands(runtime, args: argparse.Namespace, result: SearchResult, texts: Sequence[str]):
+    """The shape per context band (:func:`context_costs` over the search's best few shapes),
+    with its costs; ``(None, [])`` without ``--contexts`` or for a model with recurrent layers."""
+    if not args.contexts:
+        return None, []
+    best = sorted(result.estimates, key=lambda s: -result.estimates[s])[:FINALISTS]
+    filler = [t for ids in heldout_prompt_ids(runtime, len(texts), texts) for t in ids]
+    costs = context_costs(runtime, best, args.contexts, filler, temp=args.temp)
+    if not costs:
+        return None, []
+    return choose_bands(costs, observed_tokens_per_step(result)), costs
 
 
 def show(console) -> None:
@@ -217,6 +255,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         with progress_for(console) as progress:  # a bar, or lines into a pipe or log
             result, seconds = run_search(runtime, args, progress, texts)
+        bands, costs = tune_bands(runtime, args, result, texts)
     except KeyboardInterrupt:
         console.print("interrupted: the stored profile is unchanged")
         raise SystemExit(130) from None
@@ -229,6 +268,8 @@ def main(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         temp=args.temp,
         prompts=args.prompts,
+        bands=bands,
+        costs=costs,
     )
     out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
     for key in TABLE_COLUMNS:
@@ -236,6 +277,8 @@ def main(args: argparse.Namespace) -> None:
     for row in entry["table"][:12]:
         out.add_row(*(str(row[key]) for key in TABLE_COLUMNS))
     Console().print(out)
+    if bands is not None:
+        Console().print(f"by context length: {bands.describe()}")
     if not args.no_save:
         try:
             save_profile(runtime_identity(runtime)[0] + (SAMPLING if args.temp else ""), entry)

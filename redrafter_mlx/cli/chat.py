@@ -40,7 +40,7 @@ from redrafter_mlx.core.stream import SOURCES, GenerationStats, StepResponse, to
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text
 from redrafter_mlx.tuning.measure import time_steps
-from redrafter_mlx.tuning.profiles import resolve_shape
+from redrafter_mlx.tuning.profiles import follow_context, resolve_shape
 
 EXAMPLES = """examples:
   redrafter-mlx chat
@@ -697,8 +697,10 @@ def main(args: argparse.Namespace) -> None:
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
+    inner = session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
+    follow_context(inner, runtime, source, temp=args.temp)
     session = ChatSession(
-        session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed),
+        inner,
         encoder(runtime),
         max_tokens=args.max_tokens,
         system=args.system and check_text(args.system, "--system"),

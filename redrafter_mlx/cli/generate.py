@@ -13,7 +13,7 @@ from redrafter_mlx.core.step import PhaseTimer
 from redrafter_mlx.core.stream import GenerationStats
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text, read_stdin
-from redrafter_mlx.tuning.profiles import resolve_shape
+from redrafter_mlx.tuning.profiles import follow_context, resolve_shape
 
 EXAMPLES = """examples:
   redrafter-mlx generate --prompt "What is the capital of France?"
@@ -94,6 +94,7 @@ def main(args: argparse.Namespace) -> None:
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
     session = session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
+    follow_context(session, runtime, source, temp=args.temp)
     if args.raw:
         ids = runtime.tokenizer.encode(prompt)
     else:

@@ -57,6 +57,9 @@ class Session:
         # of the prompt tokens the sequence shared, those fed again: recurrent layers keep
         # their state only at the end of each prompt and at the sequence's end
         self.reread = 0
+        # context length -> this answer's decoding (an autotune profile's shape per context
+        # band, ``tuning.profiles.decoding_by_context``); None: the session's for every answer
+        self.by_context: Callable[[int], Decoding] | None = None
         if warm:
             self.warm_up()
         elif seed is not None:
@@ -71,6 +74,7 @@ class Session:
         verifier cannot run it)."""
         self.verifier.check(decoding)
         self._decoding = decoding
+        self.by_context = None  # an explicit choice holds for every answer
         self.warm_up()
 
     def change(self, **fields) -> None:
@@ -86,6 +90,11 @@ class Session:
     def reset(self) -> None:
         """Forget the conversation's tokens."""
         self.sequence.rewind(0)
+
+    def decoding_at(self, context: int) -> Decoding:
+        """The decoding of an answer after ``context`` prompt tokens: :attr:`by_context`'s
+        choice where one is set, else the session's."""
+        return self._decoding if self.by_context is None else self.by_context(context)
 
     def prepare(self, ids: list[int]) -> list[int]:
         """Rewind the sequence to the longest prefix it shares with ``ids`` (a whole prompt)
@@ -108,7 +117,7 @@ class Session:
         step, after reusing its cached prefix. ``decoding``: this answer's own (already warmed
         up, e.g. a request's sampler), else the session's. ``cancelled`` is asked between
         prompt chunks: when it says so the generator ends with no response."""
-        answer = Answer(max_tokens, tuple(stop_strings), decoding or self._decoding)
+        answer = Answer(max_tokens, tuple(stop_strings), decoding or self.decoding_at(len(ids)))
         return self.answer(ids, answer, timer=timer, cancelled=cancelled)
 
     def answer(

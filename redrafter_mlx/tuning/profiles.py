@@ -2,6 +2,10 @@
 dtype/quantization (+ `` | sampling`` for the one tuned with ``--temp``), in one JSON file
 (``$REDRAFTER_CACHE/profiles.json``, default ``~/.cache/redrafter-mlx``) written atomically.
 A stale or unreadable profile is ignored with a warning, never an error.
+
+Format version 2 adds ``bands`` to an entry: the shape per context-length band
+(:class:`ContextBands`; ``null``: plain decoding there), since a verified tree costs more per
+cached token than a one-token step does. A version-1 entry (one shape) still loads, as one band.
 """
 
 from __future__ import annotations
@@ -9,19 +13,23 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import astuple
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 from redrafter_mlx.core.accept import is_greedy
 from redrafter_mlx.core.atomic import write_text
+from redrafter_mlx.core.decode import Decoding
 from redrafter_mlx.core.draft import check_width
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.llm import compute_dtype
+from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.paths import cache_dir
 from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.tuning.device import chip_info
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+LOADABLE_VERSIONS = (1, 2)  # 1: one shape per entry, no bands
 
 
 def warn(message: str) -> None:
@@ -107,29 +115,101 @@ def save_profile(key: str, entry: dict, path: Path | None = None) -> None:
 
 def entry_shape(entry: dict) -> BeamShape:
     """A stored profile's shape; raises (TypeError, KeyError, ValueError...) when malformed."""
-    width, length, *more = entry["shape"]  # [W, L], [W, L, p], [W, L, p, S] or [W, L, p, S, K]
+    return stored_shape(entry["shape"])
+
+
+def stored_shape(values: list) -> BeamShape:
+    """A shape as stored: [W, L], [W, L, p], [W, L, p, S] or [W, L, p, S, K]."""
+    width, length, *more = values
     floor = float(more[0]) if more else 0.0
     search = int(more[1]) if len(more) > 1 else 0
     lookup = int(more[2]) if len(more) > 2 else 0
     return BeamShape(int(width), int(length), floor, search, lookup)
 
 
+def store_shape(shape: BeamShape) -> list:
+    """``shape`` as a profile stores it (:func:`stored_shape` reads it back)."""
+    return [shape.width, shape.length, shape.min_prob, shape.searched, shape.lookup]
+
+
+@dataclass(frozen=True)
+class ContextBands:
+    """The beam shape per context-length band: ``bands`` is ``((start, shape), ...)`` in
+    increasing ``start``, the first at 0; a band holds from its start to the next one's, and a
+    None shape means plain decoding there (no shape was faster than one token per step)."""
+
+    bands: tuple[tuple[int, BeamShape | None], ...]
+
+    def __post_init__(self):
+        starts = [start for start, _ in self.bands]
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)):
+            raise ValueError(f"bands must start at 0 and increase: {starts}")
+
+    @classmethod
+    def single(cls, shape: BeamShape | None) -> ContextBands:
+        return cls(((0, shape),))
+
+    def at(self, context: int) -> BeamShape | None:
+        """The shape for an answer after ``context`` tokens (None: plain decoding)."""
+        return next(shape for start, shape in reversed(self.bands) if context >= start)
+
+    def to_json(self) -> list:
+        return [[start, None if s is None else store_shape(s)] for start, s in self.bands]
+
+    @classmethod
+    def from_json(cls, rows: list) -> ContextBands:
+        return cls(tuple((int(start), None if s is None else stored_shape(s)) for start, s in rows))
+
+    def describe(self) -> str:
+        parts = [f"{start}+: {'plain' if s is None else s.label}" for start, s in self.bands]
+        return ", ".join(parts)
+
+
+def entry_bands(entry: dict) -> ContextBands:
+    """A stored profile's bands; a version-1 entry (or one without bands) is one band."""
+    rows = entry.get("bands")
+    return ContextBands.single(entry_shape(entry)) if rows is None else ContextBands.from_json(rows)
+
+
 def find_profile(key: str, fp: str, path: Path | None = None) -> BeamShape | None:
     """The stored shape for ``key``, or None (warning on stderr when stale or corrupt)."""
+    entry = _find_entry(key, fp, path)
+    try:
+        return None if entry is None else entry_shape(entry)
+    except Exception as e:  # a profile must never break generation
+        warn(f"ignoring the autotune profile: {e}")
+        return None
+
+
+def find_bands(key: str, fp: str, path: Path | None = None) -> ContextBands | None:
+    """The stored bands for ``key`` (one band for a version-1 profile), or None."""
+    entry = _find_entry(key, fp, path, quiet=True)
+    try:
+        return None if entry is None else entry_bands(entry)
+    except Exception as e:
+        warn(f"ignoring the autotune profile's context bands: {e}")
+        return None
+
+
+def _find_entry(key: str, fp: str, path: Path | None, *, quiet: bool = False) -> dict | None:
+    """The stored entry for ``key``, or None (a warning when stale or corrupt, unless
+    ``quiet``: :func:`find_profile` has said it already)."""
     try:
         data = read_store(path)
         entry = data["profiles"].get(key)
         if entry is None:
             return None
-        if data.get("version") != PROFILE_VERSION or entry.get("fingerprint") != fp:
-            warn(
-                "ignoring a stale autotune profile (model or drafter changed): rerun "
-                "`redrafter-mlx autotune`"
-            )
+        if data.get("version") not in LOADABLE_VERSIONS or entry.get("fingerprint") != fp:
+            if not quiet:
+                warn(
+                    "ignoring a stale autotune profile (model or drafter changed): rerun "
+                    "`redrafter-mlx autotune`"
+                )
             return None
-        return entry_shape(entry)
+        return entry
     except Exception as e:  # a profile must never break generation
-        warn(f"ignoring the autotune profile: {e}")
+        if not quiet:
+            warn(f"ignoring the autotune profile: {e}")
         return None
 
 
@@ -192,3 +272,52 @@ def _searchable(runtime, shape: BeamShape) -> bool:
         )
         return False
     return True
+
+
+def lookup_bands(runtime, *, temp: float = 0.0) -> ContextBands | None:
+    """The autotuned shape per context band (:func:`lookup_profile`'s profile), or None."""
+    sampling = not is_greedy(temp)
+    if runtime.drafter_id is None:
+        return None
+    try:
+        key, fp = runtime_identity(runtime)
+    except Exception:
+        return None  # lookup_profile has warned
+    if sampling and (bands := find_bands(key + SAMPLING, fp)) is not None:
+        return bands
+    return find_bands(key, fp)
+
+
+def decoding_by_context(
+    bands: ContextBands, decoding: Decoding, warm_up: Callable[[Decoding], None]
+) -> Callable[[int], Decoding]:
+    """Context length -> the decoding of an answer there: ``decoding`` with the band's shape
+    (its sampler kept), or plain decoding where the band has none. Each new decoding is warmed
+    up (``warm_up``, e.g. ``Verifier.warm_up``) the first time a band asks for it, between
+    answers. What ``Session.by_context`` takes."""
+    made: dict[BeamShape | None, Decoding] = {decoding.shape: decoding}
+
+    def pick(context: int) -> Decoding:
+        shape = bands.at(context)
+        if shape not in made:
+            if shape is None:
+                made[shape] = replace(decoding, mode=Mode.AUTOREGRESSIVE)
+            else:
+                made[shape] = replace(decoding, shape=shape)
+            warm_up(made[shape])
+        return made[shape]
+
+    return pick
+
+
+def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> ContextBands | None:
+    """Let ``session`` pick each answer's shape by its context length from the autotune
+    profile's bands, when its shape came from that profile (not from flags) and it speculates;
+    returns the bands it follows (None: one decoding for every answer, as before)."""
+    if not source.startswith("autotune profile") or not session.decoding.mode.speculative:
+        return None
+    bands = lookup_bands(runtime, temp=temp)
+    if bands is None or bands == ContextBands.single(session.decoding.shape):
+        return None
+    session.by_context = decoding_by_context(bands, session.decoding, runtime.verifier.warm_up)
+    return bands

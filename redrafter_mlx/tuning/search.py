@@ -15,6 +15,12 @@ relative least squares) and ranks a shape by its own tokens/step over the modell
 corrected by its own mean residual shrunk towards zero (``n / (n + SHRINK)``). Noise then
 averages over every run instead of the one or two each shape gets.
 
+Context bands: a verified tree costs more per cached token than a one-token step, so the best
+shape (or plain decoding) depends on the context length. :func:`context_bands` times a step of
+the search's best few shapes and a one-token step with the cache holding each of several
+lengths, and keeps per length band the shape with the most tokens/s (its tokens/step from the
+search's runs over its step's cost there), or plain decoding where none beats it.
+
 With ``temp`` > 0 the runs sample (reseeded per prompt, the same stream for every shape):
 tokens/step is then random too, and the same averaging over all runs absorbs it. Sampling
 accepts fewer drafts than greedy decoding, so its best shape is often shorter.
@@ -31,11 +37,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning.device import chip_info
-from redrafter_mlx.tuning.measure import REDRAFTER, Method, measure
-from redrafter_mlx.tuning.profiles import runtime_identity
+from redrafter_mlx.tuning.measure import REDRAFTER, Method, measure, time_steps
+from redrafter_mlx.tuning.profiles import ContextBands, runtime_identity
 
 DEFAULT_WIDTHS = tuple(range(1, 9))
 
@@ -53,6 +60,9 @@ FINAL_ROUNDS = 4  # rounds the finalists get (including the one that made them f
 
 
 SHRINK = 12.0  # runs of its own before a shape's residual counts half
+
+
+CONTEXTS = (512, 2048, 8192)  # context lengths the bands are measured at (cut to the model's)
 
 
 # Short generic held-out prompts (not MT-Bench, not training data).
@@ -261,6 +271,81 @@ def table(result: SearchResult) -> list[dict]:
     return rows
 
 
+@dataclass
+class BandCosts:
+    """Step costs at one context length: seconds of a one-token step and of each shape's."""
+
+    context: int
+    one_token: float
+    steps: dict[BeamShape, float]
+
+
+def choose_bands(
+    costs: Sequence[BandCosts], tokens_per_step: dict[BeamShape, float]
+) -> ContextBands:
+    """Per measured length the shape with the most tokens/s (None: a one-token step makes
+    more); each choice holds from the geometric midpoint with the previous length on (the
+    first from 0), and neighbours that chose alike merge."""
+    costs = sorted(costs, key=lambda c: c.context)
+    bands: list[tuple[int, BeamShape | None]] = []
+    for i, cost in enumerate(costs):
+        best = max(cost.steps, key=lambda s: tokens_per_step[s] / cost.steps[s])
+        wins = tokens_per_step[best] / cost.steps[best] > 1.0 / cost.one_token
+        start = 0 if i == 0 else round(math.sqrt(costs[i - 1].context * cost.context))
+        if not bands or bands[-1][1] != (best if wins else None):
+            bands.append((start, best if wins else None))
+    return ContextBands(tuple(bands))
+
+
+def context_costs(
+    runtime,
+    shapes: Sequence[BeamShape],
+    contexts: Sequence[int],
+    filler: list[int],
+    *,
+    temp: float = 0.0,
+    reps: int = 4,
+) -> list[BandCosts]:
+    """:class:`BandCosts` of ``shapes`` at each of ``contexts`` (cut to fit the model), with
+    the cache holding that many tokens of ``filler`` (repeated). Their K/V are zeros, not
+    computed: a step costs the same whatever the cached values, and a long prompt's prefill
+    would take minutes. Attention-only models (recurrent state cannot be faked): [] else."""
+    verifier = runtime.verifier
+    room = (runtime.max_context or max(contexts)) - max(s.length for s in shapes) - 2
+    session = Session(verifier, runtime.tokenizer, rt.decoding(runtime, shapes[0], temp=temp))
+    if session.cache.states is not None:
+        return []
+    out = []
+    for context in sorted({min(c, room) for c in contexts}):
+        _fill(session, filler, context)
+        one, steps = [], {}
+        for shape in shapes:
+            session.set_decoding(rt.decoding(runtime, shape, temp=temp))
+            one_token, steps[shape] = time_steps(session, reps)
+            one.append(one_token)
+        out.append(BandCosts(context, statistics.median(one), steps))
+    return out
+
+
+def _fill(session: Session, filler: list[int], context: int) -> None:
+    """Make ``session``'s cache hold ``context`` tokens (``filler`` repeated; zero K/V)."""
+    cache = session.cache
+    cache.rewind(0)
+    cache.reserve(context + 64)
+    token = mx.array(filler[:1])
+    mx.eval(session.verifier.forward(token, mx.zeros((1,), mx.int32), None, cache))
+    ids = (filler * (context // max(len(filler), 1) + 1))[:context]
+    cache.commit(ids)
+
+
+def observed_tokens_per_step(result: SearchResult) -> dict[BeamShape, float]:
+    """Each measured shape's mean tokens/step over its runs."""
+    per: dict[BeamShape, list[float]] = {}
+    for o in result.observations:
+        per.setdefault(o.shape, []).append(o.tokens_per_step)
+    return {shape: statistics.fmean(v) for shape, v in per.items()}
+
+
 def profile_entry(
     runtime,
     result: SearchResult,
@@ -270,6 +355,8 @@ def profile_entry(
     max_tokens: int,
     temp: float = 0.0,
     prompts: str | None = None,
+    bands: ContextBands | None = None,
+    costs: Sequence[BandCosts] = (),
 ) -> dict:
 
     _, fp = runtime_identity(runtime)
@@ -294,4 +381,13 @@ def profile_entry(
         "prompts": prompts or "built-in",
         "tokens_per_second": round(result.estimates[result.best], 3),
         "table": table(result),
+        "bands": (bands or ContextBands.single(result.best)).to_json(),
+        "band_costs": [
+            {
+                "context": c.context,
+                "one_token_seconds": round(c.one_token, 5),
+                "step_seconds": {s.label: round(v, 5) for s, v in c.steps.items()},
+            }
+            for c in costs
+        ],
     }
