@@ -47,9 +47,9 @@ def test_a_resent_history_may_end_differently_but_only_in_its_last_tokens(new_se
     cache = PromptCache(new_session, max_sessions=4)
     prompt = [5 + i % 40 for i in range(3 * TAIL)]
     a = turn(cache, prompt)
-    assert cache.take([*prompt[:-TAIL], 60, 61]) is a  # the answer and the tail spelled anew
-    other = cache.take([*prompt[: -TAIL - 1], 60, 61])
+    other = cache.take([*prompt[: -TAIL - 1], 60, 61])  # one token more differs: not ``a``
     assert other is not a and len(cache.sessions) == 2
+    assert cache.take([*prompt[:-TAIL], 60, 61]) is a  # the answer and the tail spelled anew
 
 
 def test_a_short_prompt_is_not_extended_by_a_shared_first_token(new_session):

@@ -313,7 +313,7 @@ def context_costs(
     verifier = runtime.verifier
     room = (runtime.max_context or max(contexts)) - max(s.length for s in shapes) - 2
     session = Session(verifier, runtime.tokenizer, rt.decoding(runtime, shapes[0], temp=temp))
-    if session.cache.states is not None:
+    if session.sequence.states is not None:
         return []
     out = []
     for context in sorted({min(c, room) for c in contexts}):
@@ -328,14 +328,15 @@ def context_costs(
 
 
 def _fill(session: Session, filler: list[int], context: int) -> None:
-    """Make ``session``'s cache hold ``context`` tokens (``filler`` repeated; zero K/V)."""
-    cache = session.cache
-    cache.rewind(0)
-    cache.reserve(context + 64)
+    """Make ``session``'s sequence hold ``context`` tokens (``filler`` repeated): one token's
+    K/V is computed (each layer's buffers allocated), the rest stay zeros, which the next
+    forward's room covers."""
+    sequence = session.sequence
+    sequence.rewind(0)
     token = mx.array(filler[:1])
-    mx.eval(session.verifier.forward(token, mx.zeros((1,), mx.int32), None, cache))
+    mx.eval(session.verifier.forward(token, mx.zeros((1,), mx.int32), None, sequence))
     ids = (filler * (context // max(len(filler), 1) + 1))[:context]
-    cache.commit(ids)
+    sequence.commit(ids)
 
 
 def observed_tokens_per_step(result: SearchResult) -> dict[BeamShape, float]:
