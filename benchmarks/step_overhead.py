@@ -8,8 +8,9 @@ verifies a full W x L tree and accepts about nothing (the cost side only)::
     REDRAFTER_CPU_TUNING=0 .venv/bin/python benchmarks/step_overhead.py \\
         --out benchmarks/results/step_overhead.json
 
-It runs on the decode core before issue #31 (``Decoder.time_steps``) and after it
-(``tuning.measure.time_steps`` over a ``Session``), so the two can be compared on one machine.
+It runs on the decode core before issue #31 (``Decoder.time_steps``), after it and after issue
+#41 (``tuning.measure.time_steps`` over a ``Session``), so checkouts can be compared on one
+machine (``results/sequence/step_overhead_ab.sh BEFORE AFTER`` interleaves two).
 """
 
 from __future__ import annotations
