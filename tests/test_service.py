@@ -22,14 +22,16 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 def test_close_cancels_the_waiting_requests_and_lets_the_running_one_finish(target):
-    release = threading.Event()
+    taken, release = threading.Event(), threading.Event()
 
     def held() -> bool:  # asked before the job starts: holds the worker until released
+        taken.set()
         release.wait(30)
         return False
 
     service = tiny_service(target, queue_size=4)
     running = service.submit(Request(PROMPT, max_tokens=6), held)
+    assert taken.wait(30)  # the worker has the job: close() must not find it queued
     waiting = [service.submit(Request([40 + i, 41], max_tokens=6)) for i in range(2)]
     closing = threading.Thread(target=service.close)
     closing.start()

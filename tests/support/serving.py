@@ -51,9 +51,10 @@ def reference_tokens(target, prompt: list[int], max_tokens: int) -> list[int]:
     return [t for step in session.generate(prompt, max_tokens=max_tokens) for t in step.tokens]
 
 
-def run(job) -> tuple[list[int], str | None]:
-    job.start()
-    steps = list(job.steps())
+def run(job, timeout: float = 120) -> tuple[list[int], str | None]:
+    """A job's tokens and finish reason (queue.Empty when it is silent for ``timeout`` s)."""
+    job.start(timeout=timeout)
+    steps = list(job.steps(timeout=timeout))
     return [t for s in steps for t in s.tokens], steps[-1].finish_reason
 
 
