@@ -170,7 +170,9 @@ def split_attention(queries, keys, values, scale: float, mask: mx.array | None) 
     """
     _, heads, t, d = queries.shape
     kv_heads, cached = keys.shape[1], keys.shape[2] - t
-    if t > 4 * SMALL_ROWS:  # a prompt chunk: scores too many for exp2's passes to stay in cache
+    # a prompt chunk: scores too many for exp2's passes to stay in cache; a one-token step
+    # (no mask): one softmax costs less than the split's extra ops (in-process A/B, run 87)
+    if t > 4 * SMALL_ROWS or mask is None:
         return softmax_attention(queries, keys, values, scale, mask)
     rows = heads // kv_heads * t  # each K/V head's query group as rows
     grouped = (queries * (scale * LOG2_E)).reshape(1, kv_heads, rows, d)
