@@ -35,7 +35,10 @@ _VERSIONS = itertools.count()  # every change of any sequence gets a number of i
 
 
 class Part(Protocol):
-    """What a drafter keeps per sequence (its own K/V, say): committed and rewound with it."""
+    """What a drafter keeps per sequence (its own K/V, say): committed and rewound with it;
+    ``owner`` is the drafter that made it."""
+
+    owner: object
 
     def commit(self, ids: list[int]) -> None: ...
 
@@ -82,6 +85,13 @@ class Sequence:
         if self._index is None:
             self._index = NgramIndex(self._ids)
         return self._index
+
+    def part_of(self, owner) -> Part:
+        """The part ``owner`` (a drafter) keeps in this sequence."""
+        for part in self.parts:
+            if part.owner is owner:
+                return part
+        raise ValueError("this sequence was not made by a verifier of this drafter")
 
     def arrays(self) -> list[mx.array]:
         """Arrays to evaluate to materialise the sequence (what it holds in memory)."""
