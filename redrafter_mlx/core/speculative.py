@@ -75,7 +75,7 @@ def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
     path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
     emitted = emitted_logprobs(decoding, logits[result.path], path_tokens)
     drafting.observe(verifier.drafter, sequence, taps, result.path)
-    sequence.stage(None if tree.paths_in_place else result.path, result.last_node)
+    sequence.stage(None, result.last_node)  # the recurrent layers' state (lazily)
     timer.mark("compact", *sequence.arrays())
     reading = Reading(
         hidden[result.last_node],
@@ -90,6 +90,7 @@ def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
     timer.mark("draft")
     best, num_accepted, next_token = (int(x) for x in read[:3])
     root_and_accepted = beams[best, : num_accepted + 1].tolist()
+    sequence.stage(accepted_nodes(tree, best, num_accepted))
     sequence.commit(root_and_accepted)
     step = emitted.read(
         root_and_accepted[1:] + [next_token],
@@ -194,6 +195,15 @@ def with_lookup(state: TreeState) -> tuple[np.ndarray, np.ndarray | None]:
     if not len(beams):
         return np.full((1, 1), pending, np.int32), logprobs
     return beams, logprobs
+
+
+def accepted_nodes(tree: Tree, best: int, num_accepted: int) -> mx.array | None:
+    """The tree nodes of the root and the accepted tokens of beam ``best`` ``(n + 1,)``, to
+    move after the prefix; None when they already sit there (only the root accepted, or a
+    prefix of beam 0, whose nodes are numbered first). Known on the host after the step's
+    read, so the common steps queue no compaction at all."""
+    nodes = tree.unpack[best, : num_accepted + 1]
+    return None if (nodes == np.arange(num_accepted + 1)).all() else mx.array(nodes)
 
 
 def accepted_source(beams: np.ndarray, drafted: int, best: int, num_accepted: int) -> str | None:
