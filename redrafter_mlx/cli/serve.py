@@ -295,7 +295,7 @@ class Handler(BaseHTTPRequestHandler):
             app.limits.tools,
             call.tools,
             call.forced_call,
-            app.decode if call.kind == "text" else None,
+            app.decode,
             reasoning=app.limits.reasoning if call.kind != "text" else None,
             thinking=self.in_thought,
         )
