@@ -237,6 +237,21 @@ def test_messages_whole_streamed_and_stopped_equal_the_chat_answer(agents):
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
 
 
+def test_the_sdk_s_stream_reads_the_decoding_stats_from_message_delta(agents):
+    """``usage.redrafter`` reaches a streaming `anthropic` client on ``message_delta``, with
+    the keys a whole answer's has; the SDK's own final message copies only the usage fields
+    it knows from that event (anthropic 2.16's accumulator), so it has none: documented."""
+    client = anthropic_client(agents)
+    request = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi."}]}
+    whole = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        deltas = [event for event in stream if event.type == "message_delta"]
+        final = stream.get_final_message()
+    stats = deltas[-1].usage.redrafter
+    assert stats.keys() == whole.usage.redrafter.keys() and stats["steps"] >= 1
+    assert final.usage.output_tokens == deltas[-1].usage.output_tokens
+
+
 def test_messages_errors_are_in_anthropic_s_shape_and_count_tokens_counts(agents):
     import anthropic
 
