@@ -54,8 +54,9 @@ def test_a_resent_history_may_end_differently_but_only_in_its_last_tokens(new_se
 
 
 def test_a_prompt_differing_only_in_its_last_words_is_another_conversation(new_session):
-    """"Tell me about cats." after "Tell me about dogs.": the same length, all but the tail
-    shared, yet no answer and new turn follow: a session of its own, ``a``'s left intact."""
+    """A request like "Tell me about cats." after "Tell me about dogs.": the same length, all
+    but the tail shared, yet no answer and new turn follow: a session of its own, and ``a``'s
+    left intact."""
     cache = PromptCache(new_session, max_sessions=4)
     prompt = [5 + i % 40 for i in range(3 * TAIL)]
     a = turn(cache, prompt)

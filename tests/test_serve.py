@@ -135,7 +135,7 @@ def test_a_follow_up_whose_answer_changed_midway_resumes_near_there(target, fami
     nearest before them (checkpoints spread over the answer), not the prompt's end."""
     model = target if family == "llama" else build_config(config(family) | {"vocab_size": 64})
     service = tiny_service(model)
-    history = [5, 6, 7, 8, 9, 12]
+    history, previous = [5, 6, 7, 8, 9, 12], 0  # the last prompt's length
     for turn in range(3):
         job = service.submit(Request(history, max_tokens=12))
         started = job.start()

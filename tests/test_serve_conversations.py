@@ -39,7 +39,9 @@ def converse(served: Served, order: list[tuple[str, int]]) -> list[tuple]:
     """Run ``order``'s (topic, turn) requests -> per follow-up (topic, turn, prompt tokens,
     cached tokens, its previous prompt's tokens, whether the previous answer's text can
     carry its tokens)."""
-    histories = {topic: [{"role": "user", "content": f"Tell me about {topic}."}] for topic, _ in order}
+    histories = {
+        topic: [{"role": "user", "content": f"Tell me about {topic}."}] for topic, _ in order
+    }
     previous: dict[str, tuple[int, bool]] = {}
     follow_ups = []
     for topic, number in order:

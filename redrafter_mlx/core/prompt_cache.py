@@ -6,15 +6,15 @@ Agents and chat front ends interleave conversations (an agent and its sub-agent,
 with one cache every switch re-read the whole history. A request *extends* a session when it
 begins with that session's last prompt (but for a few tokens at its end): the answer that
 followed may come back spelled otherwise, since a client resends the answer's text, which the
-tokenizer need not split into the tokens generated (a SentencePiece answer's first space is
-dropped from its text; a random model's tokens rarely survive the round trip), and a template
-may end the answer differently. Where it shares less than the whole last prompt, a request
-extends it only when it is at least :data:`TAIL` tokens longer (an answer and a new turn
-follow): another conversation whose first message differs only in its last words is not a
-follow-up, and must not take (and rewind) the session of the one it resembles. Of the
-sessions a request extends, the one sharing most is taken. A request that extends none gets a fresh session while there is room, else the least
-recently used one's cache (rewound to the prefix it shares, if any: an agent's turn must not
-cost the conversation just used).
+tokenizer need not split into the tokens generated (a token that is only part of a character
+cannot come back; a random model's tokens often do not), and a template may end the answer
+differently. Where it shares less than the whole last prompt, a request extends it only when
+it is at least :data:`TAIL` tokens longer (an answer and a new turn follow): another
+conversation whose first message differs only in its last words is not a follow-up, and must
+not take (and rewind) the session of the one it resembles. Of the sessions a request extends,
+the one sharing most is taken. A request that extends none gets a fresh session while there
+is room, else the least recently used one's cache (rewound to the prefix it shares, if any: an
+agent's turn must not cost the conversation just used).
 """
 
 from __future__ import annotations
