@@ -253,7 +253,7 @@ def test_a_failing_setup_is_raised_by_start():
 
 
 def test_requests_are_checked_field_by_field():
-    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_completion
+    from redrafter_mlx.server.openai import ApiError, Limits, parse_chat, parse_completion
 
     limits = Limits(("m",), max_context=100, vocab_size=50)
     user = [{"role": "user", "content": "hi"}]
@@ -293,7 +293,7 @@ def test_requests_are_checked_field_by_field():
 def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
     """A 5000-digit integer made json.loads raise ValueError, 10**400 made math.isfinite raise
     OverflowError: both escaped as an empty reply. A 1001-character stop costs per-step work."""
-    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_json
+    from redrafter_mlx.server.openai import ApiError, Limits, parse_chat, parse_json
 
     limits = Limits(("m",), max_context=100, vocab_size=50)
     user = '"messages": [{"role": "user", "content": "hi"}]'
@@ -314,8 +314,8 @@ def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
 
 
 def test_a_temperature_too_small_to_sample_at_runs_at_the_greedy_shape():
-    from redrafter_mlx.cli.openai_api import Limits, parse_chat
     from redrafter_mlx.core.service import Sampling
+    from redrafter_mlx.server.openai import Limits, parse_chat
 
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e-40}
     sampling = parse_chat(body, Limits(("m",))).request.sampling

@@ -154,8 +154,8 @@ def test_an_answer_splits_text_and_calls_however_its_steps_cut_the_tags(tool_mod
     the same text and the same call every time (tags split across steps included)."""
     from mlx_lm.tokenizer_utils import load
 
-    from redrafter_mlx.cli.http_api import Answer
     from redrafter_mlx.io.templates import tool_format
+    from redrafter_mlx.server.protocol import Answer
 
     tokenizer = load(tool_model_path)
     rendered = tokenizer.apply_chat_template(
@@ -486,7 +486,7 @@ def pieces_of(text: str, seed: int) -> list[StepResponse]:
 def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
     """Qwen3 thinks between <think> tags, opened by the model or (Qwen3.5, thinking on) by
     the template's generation prompt: reasoning and text apart, whatever the cuts."""
-    from redrafter_mlx.cli.http_api import Answer
+    from redrafter_mlx.server.protocol import Answer
 
     text = THOUGHT.removeprefix("<think>") if opened else THOUGHT
     for seed in range(40):
@@ -500,12 +500,12 @@ def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
 
 
 def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
-    from redrafter_mlx.cli.anthropic_api import Anthropic
-    from redrafter_mlx.cli.http_api import Answer, Call, Outcome
-    from redrafter_mlx.cli.openai_api import OpenAI
-    from redrafter_mlx.cli.responses_api import Responses
     from redrafter_mlx.core.service import Request, Started
     from redrafter_mlx.core.stream import GenerationStats
+    from redrafter_mlx.server.anthropic import Anthropic
+    from redrafter_mlx.server.openai import OpenAI
+    from redrafter_mlx.server.protocol import Answer, Call, Outcome
+    from redrafter_mlx.server.responses import Responses
 
     started = Started(10, 0, None)
     apis = [
@@ -651,8 +651,8 @@ def test_each_family_s_calls_are_read_by_mlx_lm_s_parser_however_steps_cut_them(
     runs to the answer's end) through mlx-lm's own parsers."""
     import importlib
 
-    from redrafter_mlx.cli.http_api import Answer
     from redrafter_mlx.io.templates import ToolFormat
+    from redrafter_mlx.server.protocol import Answer
 
     parser = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
     fmt = ToolFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
@@ -674,11 +674,11 @@ def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_message
     a reasoning item left out; the custom call comes back as a custom_tool_call item."""
     import importlib
 
-    from redrafter_mlx.cli.http_api import Answer, Call, Limits, Outcome
-    from redrafter_mlx.cli.responses_api import Responses, parse_responses
     from redrafter_mlx.core.service import Started
     from redrafter_mlx.core.stream import GenerationStats
     from redrafter_mlx.io.templates import ToolFormat
+    from redrafter_mlx.server.protocol import Answer, Call, Limits, Outcome
+    from redrafter_mlx.server.responses import Responses, parse_responses
 
     parser = importlib.import_module("mlx_lm.tool_parsers.json_tools")
     limits = Limits(("m",), tools=ToolFormat("<tool_call>", "</tool_call>", parser.parse_tool_call))
@@ -784,8 +784,8 @@ def test_llama3_s_bare_json_calls_are_read_from_its_template_s_own_rendering(
 
     from mlx_lm.tokenizer_utils import load
 
-    from redrafter_mlx.cli.http_api import Answer
     from redrafter_mlx.io.templates import apply_chat_template, tool_format
+    from redrafter_mlx.server.protocol import Answer
 
     shutil.copytree(tool_model_path, tmp_path / "llama3")
     config_file = tmp_path / "llama3" / "tokenizer_config.json"
