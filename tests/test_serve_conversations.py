@@ -11,6 +11,7 @@ from support.serving import Served, serving
 
 from redrafter_mlx.io.demo import write_demo_model
 
+pytestmark = pytest.mark.slow  # a real server per family (about 30 s here)
 TOPICS = ["cats", "the sea", "trains", "bread", "music", "rain"]
 ANSWER_TOKENS = 24  # noise to the budget: longer than the template's tail
 
