@@ -130,6 +130,7 @@ class Sequence:
         self._ids.extend(ids)
         if self.states is not None:
             self.states.commit()
+            self.states.checkpoint(self.offset)  # an answer's follow-up may come back to here
         if self._index is not None:
             self._index.extend(ids)
         for part in self.parts:
@@ -148,7 +149,7 @@ class Sequence:
         """Whether :meth:`rewind` can cut back to ``length`` tokens."""
         if self.states is None or length == self.offset:
             return True
-        return 0 <= length < self.offset and length in self.states.snapshots
+        return 0 <= length < self.offset and length in self.states.kept
 
     def rewind(self, length: int) -> None:
         """Cut back to the first ``length`` committed tokens (every part with them).
@@ -159,7 +160,7 @@ class Sequence:
         if not self.rewindable(length):
             raise ValueError(
                 f"cannot rewind to {length} tokens: recurrent layers keep their state only at "
-                f"{sorted(self.states.snapshots)}"
+                f"{self.states.kept}"
             )
         if self.states is not None:
             self.states.restore(length)
@@ -175,11 +176,11 @@ class Sequence:
         can be rewound to, keeping at least one of ``ids`` to feed (its hidden state predicts
         the next token) -> ``(reused, reread)``: ``ids[reused:]`` is what to feed, and
         ``reread`` of those were cached but must be fed again (recurrent layers keep their
-        state only at snapshots)."""
+        state only at some offsets: :attr:`StateStore.kept`)."""
         shared = max(min(self.shared_prefix(ids), len(ids) - 1), 0)
         reused = shared
         if self.states is not None:  # the latest state held at or before that
-            reused = max(n for n in (*self.states.snapshots, self.offset) if n <= shared)
+            reused = max(n for n in (*self.states.kept, self.offset) if n <= shared)
         self.rewind(reused)
         return reused, shared - reused
 
