@@ -4,6 +4,8 @@ band choice from measured step costs, and the session's per-answer pick."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from support import make_runtime, toy_tokenizer
@@ -107,10 +109,32 @@ def test_follow_context_installs_a_profiles_bands_only_for_a_profiles_shape(runt
     entry = {"shape": [1, 2, 0.0, 0, 1], "bands": bands.to_json(), "fingerprint": fp}
     profiles.save_profile(key, entry)
     decoding = Decoding(Mode.REDRAFTER, W1L2, greedy)
-    for source, follows in (("autotune profile", True), ("flags", False), ("default", False)):
+    for source, follows in (("autotune profile", True), ("flags", False)):
         session = Session(runtime.verifier, None, decoding, warm=False)
         assert (profiles.follow_context(session, runtime, source) == bands) is follows
         assert (session.by_context is not None) is follows
+
+
+def test_the_default_shape_decodes_plainly_from_the_plans_plain_from(runtime):
+    """No profile: the plan's default shape below ``plain_from``, plain decoding from there;
+    a plan without one keeps the shape at every length, and flags are never overridden."""
+    decoding = Decoding(Mode.REDRAFTER, W1L2, greedy)
+    warmed = []
+    verifier = SimpleNamespace(warm_up=warmed.append)
+    with_cut = SimpleNamespace(plan=replace(runtime.plan, plain_from=300), verifier=verifier)
+    session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+    bands = profiles.follow_context(session, with_cut, "default")
+    assert bands == ContextBands(((0, W1L2), (300, None)))
+    assert session.decoding_at(299) is decoding
+    assert session.decoding_at(300).mode is Mode.AUTOREGRESSIVE
+    assert warmed == [session.decoding_at(300)]
+    responses = list(session.generate(list(range(5, 40)) * 10, max_tokens=4))  # 350 tokens
+    assert set(responses[-1].stats.tree_sizes) <= {1}
+    for plan, source in ((replace(runtime.plan, plain_from=None), "default"), (None, "flags")):
+        plain = SimpleNamespace(plan=plan or with_cut.plan, verifier=verifier)
+        session = Session(runtime.verifier, None, decoding, warm=False)
+        assert profiles.follow_context(session, plain, source) is None
+        assert session.by_context is None
 
 
 def test_context_costs_time_each_shape_and_a_token_at_each_length(runtime):
