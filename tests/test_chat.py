@@ -753,6 +753,26 @@ def test_an_answer_cut_by_max_tokens_says_so_in_its_stats_line(looping, capsys):
     assert "cut at" not in capsys.readouterr().err
 
 
+def test_an_answer_its_context_band_decodes_plainly_says_so_in_its_stats_line(looping, capsys):
+    """With bands (the default's plain_from, a profile's), a long conversation's answers decode
+    one token per step: the stats line says so instead of naming the session's shape."""
+    from redrafter_mlx.tuning.profiles import ContextBands, decoding_by_context
+
+    model, beam = looping
+    chat = small_session(model, beam, max_tokens=5)
+    inner = chat.session
+    bands = ContextBands(((0, inner.decoding.shape), (12, None)))
+    inner.by_context = decoding_by_context(bands, inner.decoding, inner.verifier.warm_up)
+    ui = chat_ui(chat)
+    ui.answer("abc")  # a short first prompt: the shape
+    assert not chat.last.plain_here and "plain decoding" not in capsys.readouterr().err
+    ui.answer("defg")  # the conversation has passed 12 tokens: plain
+    err = capsys.readouterr().err
+    assert chat.last.plain_here and chat.last.stats.tokens_per_step == 1.0
+    assert "tokens/step · plain decoding at this context length · " in err
+    assert "accepted:" not in err
+
+
 def test_ctrl_c_at_the_prompt_cancels_the_line_and_says_how_to_leave(looping, monkeypatch):
     """It ended the chat silently (exit 0, the conversation lost)."""
     model, beam = looping

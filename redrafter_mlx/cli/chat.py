@@ -220,6 +220,9 @@ class Turn:
     dropped_turns: int = 0  # oldest turns dropped to fit the context
     stats: GenerationStats | None = None
     finish_reason: str | None = None  # None when interrupted
+    # the session speculates but this answer decoded plainly: its context length's band says
+    # so (the default's plain_from, or an autotune profile's bands)
+    plain_here: bool = False
 
 
 class ChatSession:
@@ -309,6 +312,9 @@ class ChatSession:
         ``on_prompt(read, total)`` is called between prompt chunks with the new prompt tokens
         read so far and their number (e.g. :class:`PromptProgress`)."""
         ids, turn = self.prepare(user_text)
+        turn.plain_here = self.mode.speculative and not (
+            self.session.decoding_at(len(ids)).mode.speculative
+        )
         self.last = turn
         parts: list[str] = []
         between_chunks = None
@@ -568,14 +574,15 @@ class ChatUI:
             )
         # else a cut answer reads like one that ended itself
         cut = " (cut at --max-tokens)" if turn.finish_reason == "length" else ""
+        mode = "plain decoding at this context length" if turn.plain_here else self.mode()
         line = (
             f"{stats.generation_tokens} tokens{cut} · {stats.generation_tps:.1f} tok/s · "
-            f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
+            f"{stats.tokens_per_step:.2f} tokens/step · {mode} · "
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
         if turn.reread_tokens:  # a recurrent state cannot be cut back to any token
             line += f" ({turn.reread_tokens} re-read: recurrent state is kept at turn ends)"
-        if self.lookup_on():  # what the lookup beams add, next to the drafter's share
+        if self.lookup_on() and not turn.plain_here:  # the lookup beams' share, the drafter's
             drafted = self.session.mode.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
         self.note(line)
