@@ -141,3 +141,37 @@ def test_context_costs_time_each_shape_and_a_token_at_each_length(runtime):
     costs = search.context_costs(runtime, [W1L2, W2L4], [64, 256, 5000], list(range(3, 40)), reps=1)
     assert [c.context for c in costs] == [64, 256, 600 - 4 - 2]  # cut to the model's context
     assert all(c.one_token > 0 and set(c.steps) == {W1L2, W2L4} for c in costs)
+
+
+def test_generate_answers_past_plain_from_plainly_and_says_so(target, drafter, monkeypatch, capsys):
+    """`generate` with the default shape: a prompt shorter than the plan's plain_from
+    speculates, a longer one decodes plainly (the same tokens), and its header says why."""
+    from redrafter_mlx.backend.plan import build_verifier, plan_for
+    from redrafter_mlx.cli import generate
+    from redrafter_mlx.io import runtime as rt
+
+    plan = replace(plan_for(), plain_from=100)
+    beam = BeamDrafter(drafter, target.model.embed_tokens)
+    verifier = build_verifier(target, beam, plan=plan, max_context=600)
+    config = {"max_position_embeddings": 600}
+    runtime = rt.Runtime(verifier.model, toy_tokenizer(), config, beam, "tiny", None, verifier)
+    monkeypatch.setattr(rt, "load_runtime", lambda *a, **k: runtime)
+    got = {}
+    for length in (50, 150):
+        prompt = [5 + i % 30 for i in range(length)]
+        monkeypatch.setattr(rt, "encode_chat", lambda runtime, messages, p=prompt: p)
+        for extra in (["--json"], []):
+            argv = ["--prompt", "hi", "--max-tokens", "6", *extra]
+            generate.main(generate.setup_arg_parser().parse_args(argv))
+            got[length, bool(extra)] = capsys.readouterr()
+    short, long = (json.loads(got[n, True].out) for n in (50, 150))
+    assert short["mode"] == "redrafter" and long["mode"] == "autoregressive"
+    assert "plain from this context length: default" in got[150, False].err
+    assert "plain from" not in got[50, False].err
+    assert long["tokens"] == generate_plainly(runtime, [5 + i % 30 for i in range(150)], 6)
+
+
+def generate_plainly(runtime, prompt: list[int], max_tokens: int) -> list[int]:
+    decoding = Decoding(Mode.AUTOREGRESSIVE, W1L2, greedy)
+    session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+    return [t for r in session.generate(prompt, max_tokens=max_tokens) for t in r.tokens]
