@@ -35,13 +35,13 @@ from redrafter_mlx.tuning.measure import environment  # noqa: E402
 
 
 def filled_cache(verifier, context: int):
-    """A cache holding ``context`` committed (zero) tokens' K/V."""
-    cache = verifier.new_cache()
-    cache.reserve(context + 64)
-    mx.eval(verifier.forward(mx.zeros((1,), mx.int32), mx.zeros((1,), mx.int32), None, cache))
-    mx.eval(cache.state())
-    cache.commit([0] * context)
-    return cache
+    """A sequence holding ``context`` committed tokens: one token's K/V computed (each layer's
+    buffers allocated), the rest zeros, which the next forward's room covers (as autotune's
+    band timing fills it)."""
+    sequence = verifier.new_sequence()
+    mx.eval(verifier.forward(mx.zeros((1,), mx.int32), mx.zeros((1,), mx.int32), None, sequence))
+    sequence.commit([0] * context)
+    return sequence
 
 
 def chain_tree(size: int):

@@ -1,7 +1,9 @@
-"""Tokens/s against context length: ReDrafter at the chosen shape, our plain decoding and
-mlx-lm's generate, interleaved, on summarisation requests over the project's own docs.
+"""Tokens/s against context length: the default decoding (what ``generate`` and ``chat`` run:
+the shape per context band, plain decoding where no shape pays), ReDrafter at that shape at
+every length, our plain decoding and mlx-lm's generate, interleaved, on summarisation
+requests over the project's own docs.
 
-For each context length (prompt tokens, chat template included) the three methods answer the
+For each context length (prompt tokens, chat template included) the methods answer the
 same prompt ``--repetitions`` times in rotated order; figures are medians. Each method pays
 for the prompt once (its first answer: prefill tokens/s and the time to the first token);
 later answers reuse the cached prompt (ours: the session's prefix reuse; mlx-lm: its prompt
@@ -32,12 +34,12 @@ from redrafter_mlx.core.session import Session  # noqa: E402
 from redrafter_mlx.core.shape import BeamShape  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
-from redrafter_mlx.tuning.profiles import resolve_shape  # noqa: E402
+from redrafter_mlx.tuning.profiles import follow_context, resolve_shape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 ASK = "Summarise the following documentation in five short bullet points.\n\n"
-REDRAFTER, AUTOREGRESSIVE, MLX_LM = "redrafter", "autoregressive", "mlx-lm"
+DEFAULT, REDRAFTER, AUTOREGRESSIVE, MLX_LM = "default", "redrafter", "autoregressive", "mlx-lm"
 
 
 def docs_prompt(runtime, length: int) -> list[int]:
@@ -113,13 +115,16 @@ class MlxLm:
         }
 
 
-def run_length(runtime, length: int, shape: BeamShape, args) -> dict:
+def run_length(runtime, length: int, shape: BeamShape, source: str, args) -> dict:
     prompt = docs_prompt(runtime, length)
     ours_ar = rt.decoding(runtime, shape, mode=Mode.AUTOREGRESSIVE)
     ours_rd = rt.decoding(runtime, shape)
     ours = Ours(runtime, ours_rd)
+    follow_context(ours.session, runtime, source)  # the bands generate and chat follow
+    ours_default = ours.session.decoding_at(len(prompt))
     mlx = MlxLm(runtime)
     methods = {
+        DEFAULT: lambda: ours.answer(prompt, ours_default, args.max_tokens),
         REDRAFTER: lambda: ours.answer(prompt, ours_rd, args.max_tokens),
         AUTOREGRESSIVE: lambda: ours.answer(prompt, ours_ar, args.max_tokens),
         MLX_LM: lambda: mlx.answer(prompt, args.max_tokens),
@@ -127,7 +132,7 @@ def run_length(runtime, length: int, shape: BeamShape, args) -> dict:
     names = list(methods)
     runs = {name: [] for name in names}
     for rep in range(args.repetitions + 1):  # rep 0 pays for the prompts and warms up
-        order = names[rep % 3 :] + names[: rep % 3]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             runs[name].append(methods[name]())
             r = runs[name][-1]
@@ -137,7 +142,10 @@ def run_length(runtime, length: int, shape: BeamShape, args) -> dict:
                 file=sys.stderr,
                 flush=True,
             )
-    return summarize(prompt, runs)
+    row = summarize(prompt, runs)
+    speculates = ours_default.mode.speculative
+    row["default_decoding"] = ours_default.shape.label if speculates else "plain"
+    return row
 
 
 def summarize(prompt: list[int], runs: dict) -> dict:
@@ -147,11 +155,13 @@ def summarize(prompt: list[int], runs: dict) -> dict:
     reference = timed[AUTOREGRESSIVE][0]["tokens"]
     row = {
         "prompt_tokens": len(prompt),
-        "exact": all(r["tokens"] == reference for r in timed[REDRAFTER] + timed[AUTOREGRESSIVE]),
+        "exact": all(
+            r["tokens"] == reference for name in (DEFAULT, REDRAFTER) for r in timed[name]
+        ),
         "mlx_lm_same_tokens": all(r["tokens"] == reference for r in timed[MLX_LM]),
         "methods": {},
     }
-    ours_first = max((runs[REDRAFTER][0], runs[AUTOREGRESSIVE][0]), key=_fed)
+    ours_first = max((runs[name][0] for name in runs if name != MLX_LM), key=_fed)
     ar = statistics.median(r["tps"] for r in timed[AUTOREGRESSIVE])
     for name, rs in timed.items():
         first = runs[MLX_LM][0] if name == MLX_LM else ours_first
@@ -199,11 +209,13 @@ def main() -> None:
     print(f"shape {shape.describe()} ({source})", file=sys.stderr)
     rows = {}
     for length in (int(x) for x in args.lengths.split(",")):
-        rows[length] = run_length(runtime, length, shape, args)
+        rows[length] = run_length(runtime, length, shape, source, args)
         mx.clear_cache()
         m = rows[length]["methods"]
         print(
-            f"{rows[length]['prompt_tokens']:5d} tokens: ReDrafter {m[REDRAFTER]['tps']:.2f} "
+            f"{rows[length]['prompt_tokens']:5d} tokens: default "
+            f"({rows[length]['default_decoding']}) {m[DEFAULT]['tps']:.2f} "
+            f"({m[DEFAULT]['x_autoregressive']:.2f}x), ReDrafter {m[REDRAFTER]['tps']:.2f} "
             f"({m[REDRAFTER]['x_autoregressive']:.2f}x, {m[REDRAFTER]['tokens_per_step']:.2f} "
             f"tok/step), AR {m[AUTOREGRESSIVE]['tps']:.2f}, mlx-lm {m[MLX_LM]['tps']:.2f} tok/s; "
             f"prefill ours {m[AUTOREGRESSIVE]['prefill_tps']:.0f}, mlx-lm "

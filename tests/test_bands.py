@@ -4,6 +4,8 @@ band choice from measured step costs, and the session's per-answer pick."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from support import make_runtime, toy_tokenizer
@@ -107,13 +109,69 @@ def test_follow_context_installs_a_profiles_bands_only_for_a_profiles_shape(runt
     entry = {"shape": [1, 2, 0.0, 0, 1], "bands": bands.to_json(), "fingerprint": fp}
     profiles.save_profile(key, entry)
     decoding = Decoding(Mode.REDRAFTER, W1L2, greedy)
-    for source, follows in (("autotune profile", True), ("flags", False), ("default", False)):
+    for source, follows in (("autotune profile", True), ("flags", False)):
         session = Session(runtime.verifier, None, decoding, warm=False)
         assert (profiles.follow_context(session, runtime, source) == bands) is follows
         assert (session.by_context is not None) is follows
+
+
+def test_the_default_shape_decodes_plainly_from_the_plans_plain_from(runtime):
+    """No profile: the plan's default shape below ``plain_from``, plain decoding from there;
+    a plan without one keeps the shape at every length, and flags are never overridden."""
+    decoding = Decoding(Mode.REDRAFTER, W1L2, greedy)
+    warmed = []
+    verifier = SimpleNamespace(warm_up=warmed.append)
+    with_cut = SimpleNamespace(plan=replace(runtime.plan, plain_from=300), verifier=verifier)
+    session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+    bands = profiles.follow_context(session, with_cut, "default")
+    assert bands == ContextBands(((0, W1L2), (300, None)))
+    assert session.decoding_at(299) is decoding
+    assert session.decoding_at(300).mode is Mode.AUTOREGRESSIVE
+    assert warmed == [session.decoding_at(300)]
+    responses = list(session.generate(list(range(5, 40)) * 10, max_tokens=4))  # 350 tokens
+    assert set(responses[-1].stats.tree_sizes) <= {1}
+    for plan, source in ((replace(runtime.plan, plain_from=None), "default"), (None, "flags")):
+        plain = SimpleNamespace(plan=plan or with_cut.plan, verifier=verifier)
+        session = Session(runtime.verifier, None, decoding, warm=False)
+        assert profiles.follow_context(session, plain, source) is None
+        assert session.by_context is None
 
 
 def test_context_costs_time_each_shape_and_a_token_at_each_length(runtime):
     costs = search.context_costs(runtime, [W1L2, W2L4], [64, 256, 5000], list(range(3, 40)), reps=1)
     assert [c.context for c in costs] == [64, 256, 600 - 4 - 2]  # cut to the model's context
     assert all(c.one_token > 0 and set(c.steps) == {W1L2, W2L4} for c in costs)
+
+
+def test_generate_answers_past_plain_from_plainly_and_says_so(target, drafter, monkeypatch, capsys):
+    """`generate` with the default shape: a prompt shorter than the plan's plain_from
+    speculates, a longer one decodes plainly (the same tokens), and its header says why."""
+    from redrafter_mlx.backend.plan import build_verifier, plan_for
+    from redrafter_mlx.cli import generate
+    from redrafter_mlx.io import runtime as rt
+
+    plan = replace(plan_for(), plain_from=100)
+    beam = BeamDrafter(drafter, target.model.embed_tokens)
+    verifier = build_verifier(target, beam, plan=plan, max_context=600)
+    config = {"max_position_embeddings": 600}
+    runtime = rt.Runtime(verifier.model, toy_tokenizer(), config, beam, "tiny", None, verifier)
+    monkeypatch.setattr(rt, "load_runtime", lambda *a, **k: runtime)
+    got = {}
+    for length in (50, 150):
+        prompt = [5 + i % 30 for i in range(length)]
+        monkeypatch.setattr(rt, "encode_chat", lambda runtime, messages, p=prompt: p)
+        for extra in (["--json"], []):
+            argv = ["--prompt", "hi", "--max-tokens", "6", *extra]
+            generate.main(generate.setup_arg_parser().parse_args(argv))
+            got[length, bool(extra)] = capsys.readouterr()
+    short, long = (json.loads(got[n, True].out) for n in (50, 150))
+    assert short["mode"] == "redrafter" and long["mode"] == "autoregressive"
+    assert "plain from this context length: default" in got[150, False].err
+    assert "plain from" not in got[50, False].err
+    assert long["tokens"] == generate_plainly(runtime, [5 + i % 30 for i in range(150)], 6)
+
+
+def generate_plainly(runtime, prompt: list[int], max_tokens: int) -> list[int]:
+    decoding = Decoding(Mode.AUTOREGRESSIVE, W1L2, greedy)
+    session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+    return [t for r in session.generate(prompt, max_tokens=max_tokens) for t in r.tokens]

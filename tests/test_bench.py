@@ -83,6 +83,19 @@ def test_result_fields(result):
     assert rows["autoregressive"]["speedup_vs_autoregressive"] == pytest.approx(1.0)
     headers = [c.header for c in bench.results_table(result).columns]
     assert "x stock" not in headers and "x mlx-lm" in headers  # no kernel: no stock baseline
+    assert all(row["time_to_first_token_s"] > 0 for row in rows.values())
+
+
+def test_long_prompts_get_a_time_to_first_token_column(result):
+    """Short prompts: no column (the JSON and CSV hold it); a median prompt of 1,024 tokens
+    or more: the column, each method's median seconds to its first token."""
+    assert "TTFT s" not in [c.header for c in bench.results_table(result).columns]
+    long = result | {"settings": result["settings"] | {"prompt_tokens": [900, 1024, 5000]}}
+    table = bench.results_table(long)
+    headers = [c.header for c in table.columns]
+    cells = list(table.columns[headers.index("TTFT s")].cells)
+    expected = [f"{row['time_to_first_token_s']:.2f}" for row in result["results"]]
+    assert cells == expected
 
 
 def test_writes_json_csv_and_plots(result, tmp_path):

@@ -418,6 +418,40 @@ def test_piped_chat_keeps_one_output_line_per_input_line(target, capsys):
     assert "cannot answer" in err
 
 
+def test_a_long_prompt_reports_its_reading_between_chunks_and_a_short_one_shows_nothing(
+    target, capsys, monkeypatch
+):
+    """``on_prompt`` hears the new tokens read so far after each prompt chunk (8 tokens here);
+    the chat's progress line shows once reading has taken PROMPT_NOTE_AFTER seconds."""
+    from redrafter_mlx.backend.plan import GENERIC_PLAN
+    from redrafter_mlx.cli import chat as chat_cli
+    from redrafter_mlx.cli.chat import ChatOptions, ChatUI
+
+    plan = replace(GENERIC_PLAN, prefill_chunk=8)
+    chat = session(target, max_tokens=2, plan=plan)
+    heard = []
+    ask_long = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20"
+    answer = "".join(r.text for r in chat.reply(ask_long, on_prompt=lambda *x: heard.append(x)))
+    total = chat.last.prompt_tokens
+    assert total > 16 and heard == [(n, total) for n in range(8, total, 8)]
+    assert answer == fresh_answer(target, chat.messages[:1], 2)
+    runtime = SimpleNamespace(model_id="tiny", drafter_id=None)
+    for after, shown in ((1e9, False), (0.0, True)):
+        monkeypatch.setattr(chat_cli, "PROMPT_NOTE_AFTER", after)
+        ui = ChatUI(
+            session(target, max_tokens=2, plan=plan),
+            runtime,
+            ChatOptions(),
+            "default",
+            interactive=False,
+        )
+        ui.answer(ask_long)
+        err = capsys.readouterr().err
+        assert ("reading the prompt" in err) is shown
+        if shown:
+            assert f"reading the prompt ({total} tokens): 8/{total}" in err
+
+
 def test_a_ctrl_c_whose_exception_is_swallowed_still_stops_the_answer(target, capsys):
     """The chat's SIGINT handler remembers the interrupt: when code between two tokens swallows
     the KeyboardInterrupt, the answer stops at the next token and keeps what was shown."""
@@ -717,6 +751,26 @@ def test_an_answer_cut_by_max_tokens_says_so_in_its_stats_line(looping, capsys):
     assert "5 tokens (cut at --max-tokens) · " in err
     ui.report(Turn(stats=GenerationStats(generation_tokens=3), finish_reason="stop"))
     assert "cut at" not in capsys.readouterr().err
+
+
+def test_an_answer_its_context_band_decodes_plainly_says_so_in_its_stats_line(looping, capsys):
+    """With bands (the default's plain_from, a profile's), a long conversation's answers decode
+    one token per step: the stats line says so instead of naming the session's shape."""
+    from redrafter_mlx.tuning.profiles import ContextBands, decoding_by_context
+
+    model, beam = looping
+    chat = small_session(model, beam, max_tokens=5)
+    inner = chat.session
+    bands = ContextBands(((0, inner.decoding.shape), (12, None)))
+    inner.by_context = decoding_by_context(bands, inner.decoding, inner.verifier.warm_up)
+    ui = chat_ui(chat)
+    ui.answer("abc")  # a short first prompt: the shape
+    assert not chat.last.plain_here and "plain decoding" not in capsys.readouterr().err
+    ui.answer("defg")  # the conversation has passed 12 tokens: plain
+    err = capsys.readouterr().err
+    assert chat.last.plain_here and chat.last.stats.tokens_per_step == 1.0
+    assert "tokens/step · plain decoding at this context length · " in err
+    assert "accepted:" not in err
 
 
 def test_ctrl_c_at_the_prompt_cancels_the_line_and_says_how_to_leave(looping, monkeypatch):

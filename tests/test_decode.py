@@ -87,13 +87,15 @@ def test_greedy_equals_autoregressive(
     assert got == expected
 
 
+@pytest.mark.parametrize("length", [700, 2100])
 @pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
-def test_greedy_equals_autoregressive_after_a_long_prompt(target, beam_drafter, plan):
-    """After 700 prompt tokens (two prefill chunks on the CPU plan; every tree attends to the
-    whole cached prefix unmasked there, and to itself under its mask) greedy output with
-    drafted and lookup beams is the autoregressive output, and so is the plan's own plain
-    decoding."""
-    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 64, size=700)]
+def test_greedy_equals_autoregressive_after_a_long_prompt(target, beam_drafter, plan, length):
+    """After 700 and 2,100 prompt tokens (two and five prefill chunks on the CPU plan; every
+    tree attends to the whole cached prefix unmasked there, and to itself under its mask;
+    2,100 is past the CPU plan's ``plain_from``, where a profile's or a flag's shape still
+    speculates) greedy output with drafted and lookup beams is the autoregressive output,
+    and so is the plan's own plain decoding."""
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 64, size=length)]
     expected = autoregressive(target, prompt, 32)
     steps = run_steps(target, prompt, beam_drafter, BeamShape(2, 3, lookup=1), plan=plan)
     assert take(steps, 32)[0] == expected

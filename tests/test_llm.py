@@ -161,7 +161,7 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
 
 
-@pytest.mark.parametrize("cached", [0, 5, 700])
+@pytest.mark.parametrize("cached", [0, 5, 700, 2100])
 @pytest.mark.parametrize("t", [1, 3, 16, 40])
 def test_split_attention_equals_masked_attention(t, cached):
     """The CPU's attention (grouped query heads, the cached prefix unmasked and the new block

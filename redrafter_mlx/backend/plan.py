@@ -24,7 +24,10 @@ from redrafter_mlx.core.shape import BeamShape
 # overlaps graph building; a 16-row verify costs less than a 9..15-row one; W1 L2 with one
 # prompt-lookup beam is the fastest shape autotune found here (on its held-out prompts, run
 # 67). A drafter pass costs more than a host read here, so a floored search stops early;
-# MLX's CPU float16 matmuls are slow, so the drafter stays float32.
+# MLX's CPU float16 matmuls are slow, so the drafter stays float32. From 2,048 tokens of
+# context that shape's 3-node tree costs 1.5-2x a one-token step while summaries got 1.5-1.9
+# tokens/step: it ran 0.74-1.28x plain decoding at 2K, 0.79-1.07x at 4K, 0.80-0.87x at 8K
+# (1.20-1.26x at 0.5K-1K; runs 82-84, 88), so without a profile answers there decode plainly.
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -36,6 +39,7 @@ CPU_PLAN = Plan(
     draft_early_stop=True,
     drafter_float32=True,
     default_shape=BeamShape(width=1, length=2, lookup=1),
+    plain_from=2048,
 )
 GENERIC_PLAN = Plan()
 

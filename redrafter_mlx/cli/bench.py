@@ -54,6 +54,7 @@ CSV_FIELDS = (
     "generation_tps_p75",
     "rep_spread",
     "prompt_tps",
+    "time_to_first_token_s",
     "speedup_vs_mlx-lm",
     "speedup_vs_mlx-lm_median_of_ratios",
     "speedup_vs_mlx-lm-stock",
@@ -325,6 +326,7 @@ def results_table(result: dict):
         f"{Path(env['model']).name}"
     )
     stock = any("speedup_vs_mlx-lm-stock" in row for row in result["results"])
+    ttft = long_prompts(result)
     for col in (
         "method",
         "tok/s",
@@ -332,6 +334,7 @@ def results_table(result: dict):
         "x mlx-lm",
         *(["x stock"] if stock else []),
         "x AR",
+        *(["TTFT s"] if ttft else []),
         "tok/step",
         "from d/l/b",
         "tree",
@@ -349,6 +352,7 @@ def results_table(result: dict):
             _fmt(row.get("speedup_vs_mlx-lm"), "{:.2f}x"),
             *([_fmt(row.get("speedup_vs_mlx-lm-stock"), "{:.2f}x")] if stock else []),
             _fmt(row.get("speedup_vs_autoregressive"), "{:.2f}x"),
+            *([_fmt(row.get("time_to_first_token_s"), "{:.2f}")] if ttft else []),
             f"{row['tokens_per_step']:.2f}",
             sources_cell(row.get("accepted_from")),
             _fmt(row.get("mean_tree_size"), "{:.1f}"),
@@ -358,6 +362,17 @@ def results_table(result: dict):
             _fmt(row.get("exact"), "{}"),
         )
     return table
+
+
+# Prompts from this many tokens (median) on get a time-to-first-token column: there a prompt's
+# prefill takes seconds (JSON and CSV hold it always)
+LONG_PROMPT = 1024
+
+
+def long_prompts(result: dict) -> bool:
+    """Whether the benchmark's prompts were long (median token count >= LONG_PROMPT)."""
+    lengths = result["settings"].get("prompt_tokens") or [0]
+    return float(np.median(lengths)) >= LONG_PROMPT
 
 
 def category_table(per_category: dict[str, list[dict]]):

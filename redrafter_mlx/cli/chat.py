@@ -20,6 +20,7 @@ import json
 import math
 import signal
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from redrafter_mlx.cli import flags, sharding
+from redrafter_mlx.cli.progress import progress
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.distributed import MirroredSession, session_for
@@ -218,6 +220,9 @@ class Turn:
     dropped_turns: int = 0  # oldest turns dropped to fit the context
     stats: GenerationStats | None = None
     finish_reason: str | None = None  # None when interrupted
+    # the session speculates but this answer decoded plainly: its context length's band says
+    # so (the default's plain_from, or an autotune profile's bands)
+    plain_here: bool = False
 
 
 class ChatSession:
@@ -299,14 +304,30 @@ class ChatSession:
         fed = len(self.session.prepare(ids))
         return ids, Turn(fed, len(ids) - fed, self.session.reread, dropped)
 
-    def reply(self, user_text: str) -> Iterator[StepResponse]:
+    def reply(
+        self, user_text: str, on_prompt: Callable[[int, int], None] | None = None
+    ) -> Iterator[StepResponse]:
         """Answer ``user_text``, streaming responses. Closing the generator early (Ctrl-C) keeps
-        the partial answer in the conversation. ``self.last`` describes the turn."""
+        the partial answer in the conversation. ``self.last`` describes the turn.
+        ``on_prompt(read, total)`` is called between prompt chunks with the new prompt tokens
+        read so far and their number (e.g. :class:`PromptProgress`)."""
         ids, turn = self.prepare(user_text)
+        turn.plain_here = self.mode.speculative and not (
+            self.session.decoding_at(len(ids)).mode.speculative
+        )
         self.last = turn
         parts: list[str] = []
+        between_chunks = None
+        if on_prompt is not None:
+            cached = len(ids) - turn.prompt_tokens
+
+            def between_chunks() -> bool:  # asked whether to cancel: never, but it reports
+                on_prompt(self.session.sequence.offset - cached, turn.prompt_tokens)
+                return False
+
+        answer = self.session.generate(ids, max_tokens=self.max_tokens, cancelled=between_chunks)
         try:
-            for response in self.session.generate(ids, max_tokens=self.max_tokens):
+            for response in answer:
                 parts.append(response.text)
                 turn.stats, turn.finish_reason = response.stats, response.finish_reason
                 yield response
@@ -314,6 +335,43 @@ class ChatSession:
             self.messages.append({"role": "assistant", "content": "".join(parts)})
             if turn.stats is not None:
                 self.totals.add(turn.stats, turn.reused_tokens)
+
+
+# A prompt whose reading takes longer than this (seconds) gets a progress line
+PROMPT_NOTE_AFTER = 1.0
+
+
+class PromptProgress:
+    """How much of a long prompt has been read, on stderr (:func:`cli.progress.progress`: a
+    transient bar on a terminal, a plain line into a pipe), from when reading it has taken
+    :data:`PROMPT_NOTE_AFTER` seconds; prompts read faster show nothing. Called between prompt
+    chunks (``ChatSession.reply``'s ``on_prompt``); :meth:`close` before the answer shows."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.start = time.perf_counter()
+        self.bar = None
+        self.task = 0
+        self.read = 0
+
+    def __call__(self, read: int, total: int) -> None:
+        if self.bar is None:
+            if time.perf_counter() - self.start < PROMPT_NOTE_AFTER:
+                return
+            self.bar = progress(self.console).__enter__()
+            self.task = self.bar.add_task(f"reading the prompt ({total} tokens)", total=total)
+            if hasattr(self.bar, "line"):  # plain lines: the first one now, not in 15 s
+                self.bar.update(self.task, advance=read)
+                print(self.bar.line(self.task), file=sys.stderr, flush=True)
+                self.read = read
+                return
+        self.bar.update(self.task, advance=read - self.read)
+        self.read = read
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
 
 
 def save_conversation(path: Path, record: dict) -> None:
@@ -459,26 +517,32 @@ class ChatUI:
                 self.note(LEAVE_HINT)
 
     def answer(self, text: str) -> None:
-        """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text."""
-        responses = self.session.reply(text)
+        """Stream one answer, then its stats line; Ctrl-C stops it and keeps the partial text.
+        A long prompt shows a progress line while it is read."""
+        reading = PromptProgress(self.err)
+        responses = self.session.reply(text, on_prompt=reading)
         shown = False
         self.ctrl_c.pending = False
         try:
             for response in responses:
+                reading.close()
                 self.show(response.text)
                 shown = True
                 if self.ctrl_c.pending:  # a Ctrl-C whose exception something swallowed
                     raise KeyboardInterrupt
         except ContextFull as e:
+            reading.close()
             if shown or not self.interactive:  # piped: still one output line per input line
                 self.end_answer()
             self.note(f"cannot answer: {e}. Shorten the message or lower --max-tokens.", "bold red")
             return
         except KeyboardInterrupt:
+            reading.close()
             responses.close()
             self.end_answer()
             self.note("[interrupted: the partial answer stays in the conversation]", "yellow")
         else:
+            reading.close()
             self.end_answer()
         self.report(self.session.last)
 
@@ -510,14 +574,15 @@ class ChatUI:
             )
         # else a cut answer reads like one that ended itself
         cut = " (cut at --max-tokens)" if turn.finish_reason == "length" else ""
+        mode = "plain decoding at this context length" if turn.plain_here else self.mode()
         line = (
             f"{stats.generation_tokens} tokens{cut} · {stats.generation_tps:.1f} tok/s · "
-            f"{stats.tokens_per_step:.2f} tokens/step · {self.mode()} · "
+            f"{stats.tokens_per_step:.2f} tokens/step · {mode} · "
             f"prompt {turn.prompt_tokens} new + {turn.reused_tokens} cached"
         )
         if turn.reread_tokens:  # a recurrent state cannot be cut back to any token
             line += f" ({turn.reread_tokens} re-read: recurrent state is kept at turn ends)"
-        if self.lookup_on():  # what the lookup beams add, next to the drafter's share
+        if self.lookup_on() and not turn.plain_here:  # the lookup beams' share, the drafter's
             drafted = self.session.mode.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
         self.note(line)

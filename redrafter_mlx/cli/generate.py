@@ -102,8 +102,14 @@ def main(args: argparse.Namespace) -> None:
         ids = rt.encode_chat(runtime, messages + [{"role": "user", "content": prompt}])
     if runtime.max_context and len(ids) >= runtime.max_context:
         fail(f"prompt is {len(ids)} tokens; the model's context is {runtime.max_context}")
+    # the prompt's context band may decode plainly (the plan's plain_from, a profile's bands)
+    plain_here = mode.speculative and not session.decoding_at(len(ids)).mode.speculative
+    if plain_here:
+        mode = session.decoding_at(len(ids)).mode
     if not args.json:
         note = f" ({source})" if mode.speculative else ""
+        if plain_here:
+            note = f" (plain from this context length: {source})"
         if ignored := flags.ignored_when_autoregressive(args):
             note += f" (ignored: {', '.join(ignored)})"
         timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""

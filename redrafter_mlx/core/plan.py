@@ -38,3 +38,7 @@ class Plan:
     drafter_float32: bool = False
     # The beam shape when no autotune profile or flag gives one.
     default_shape: BeamShape = BeamShape(width=2, length=4)
+    # With that default shape: the context length (tokens before the answer) from which an
+    # answer decodes plainly, one token per step, because a verified tree's attention over a
+    # long cache costs more than its drafts save; None: the default shape at every length.
+    plain_from: int | None = None

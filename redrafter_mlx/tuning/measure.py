@@ -467,6 +467,8 @@ def summarize_method(
         "prompt_tps": statistics.median(r.prompt_tokens / max(r.prompt_seconds, 1e-9) for r in runs)
         if runs
         else 0.0,
+        # a fresh session per run: the whole prompt's prefill (and, speculating, first drafts)
+        "time_to_first_token_s": statistics.median(r.prompt_seconds for r in runs) if runs else 0.0,
         "tokens_per_step": tokens_per_step(hist, steps),
         "accept_histogram": {str(k): hist[k] for k in sorted(hist)},
         "accepted_from": _accepted_from(runs) if method.shape else None,

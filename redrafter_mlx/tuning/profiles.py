@@ -310,13 +310,28 @@ def decoding_by_context(
     return pick
 
 
+def default_bands(plan, shape: BeamShape) -> ContextBands:
+    """The bands of a decoding with no profile: ``shape`` (the plan's default) up to the
+    plan's ``plain_from``, plain decoding from there (one band where the plan has none)."""
+    if plan.plain_from is None:
+        return ContextBands.single(shape)
+    return ContextBands(((0, shape), (plan.plain_from, None)))
+
+
 def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> ContextBands | None:
-    """Let ``session`` pick each answer's shape by its context length from the autotune
-    profile's bands, when its shape came from that profile (not from flags) and it speculates;
-    returns the bands it follows (None: one decoding for every answer, as before)."""
-    if not source.startswith("autotune profile") or not session.decoding.mode.speculative:
+    """Let ``session`` pick each answer's shape by its context length when it speculates with
+    a shape no flag chose: the autotune profile's bands for the profile's shape, the plan's
+    :func:`default_bands` for the default shape (plain decoding at long contexts, where a tree
+    costs more than it saves). Returns the bands it follows (None: one decoding for every
+    answer)."""
+    if not session.decoding.mode.speculative:
         return None
-    bands = lookup_bands(runtime, temp=temp)
+    if source.startswith("autotune profile"):
+        bands = lookup_bands(runtime, temp=temp)
+    elif source == "default":
+        bands = default_bands(runtime.plan, session.decoding.shape)
+    else:
+        return None
     if bands is None or bands == ContextBands.single(session.decoding.shape):
         return None
     session.by_context = decoding_by_context(bands, session.decoding, runtime.verifier.warm_up)
