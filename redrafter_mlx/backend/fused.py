@@ -19,9 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
+from redrafter_mlx.core.joint import JointView
 from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.sequence import View
+from redrafter_mlx.core.tree import verified_size
 
 GENERIC = Plan()
 
@@ -342,6 +344,48 @@ class FusedForward(Forward):
             if every and (i + 1) % every == 0 and i + 1 < len(layers):
                 mx.async_eval(h)  # start computing while Python builds the next layers
         return model.model.norm(h)[0]
+
+    def run_joint(self, tokens: mx.array, joint: JointView, compiled: bool) -> mx.array:
+        """The joint forward (:mod:`~redrafter_mlx.core.joint`): the compiled halves once
+        over all N rows (padded to the plan's next tree size, a shape traced at warm-up),
+        attention per segment against its own sequence's cache, as that sequence's own
+        forward runs it -> hidden ``(N, H)``."""
+        plan, model, n = self.plan, self.model, tokens.shape[0]
+        small = compiled and n <= plan.compiled_max_rows
+        rows = verified_size(n, plan.tree_sizes) if small else n
+        positions = joint.positions
+        if rows > n:  # padding rows: token 0 at position 0, attending to nothing
+            tokens = mx.concatenate([tokens, mx.zeros((rows - n,), tokens.dtype)])
+            positions = mx.concatenate([positions, mx.zeros((rows - n,), positions.dtype)])
+        h = model.model.embed_tokens(tokens)[None]
+        before, after = (self.layers.before, self.layers.after) if small else self.eager
+        layers = model.model.layers
+        tables = None
+        if self.shared_rope:
+            tables = rope_tables(layers[0].self_attn, positions, self.dtype)
+        rope_args = tables or (positions,)
+        for i, layer in enumerate(layers):
+            queries, keys, values = before[i](h, *rope_args)
+            out = self._joint_attention(i, layer, joint, queries, keys, values, rows - n)
+            h = after[i](h, out)
+            joint.record(i, h)
+            if plan.async_layers and (i + 1) % plan.async_layers == 0 and i + 1 < len(layers):
+                mx.async_eval(h)
+        return model.model.norm(h)[0, :n]
+
+    def _joint_attention(self, i, layer, joint: JointView, queries, keys, values, padding: int):
+        """Each segment's attention ``(1, heads, T_i, D)`` over its own sequence, side by
+        side, then zeros for the padding rows -> ``(1, heads, N', D)``."""
+        scale, grouped = layer.self_attn.scale, self.plan.grouped_attention
+        outs = []
+        for view, (start, stop) in zip(joint.views, joint.bounds, strict=True):
+            k, v = view.write(i, keys[:, :, start:stop], values[:, :, start:stop])
+            q = queries[:, :, start:stop]
+            outs.append(attention(q, k, v, scale, view.mask, grouped))
+        if padding:
+            b, heads, _, d = queries.shape
+            outs.append(mx.zeros((b, heads, padding, d), queries.dtype))
+        return mx.concatenate(outs, axis=2)
 
 
 def _rope_key(rope: nn.Module) -> tuple:
