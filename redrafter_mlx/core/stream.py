@@ -194,13 +194,15 @@ def stream_steps(
         yield from _stream_steps(steps, tokenizer, len(prompt), max_tokens, stop_strings)
 
 
-def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
+def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings, began=None):
+    """:func:`stream_steps` over ``steps``; ``began``: when the prompt began (a
+    ``time.perf_counter()``; None: now)."""
     stats = GenerationStats(prompt_tokens=prompt_tokens)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     eos = set(tokenizer.eos_token_ids)
     mx.reset_peak_memory()
-    tic = time.perf_counter()
+    tic = time.perf_counter() if began is None else began
     first = True
     shown = 0  # characters of the text already returned
     while True:
@@ -237,6 +239,20 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
         if reason is not None:
             steps.close()
             return
+
+
+def responses(
+    steps: Iterator[Step],
+    tokenizer,
+    prompt_tokens: int,
+    *,
+    max_tokens: int = 256,
+    stop_strings: tuple[str, ...] = (),
+    began: float | None = None,
+) -> Iterator[StepResponse]:
+    """:func:`stream_steps`' responses over steps from elsewhere (a batch's): the prefill's
+    first step (where it emits one) first, then one per decode step."""
+    return _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings, began)
 
 
 def apply_stops(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], str | None]:
