@@ -541,6 +541,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="requests that may wait behind the running one; more get 503 (default: 8)",
     )
     parser.add_argument(
+        "--max-batch",
+        type=flags.at_least(1),
+        default=MAX_BATCH,
+        help="requests answered at once, their decode steps batched into one forward; 1 "
+        f"answers one at a time (default: {MAX_BATCH})",
+    )
+    parser.add_argument(
         "--prompt-cache-size",
         type=flags.at_least(1),
         default=4,
@@ -675,6 +682,7 @@ def main(args: argparse.Namespace) -> None:
         queue_size=args.queue_size,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        max_batch=args.max_batch,
     )
     engine = start_or_exit(service)
     checks = limits(args, loaded.runtime)
