@@ -70,6 +70,7 @@ EXAMPLES = """examples:
 """
 
 MAX_BODY_BYTES = 4 << 20  # a 128k-token conversation is about 0.5 MB of text
+MAX_BATCH = 8  # requests answered at once by default (benchmarks/README.md: run 88 (#45))
 DRAIN_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 arrives
 RETRY_AFTER_SECONDS = 1
 
