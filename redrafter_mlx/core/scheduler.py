@@ -237,3 +237,52 @@ def warm_up(verifier) -> None:
         if 1 < size <= plan.compiled_max_rows:
             tokens, positions = mx.zeros((size,), mx.int32), mx.arange(size)
             mx.eval(verifier.forward(tokens, positions, chain_mask(0, size), sequence))
+
+
+def answer_together(
+    verifier,
+    tokenizer,
+    prompts: list[list[int]],
+    decoding,
+    *,
+    max_tokens: list[int],
+    stop_strings: tuple[str, ...] = (),
+) -> list[list[StepResponse]]:
+    """Each prompt's answer (its responses, one per step), all answered at once: each prompt
+    prefilled in turn, then every unfinished answer stepped together
+    (:func:`~redrafter_mlx.core.batch.batch_step`) until all have ended."""
+    answers: list[list[StepResponse]] = [[] for _ in prompts]
+    running: list[tuple[int, Member, Feed, Iterator[StepResponse]]] = []
+    for i, (prompt, budget) in enumerate(zip(prompts, max_tokens, strict=True)):
+        began, feed = time.perf_counter(), Feed()
+        state, first = verifier.prefill(verifier.new_sequence(), prompt, decoding)
+        stream = responses(
+            feed,
+            tokenizer,
+            len(prompt),
+            max_tokens=budget,
+            stop_strings=stop_strings,
+            began=began,
+        )
+        running.append((i, Member(state), feed, stream))
+        if first is not None and _answer(answers[i], feed, stream, first):
+            running.pop()
+    while running:
+        results = batch_step(verifier, [member for _, member, _, _ in running])
+        running = [
+            entry
+            for entry, result in zip(running, results, strict=True)
+            if not _answer(answers[entry[0]], entry[2], entry[3], result)
+        ]
+    return answers
+
+
+def _answer(answer: list, feed: Feed, stream: Iterator[StepResponse], result) -> bool:
+    """Hand one step to an answer's responses -> whether the answer has ended."""
+    feed.push(result)
+    response = next(stream)
+    answer.append(response)
+    if response.finish_reason is not None:
+        stream.close()
+        return True
+    return False
