@@ -116,6 +116,17 @@ def _shape(model: Model | nn.Module, overrides: dict, temp: float) -> BeamShape:
     return BeamShape(**{**default.__dict__, **given})
 
 
+def _overrides(width, length, min_prob, search_width, lookup) -> dict:
+    """The shape keywords as :class:`BeamShape` fields (None: not given)."""
+    return {
+        "width": width,
+        "length": length,
+        "min_prob": min_prob,
+        "search_width": search_width,
+        "lookup": lookup,
+    }
+
+
 def _decoding(model, verifier: Verifier, overrides: dict, sampler, autoregressive, logprobs):
     """The decoding of a call's keywords: the shape (:func:`_shape`), the mode, the sampler."""
     shape = _shape(model, overrides, temperature(sampler))
@@ -169,13 +180,7 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     verifier = _verifier(model, drafter)
-    overrides = {
-        "width": beam_width,
-        "length": beam_length,
-        "min_prob": min_prob,
-        "search_width": search_width,
-        "lookup": lookup,
-    }
+    overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
     decoding = _decoding(model, verifier, overrides, sampler, autoregressive, logprobs)
     session = Session(verifier, tokenizer, decoding, seed=seed)
     steps = session.generate(
@@ -274,13 +279,7 @@ def batch_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     verifier = _verifier(model, drafter)
-    overrides = {
-        "width": beam_width,
-        "length": beam_length,
-        "min_prob": min_prob,
-        "search_width": search_width,
-        "lookup": lookup,
-    }
+    overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
     decoding = _decoding(model, verifier, overrides, sampler, autoregressive, False)
     verifier.warm_up(decoding)
     if seed is not None:

@@ -322,41 +322,41 @@ class FusedForward(Forward):
         self.dtype = compute_dtype(self.model)
 
     def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
-        plan, model, mask, positions = self.plan, self.model, view.mask, view.positions
+        plan, mask = self.plan, view.mask
         if isinstance(mask, str):
             mask = chain_mask(view.offset, tokens.shape[0])
-        h = model.model.embed_tokens(tokens)[None]
         small = compiled and tokens.shape[0] <= plan.compiled_max_rows
-        before, after = (self.layers.before, self.layers.after) if small else self.eager
-        layers = model.model.layers
-        tables = None
-        if self.shared_rope:
-            tables = rope_tables(layers[0].self_attn, positions, self.dtype)
-        rope_args = tables or (positions,)
-        every = plan.async_layers
-        for i, layer in enumerate(layers):
-            queries, keys, values = before[i](h, *rope_args)
+
+        def attend(i, layer, queries, keys, values):
             keys, values = view.write(i, keys, values)
             scale = layer.self_attn.scale
-            out = attention(queries, keys, values, scale, mask, plan.grouped_attention)
-            h = after[i](h, out)
-            view.record(i, h)
-            if every and (i + 1) % every == 0 and i + 1 < len(layers):
-                mx.async_eval(h)  # start computing while Python builds the next layers
-        return model.model.norm(h)[0]
+            return attention(queries, keys, values, scale, mask, plan.grouped_attention)
+
+        return self._layers(tokens, view.positions, small, attend, view.record)
 
     def run_joint(self, tokens: mx.array, joint: JointView, compiled: bool) -> mx.array:
         """The joint forward (:mod:`~redrafter_mlx.core.joint`): the compiled halves once
         over all N rows (padded to the plan's next tree size, a shape traced at warm-up),
         attention per segment against its own sequence's cache, as that sequence's own
         forward runs it -> hidden ``(N, H)``."""
-        plan, model, n = self.plan, self.model, tokens.shape[0]
+        plan, n = self.plan, tokens.shape[0]
         small = compiled and n <= plan.compiled_max_rows
         rows = verified_size(n, plan.tree_sizes) if small else n
         positions = joint.positions
         if rows > n:  # padding rows: token 0 at position 0, attending to nothing
             tokens = mx.concatenate([tokens, mx.zeros((rows - n,), tokens.dtype)])
             positions = mx.concatenate([positions, mx.zeros((rows - n,), positions.dtype)])
+
+        def attend(i, layer, queries, keys, values):
+            return self._joint_attention(i, layer, joint, queries, keys, values, rows - n)
+
+        return self._layers(tokens, positions, small, attend, joint.record)[:n]
+
+    def _layers(self, tokens, positions, small: bool, attend, record) -> mx.array:
+        """The layers over ``tokens (T,)`` at ``positions (T,)`` -> final-norm hidden
+        ``(T, H)``: compiled halves (``small``) or eager ones around ``attend(i, layer,
+        queries, keys, values)``, each layer's output handed to ``record``."""
+        model, every = self.model, self.plan.async_layers
         h = model.model.embed_tokens(tokens)[None]
         before, after = (self.layers.before, self.layers.after) if small else self.eager
         layers = model.model.layers
@@ -366,12 +366,11 @@ class FusedForward(Forward):
         rope_args = tables or (positions,)
         for i, layer in enumerate(layers):
             queries, keys, values = before[i](h, *rope_args)
-            out = self._joint_attention(i, layer, joint, queries, keys, values, rows - n)
-            h = after[i](h, out)
-            joint.record(i, h)
-            if plan.async_layers and (i + 1) % plan.async_layers == 0 and i + 1 < len(layers):
-                mx.async_eval(h)
-        return model.model.norm(h)[0, :n]
+            h = after[i](h, attend(i, layer, queries, keys, values))
+            record(i, h)
+            if every and (i + 1) % every == 0 and i + 1 < len(layers):
+                mx.async_eval(h)  # start computing while Python builds the next layers
+        return model.model.norm(h)[0]
 
     def _joint_attention(self, i, layer, joint: JointView, queries, keys, values, padding: int):
         """Each segment's attention ``(1, heads, T_i, D)`` over its own sequence, side by
