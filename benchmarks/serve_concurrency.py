@@ -8,8 +8,9 @@ Each round sends the same ``--requests`` greedy chat requests (MT-Bench first tu
 answer ends; the servers take turns round by round (c = 1, then 2, ...; the server order
 rotates each concurrency level). Per round: aggregate output tokens/s (all completion tokens
 over the round's wall time), median and p95 request latency, median and p95 time to first
-token (the first content chunk), and whether each answer's text equals the same server's
-answer at c = 1. Only one server computes at a time; the others idle.
+token (the first content chunk), and how many answers' texts equal the same server's answers
+at the first concurrency level, and each other server's there. Only one server computes at a
+time; the others idle.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve_concurrency.py \\
         --out benchmarks/results/serve_concurrency.json
@@ -196,12 +197,17 @@ def main() -> None:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
-    for by_clients in rounds.values():
-        alone = by_clients[args.clients[0]]["texts"]
+    first = {name: by_clients[args.clients[0]]["texts"] for name, by_clients in rounds.items()}
+    for name, by_clients in rounds.items():
         for figures in by_clients.values():
+            texts = figures.pop("texts")
             figures["same_texts_as_alone"] = sum(
-                a == b for a, b in zip(figures.pop("texts"), alone, strict=True)
+                a == b for a, b in zip(texts, first[name], strict=True)
             )
+            figures["same_texts_as"] = {
+                other: sum(a == b for a, b in zip(texts, theirs, strict=True))
+                for other, theirs in first.items()
+            }
     report = {
         "environment": environment(),
         "args": vars(args) | {"out": str(args.out)},

@@ -19,6 +19,7 @@ from redrafter_mlx.core.service import Request, Sampling
 from redrafter_mlx.core.shape import BeamShape
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3, 3]]
+LONG = [[10, 11, 11], [14, 39, 3]]  # the tiny target's greedy answers: 300 tokens, no EOS
 
 
 def mixed_decodings(beams):
@@ -181,3 +182,25 @@ def test_a_cancelled_member_leaves_and_the_batch_goes_on(target, drafter):
         service.close()
     assert leaving.outcome == "cancelled"
     assert reason == "length" and len(tokens) == 30
+
+
+def test_past_max_batch_requests_wait_in_the_queue_and_past_it_are_refused(target, drafter):
+    from redrafter_mlx.core.service import QueueFull
+
+    service = tiny_service(target, drafter, max_batch=2, queue_size=1)
+    try:
+        running = []
+        for prompt in LONG:  # one place in the queue: each taken up before the next
+            running.append(service.submit(Request(prompt, max_tokens=300)))
+            running[-1].start(timeout=60)
+        waiting = service.submit(Request(PROMPTS[2], max_tokens=4))
+        assert service.waiting == 1
+        with pytest.raises(QueueFull):
+            service.submit(Request(PROMPTS[3], max_tokens=4))
+        for job in running:
+            job.cancel()
+        tokens, reason = run(waiting)
+    finally:
+        service.close()
+    assert reason == "length" and len(tokens) == 4
+    assert [job.outcome for job in running] == ["cancelled", "cancelled"]
