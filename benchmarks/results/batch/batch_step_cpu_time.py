@@ -43,26 +43,29 @@ def main() -> None:
     def members(decoding):
         return [Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0]) for p in prompts]
 
-    def cpu_ms(step, group) -> float:
+    def cpu_ms(step, group) -> tuple[float, float]:
+        """Median CPU ms of ``step(group)`` and the tokens it emitted per call (mean)."""
         for _ in range(3):
             step(group)
-        times = []
+        times, tokens = [], 0
         for _ in range(15):
             tic = time.process_time()
-            step(group)
+            tokens += step(group)
             times.append(time.process_time() - tic)
-        return statistics.median(times) * 1e3
+        return statistics.median(times) * 1e3, tokens / 15
 
-    def one_by_one(group):
-        for member in group:
-            batch_step(verifier, [member])
+    def together(group) -> int:
+        return sum(len(step.tokens) for step in batch_step(verifier, group))
+
+    def one_by_one(group) -> int:
+        return sum(len(batch_step(verifier, [member])[0].tokens) for member in group)
 
     for name, decoding in modes.items():
-        together = cpu_ms(lambda group: batch_step(verifier, group), members(decoding))
-        alone = cpu_ms(one_by_one, members(decoding))
+        batched, emitted = cpu_ms(together, members(decoding))
+        alone, emitted_alone = cpu_ms(one_by_one, members(decoding))
         print(
-            f"{name}: batch of {batch} {together:.1f} ms, {batch} single steps {alone:.1f} ms, "
-            f"{alone / together:.2f}x"
+            f"{name}: batch of {batch} {batched:.1f} ms ({emitted:.2f} tokens), {batch} single "
+            f"steps {alone:.1f} ms ({emitted_alone:.2f} tokens), {alone / batched:.2f}x"
         )
 
 
