@@ -123,7 +123,7 @@ autotune: setup
 lint: setup
 	$(VENV)/bin/ruff check redrafter_mlx tests benchmarks
 	$(VENV)/bin/ruff format --check redrafter_mlx tests benchmarks
-	@# The layers contract in pyproject.toml: cli | api > tuning | training > io > backend > core.
+	@# The layers contract in pyproject.toml: cli | api > server > tuning | training > io > backend > core.
 	$(VENV)/bin/lint-imports
 
 format: setup

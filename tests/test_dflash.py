@@ -13,6 +13,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from support import run_steps
+from support.drafters import (
+    assert_same_arrays,
+    generate_with_folder,
+    greedy_equals_autoregressive,
+    second_token_pvalue,
+    second_turn,
+)
 from support.families import build
 
 from redrafter_mlx.core.dflash import best_first
@@ -162,25 +169,14 @@ def test_a_dflash_drafter_for_another_target_is_refused_in_one_line(tmp_path, qw
         load_dflash(dflash_folder(tmp_path / "narrow", hidden=32), qwen3)
 
 
-def tokens_of(steps, n):
-    out = []
-    for step in steps:
-        out += step.tokens
-        if len(out) >= n:
-            return out[:n]
-    return out
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize(
     "shape", [BeamShape(1, 4), BeamShape(6, 5), BeamShape(8, 6, lookup=1)], ids=str
 )
 def test_greedy_with_dflash_equals_autoregressive(tmp_path, family, shape):
     target = build(family)
-    drafter = load_dflash(dflash_folder(tmp_path / "d"), target)
-    prompt = [5, 17, 33, 2, 41, 8]
-    assert tokens_of(run_steps(target, prompt, drafter, shape), 40) == tokens_of(
-        run_steps(target, prompt), 40
+    assert greedy_equals_autoregressive(
+        target, load_dflash(dflash_folder(tmp_path / "d"), target), shape
     )
 
 
@@ -197,55 +193,18 @@ def test_one_host_read_per_step_with_dflash(tmp_path, qwen3, monkeypatch):
 
 
 def test_sampling_with_dflash_keeps_the_targets_distribution(tmp_path, qwen3):
-    from scipy.stats import chisquare
-
-    from redrafter_mlx.core.accept import make_sampler
-
     drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
-    prompt, runs = [5, 17, 33], 300
-    first = np.array(mx.softmax(qwen3(mx.array([prompt]))[0, -1]), np.float64)
-    second = np.array(
-        mx.softmax(qwen3(mx.array([prompt + [t] for t in range(VOCAB)]))[:, -1], axis=-1),
-        np.float64,
-    )
-    probs = first @ second
-    probs /= probs.sum()
-    counts, accepted = np.zeros(VOCAB), 0
-    for seed in range(runs):
-        mx.random.seed(seed)
-        # 40 beams of one draft: 40 distinct first drafts, so many steps accept one
-        steps = run_steps(qwen3, prompt, drafter, BeamShape(40, 2), make_sampler(1.0))
-        next(steps)
-        step = next(steps)
-        counts[step.tokens[0]] += 1
-        accepted += len(step.tokens) > 1
-    assert accepted >= runs // 5  # the drafts were tested, not just the target's own draws
-    keep = probs * runs >= 5
-    assert keep.sum() >= 3  # the test tells tokens apart
-    observed = np.append(counts[keep], counts[~keep].sum())
-    assert chisquare(observed, np.append(probs[keep], probs[~keep].sum()) * runs).pvalue > 1e-3
+    assert second_token_pvalue(qwen3, drafter, VOCAB, temp=1.0) > 1e-3
 
 
 def test_generate_with_a_dflash_folder_says_so(tmp_path, capsys):
-    from support import shared_data
-    from support.families import model_folder
+    def make(vocab):
+        folder = dflash_folder(tmp_path / "dflash", mask=vocab - 1)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+        return folder
 
-    from redrafter_mlx.cli import main
-
-    model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    folder = dflash_folder(tmp_path / "dflash", mask=vocab - 1)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
-    base = ["generate", "--model", str(model), "--prompt", "Hi there", "--max-tokens", "16"]
-    capsys.readouterr()
-    main([*base, "--autoregressive", "--json"])
-    want = json.loads(capsys.readouterr().out)
-    main([*base, "--drafter", str(folder), "--beam-width", "6", "--beam-length", "4", "--json"])
-    got = json.loads(capsys.readouterr().out)
-    assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
-    main([*base, "--drafter", str(folder), "--beam-width", "4", "--beam-length", "3"])
-    assert f"drafter: {folder} (type DFlash; --drafter, given)" in capsys.readouterr().err
+    generate_with_folder(tmp_path, capsys, make, [BeamShape(6, 4), BeamShape(4, 3)], "DFlash")
 
 
 def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
@@ -285,22 +244,10 @@ def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3
 def test_a_reused_prefix_leaves_the_context_as_a_fresh_prompt_does(tmp_path, qwen3):
     """A second turn rewinds the drafter's context with the sequence and feeds the rest: the
     same context K/V as the whole conversation fed at once (to float error)."""
-    from support import decoding_of, verifier_for
-
     drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
-    verifier = verifier_for(qwen3, drafter)
-    decoding = decoding_of(drafter, BeamShape(6, 4))
-    sequence = verifier.new_sequence()
-    state, _ = verifier.prefill(sequence, [5, 17, 33, 2], decoding)
-    for _ in range(4):
-        state, _ = verifier.step(state)
-    turn = [*sequence.ids[:-2], 7, 8, 9]
-    reused, _ = sequence.reuse_prefix(turn)
-    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
-    fresh = verifier.new_sequence()
-    once, _ = verifier.prefill(fresh, turn, decoding)
-    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    turn, ours, theirs, again, once = second_turn(
+        qwen3, drafter, BeamShape(6, 4), 4, lambda ids: [*ids[:-2], 7, 8, 9]
+    )
     assert ours.length == theirs.length == len(turn)
-    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
-        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert_same_arrays(ours, theirs)
     assert (again.pending, again.drafted.tolist()) == (once.pending, once.drafted.tolist())

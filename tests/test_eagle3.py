@@ -17,9 +17,15 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from support import run_steps
+from support.drafters import (
+    assert_same_arrays,
+    generate_with_folder,
+    greedy_equals_autoregressive,
+    second_token_pvalue,
+    second_turn,
+)
 from support.families import build
 
-from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.llm import embedding
@@ -252,49 +258,14 @@ SHAPES = [BeamShape(1, 4), BeamShape(3, 4), BeamShape(4, 5, search_width=8)]
 def test_greedy_with_eagle3_equals_autoregressive(tmp_path, family, shape):
     target = build(family)
     drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), target)
-    prompt = [5, 17, 33, 2, 41, 8]
-    expected = tokens_of(run_steps(target, prompt), 40)
-    got = tokens_of(run_steps(target, prompt, drafter, shape), 40)
-    assert got == expected
-
-
-def tokens_of(steps, n):
-    out = []
-    for step in steps:
-        out += step.tokens
-        if len(out) >= n:
-            return out[:n]
-    return out
+    assert greedy_equals_autoregressive(target, drafter, shape)
 
 
 def test_sampling_with_eagle3_keeps_the_targets_distribution(tmp_path, qwen3):
-    """The drafter's proposals are not the target's; the second emitted token (the first a
-    step emits, where drafts are accepted or not) must still follow the target's marginal
-    ``sum_t1 p(t1) p(t2 | t1)`` (a chi-square test over 300 answers)."""
-    from scipy.stats import chisquare
-
+    """The drafter's proposals are not the target's; the second emitted token must still
+    follow the target's marginal (a chi-square test over 300 answers)."""
     drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), qwen3)
-    prompt, temp, runs = [5, 17, 33], 1.0, 300
-    first = np.array(mx.softmax(qwen3(mx.array([prompt]))[0, -1] / temp))
-    pairs = mx.array([prompt + [t] for t in range(VOCAB)])
-    second = np.array(mx.softmax(qwen3(pairs)[:, -1] / temp, axis=-1))
-    probs = first.astype(np.float64) @ second.astype(np.float64)
-    probs /= probs.sum()
-    counts, accepted = np.zeros(VOCAB), 0
-    for seed in range(runs):
-        mx.random.seed(seed)
-        # 40 beams of one draft: 40 distinct first drafts, so many steps accept one
-        steps = run_steps(qwen3, prompt, drafter, BeamShape(40, 2), make_sampler(temp))
-        next(steps)
-        step = next(steps)
-        counts[step.tokens[0]] += 1
-        accepted += len(step.tokens) > 1
-    assert accepted >= runs // 5  # the drafts were tested, not just the target's own draws
-    keep = probs * runs >= 5
-    assert keep.sum() >= 3  # the test tells tokens apart
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expected = np.append(probs[keep], probs[~keep].sum()) * runs
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert second_token_pvalue(qwen3, drafter, VOCAB, temp=1.0) > 1e-3
 
 
 def test_one_host_read_per_step_with_eagle3(tmp_path, qwen3, monkeypatch):
@@ -312,47 +283,23 @@ def test_a_reused_prefix_leaves_the_drafter_as_a_fresh_prompt_does(tmp_path, qwe
     """A second turn reuses the first's K/V: the drafter's part is rewound and caught up to
     what feeding the whole conversation at once gives it (tree- and chain-computed target
     states agree to float error)."""
-    from support import decoding_of, verifier_for
-
     drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), qwen3)
-    verifier = verifier_for(qwen3, drafter)
-    decoding = decoding_of(drafter, BeamShape(3, 4))
-    sequence = verifier.new_sequence()
-    state, _ = verifier.prefill(sequence, [5, 17, 33, 2], decoding)
-    for _ in range(4):
-        state, _ = verifier.step(state)
-    turn = [*sequence.ids[:-2], 7, 8, 9]  # the next prompt shares all but the last 2 ids
-    reused, _ = sequence.reuse_prefix(turn)
-    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
-    fresh = verifier.new_sequence()
-    once, _ = verifier.prefill(fresh, turn, decoding)
-    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    # the next prompt shares all but the last 2 ids
+    turn, ours, theirs, again, once = second_turn(
+        qwen3, drafter, BeamShape(3, 4), 4, lambda ids: [*ids[:-2], 7, 8, 9]
+    )
     assert (
         (ours.length, ours.entries) == (theirs.length, theirs.entries) == (len(turn), len(turn) - 1)
     )
-    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
-        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert_same_arrays(ours, theirs)
     assert again.pending == once.pending
 
 
 def test_generate_with_an_eagle3_folder_says_so_and_equals_autoregressive(tmp_path, capsys):
-    from support import shared_data
-    from support.families import model_folder
+    def make(vocab):
+        return eagle3_folder(tmp_path / "eagle3", layer_ids=(1, 2, 2), vocab=vocab)
 
-    from redrafter_mlx.cli import main
-
-    model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    drafter = eagle3_folder(tmp_path / "eagle3", layer_ids=(1, 2, 2), vocab=vocab)
-    base = ["generate", "--model", str(model), "--prompt", "Hi there", "--max-tokens", "16"]
-    capsys.readouterr()
-    main([*base, "--autoregressive", "--json"])
-    want = json.loads(capsys.readouterr().out)
-    main([*base, "--drafter", str(drafter), "--beam-width", "3", "--beam-length", "4", "--json"])
-    got = json.loads(capsys.readouterr().out)
-    assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
-    main([*base, "--drafter", str(drafter), "--beam-width", "2", "--beam-length", "3"])
-    assert f"drafter: {drafter} (type EAGLE-3; --drafter, given)" in capsys.readouterr().err
+    generate_with_folder(tmp_path, capsys, make, [BeamShape(3, 4), BeamShape(2, 3)], "EAGLE-3")
 
 
 def test_sglang_midlayer_names_load_to_the_same_drafter(tmp_path, qwen3):

@@ -11,7 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import run_steps
+from support.drafters import (
+    assert_same_arrays,
+    greedy_equals_autoregressive,
+    second_token_pvalue,
+    second_turn,
+)
 from support.families import build, config
 
 from redrafter_mlx.core.drafting import Reading
@@ -136,74 +141,30 @@ def test_a_checkpoint_without_its_mtp_tensors_is_refused_in_one_line(tmp_path, q
         load_mtp(folder, qwen3_5)
 
 
-def tokens_of(steps, n):
-    out = []
-    for step in steps:
-        out += step.tokens
-        if len(out) >= n:
-            return out[:n]
-    return out
-
-
 @pytest.mark.parametrize("shape", [BeamShape(1, 3), BeamShape(4, 4)], ids=str)
 def test_greedy_with_mtp_equals_autoregressive(tmp_path, qwen3_5, shape):
     drafter = load_mtp(original_folder(tmp_path / "o"), qwen3_5)
-    prompt = [5, 17, 33, 2, 41, 8]
-    got = tokens_of(run_steps(qwen3_5, prompt, drafter, shape), 40)
-    assert got == tokens_of(run_steps(qwen3_5, prompt), 40)
+    assert greedy_equals_autoregressive(qwen3_5, drafter, shape)
 
 
 def test_a_second_turn_drafts_as_a_fresh_prompt_does(tmp_path, qwen3_5):
     """On the hybrid target a second turn rewinds to a snapshot of the recurrent layers and
     the head's K/V with it: the same entries as the whole conversation fed at once."""
-    from support import decoding_of, verifier_for
-
     drafter = load_mtp(original_folder(tmp_path / "o"), qwen3_5)
-    verifier = verifier_for(qwen3_5, drafter)
-    decoding = decoding_of(drafter, BeamShape(3, 4))
-    sequence = verifier.new_sequence()
-    prompt = [5, 17, 33, 2]
-    state, _ = verifier.prefill(sequence, prompt, decoding)
-    for _ in range(3):
-        state, _ = verifier.step(state)
-    turn = [*sequence.ids, 7, 8, 9]  # the next turn extends the conversation
-    reused, _ = sequence.reuse_prefix(turn)
-    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
-    fresh = verifier.new_sequence()
-    once, _ = verifier.prefill(fresh, turn, decoding)
-    ours, theirs = drafter.part(sequence), drafter.part(fresh)
+    # the next turn extends the conversation
+    turn, ours, theirs, again, once = second_turn(
+        qwen3_5, drafter, BeamShape(3, 4), 3, lambda ids: [*ids, 7, 8, 9]
+    )
     assert (
         (ours.length, ours.entries) == (theirs.length, theirs.entries) == (len(turn), len(turn) - 1)
     )
-    for a, b in zip(ours.arrays(), theirs.arrays(), strict=True):
-        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert_same_arrays(ours, theirs)
     assert again.pending == once.pending
 
 
 def test_sampling_with_mtp_keeps_the_targets_distribution(tmp_path, qwen3_5):
     """As for EAGLE-3 and DFlash: 40 first drafts per step, chi-square against the target's
     marginal of the second emitted token, on the hybrid."""
-    from scipy.stats import chisquare
-
-    from redrafter_mlx.core.accept import make_sampler
-
     drafter = load_mtp(original_folder(tmp_path / "o"), qwen3_5)
-    vocab, prompt, runs, temp = 97, [5, 17, 33], 300, 0.3  # this target is near uniform at 1
-    first = np.array(mx.softmax(qwen3_5(mx.array([prompt]))[0, -1] / temp), np.float64)
-    pairs = mx.array([prompt + [t] for t in range(vocab)])
-    second = np.array(mx.softmax(qwen3_5(pairs)[:, -1] / temp, axis=-1), np.float64)
-    probs = first @ second
-    probs /= probs.sum()
-    counts, accepted = np.zeros(vocab), 0
-    for seed in range(runs):
-        mx.random.seed(seed)
-        steps = run_steps(qwen3_5, prompt, drafter, BeamShape(40, 2), make_sampler(temp))
-        next(steps)
-        step = next(steps)
-        counts[step.tokens[0]] += 1
-        accepted += len(step.tokens) > 1
-    assert accepted >= runs // 5
-    keep = probs * runs >= 5
-    assert keep.sum() >= 3  # the test tells tokens apart
-    observed = np.append(counts[keep], counts[~keep].sum())
-    assert chisquare(observed, np.append(probs[keep], probs[~keep].sum()) * runs).pvalue > 1e-3
+    # this target is near uniform at temperature 1
+    assert second_token_pvalue(qwen3_5, drafter, 97, temp=0.3) > 1e-3

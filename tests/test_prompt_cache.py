@@ -43,13 +43,26 @@ def test_a_resent_history_may_end_differently_but_only_in_its_last_tokens(new_se
     """A client resends the answer as text, which need not tokenize back into the tokens
     generated, and a template may end the prompt differently: a request extends a session
     when it begins with that session's last prompt but for at most TAIL tokens (and at most
-    half of it), whatever follows."""
+    half of it), and a new turn follows."""
     cache = PromptCache(new_session, max_sessions=4)
     prompt = [5 + i % 40 for i in range(3 * TAIL)]
     a = turn(cache, prompt)
-    other = cache.take([*prompt[: -TAIL - 1], 60, 61])  # one token more differs: not ``a``
+    turn_ = [60 + i for i in range(2 * TAIL)]  # the tail anew, the answer and a new message
+    other = cache.take([*prompt[: -TAIL - 1], *turn_])  # one token more differs: not ``a``
     assert other is not a and len(cache.sessions) == 2
-    assert cache.take([*prompt[:-TAIL], 60, 61]) is a  # the answer and the tail spelled anew
+    assert cache.take([*prompt[:-TAIL], *turn_]) is a
+
+
+def test_a_prompt_differing_only_in_its_last_words_is_another_conversation(new_session):
+    """A request like "Tell me about cats." after "Tell me about dogs.": the same length, all
+    but the tail shared, yet no answer and new turn follow: a session of its own, and ``a``'s
+    left intact."""
+    cache = PromptCache(new_session, max_sessions=4)
+    prompt = [5 + i % 40 for i in range(3 * TAIL)]
+    a = turn(cache, prompt)
+    sibling = turn(cache, [*prompt[:-3], 60, 61, 62])
+    assert sibling is not a and a.sequence.shared_prefix(prompt) == len(prompt)
+    assert cache.take([*prompt[:-2], *range(70, 70 + 2 * TAIL)]) is a  # its follow-up
 
 
 def test_a_short_prompt_is_not_extended_by_a_shared_first_token(new_session):

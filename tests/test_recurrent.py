@@ -61,3 +61,27 @@ def test_snapshots_are_bounded_and_the_empty_state_stays():
     assert sorted(store.snapshots) == [0, 6, 9]
     store.restore(0)
     assert store.committed == [None]
+
+
+def committed_at(store: StateStore, offset: int) -> None:
+    store.stage(0, states(float(offset)))
+    store.commit()
+    store.checkpoint(offset)
+
+
+def test_checkpoints_spread_over_an_answer_and_go_at_the_next_snapshot():
+    """After a prompt's snapshot each commit may be kept, at most ``max_checkpoints`` spread
+    evenly (the stride doubles): an answer's follow-up resumes near where it changed."""
+    store = StateStore(1, max_checkpoints=4)
+    committed_at(store, 10)
+    store.snapshot(10)
+    for offset in range(11, 22):  # eleven one-token steps of an answer
+        committed_at(store, offset)
+    assert sorted(store.checkpoints) == [11, 14, 18]  # strides of 4 tokens, each one's first
+    assert store.kept == [0, 10, 11, 14, 18]
+    store.restore(14)
+    assert float(store.committed[0][0][0, 0]) == 14.0
+    assert store.kept == [0, 10, 11, 14]
+    committed_at(store, 30)  # the next prompt, fed from there
+    store.snapshot(30)
+    assert store.kept == [0, 10, 30] and store.checkpoints == {}

@@ -128,6 +128,28 @@ def test_a_follow_up_reuses_its_own_previous_prompt_whatever_came_between(target
     service.close()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_follow_up_whose_answer_changed_midway_resumes_near_there(target, family):
+    """A resent answer tokenized otherwise only from its 7th token on (a byte-level token, a
+    merge across two): attention reuses the six that came back; a hybrid the states it kept
+    nearest before them (checkpoints spread over the answer), not the prompt's end."""
+    model = target if family == "llama" else build_config(config(family) | {"vocab_size": 64})
+    service = tiny_service(model)
+    history, previous = [5, 6, 7, 8, 9, 12], 0  # the last prompt's length
+    for turn in range(3):
+        job = service.submit(Request(history, max_tokens=12))
+        started = job.start()
+        tokens = [t for s in job.steps() for t in s.tokens]
+        assert tokens == reference_tokens(model, history, 12)
+        if turn and family == "llama":
+            assert started.cached_tokens == previous + 6
+        elif turn:  # checkpoints 4 tokens apart in a 12-token answer (at most 4 of them)
+            assert previous + 6 - 4 <= started.cached_tokens <= previous + 6
+        previous = len(history)
+        history = history + tokens[:6] + respelled(tokens[6:]) + [10 + turn, 11]
+    service.close()
+
+
 def test_the_prompt_cache_drops_least_recently_used_conversations_beyond_its_bytes(target):
     """A byte bound smaller than two caches keeps only the conversation in use."""
     service = tiny_service(target, prompt_cache_size=4, prompt_cache_bytes=1)
@@ -231,7 +253,7 @@ def test_a_failing_setup_is_raised_by_start():
 
 
 def test_requests_are_checked_field_by_field():
-    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_completion
+    from redrafter_mlx.server.openai import ApiError, Limits, parse_chat, parse_completion
 
     limits = Limits(("m",), max_context=100, vocab_size=50)
     user = [{"role": "user", "content": "hi"}]
@@ -271,7 +293,7 @@ def test_requests_are_checked_field_by_field():
 def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
     """A 5000-digit integer made json.loads raise ValueError, 10**400 made math.isfinite raise
     OverflowError: both escaped as an empty reply. A 1001-character stop costs per-step work."""
-    from redrafter_mlx.cli.openai_api import ApiError, Limits, parse_chat, parse_json
+    from redrafter_mlx.server.openai import ApiError, Limits, parse_chat, parse_json
 
     limits = Limits(("m",), max_context=100, vocab_size=50)
     user = '"messages": [{"role": "user", "content": "hi"}]'
@@ -292,8 +314,8 @@ def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
 
 
 def test_a_temperature_too_small_to_sample_at_runs_at_the_greedy_shape():
-    from redrafter_mlx.cli.openai_api import Limits, parse_chat
     from redrafter_mlx.core.service import Sampling
+    from redrafter_mlx.server.openai import Limits, parse_chat
 
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e-40}
     sampling = parse_chat(body, Limits(("m",))).request.sampling

@@ -154,8 +154,8 @@ def test_an_answer_splits_text_and_calls_however_its_steps_cut_the_tags(tool_mod
     the same text and the same call every time (tags split across steps included)."""
     from mlx_lm.tokenizer_utils import load
 
-    from redrafter_mlx.cli.http_api import Answer
     from redrafter_mlx.io.templates import tool_format
+    from redrafter_mlx.server.protocol import Answer
 
     tokenizer = load(tool_model_path)
     rendered = tokenizer.apply_chat_template(
@@ -235,6 +235,21 @@ def test_messages_whole_streamed_and_stopped_equal_the_chat_answer(agents):
     )
     assert stopped.content[0].text == text[: text.index(stop)]
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_the_sdk_s_stream_reads_the_decoding_stats_from_message_delta(agents):
+    """``usage.redrafter`` reaches a streaming `anthropic` client on ``message_delta``, with
+    the keys a whole answer's has; the SDK's own final message copies only the usage fields
+    it knows from that event (anthropic 2.16's accumulator), so it has none: documented."""
+    client = anthropic_client(agents)
+    request = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi."}]}
+    whole = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        deltas = [event for event in stream if event.type == "message_delta"]
+        final = stream.get_final_message()
+    stats = deltas[-1].usage.redrafter
+    assert stats.keys() == whole.usage.redrafter.keys() and stats["steps"] >= 1
+    assert final.usage.output_tokens == deltas[-1].usage.output_tokens
 
 
 def test_messages_errors_are_in_anthropic_s_shape_and_count_tokens_counts(agents):
@@ -471,7 +486,7 @@ def pieces_of(text: str, seed: int) -> list[StepResponse]:
 def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
     """Qwen3 thinks between <think> tags, opened by the model or (Qwen3.5, thinking on) by
     the template's generation prompt: reasoning and text apart, whatever the cuts."""
-    from redrafter_mlx.cli.http_api import Answer
+    from redrafter_mlx.server.protocol import Answer
 
     text = THOUGHT.removeprefix("<think>") if opened else THOUGHT
     for seed in range(40):
@@ -485,12 +500,12 @@ def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
 
 
 def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
-    from redrafter_mlx.cli.anthropic_api import Anthropic
-    from redrafter_mlx.cli.http_api import Answer, Call, Outcome
-    from redrafter_mlx.cli.openai_api import OpenAI
-    from redrafter_mlx.cli.responses_api import Responses
     from redrafter_mlx.core.service import Request, Started
     from redrafter_mlx.core.stream import GenerationStats
+    from redrafter_mlx.server.anthropic import Anthropic
+    from redrafter_mlx.server.openai import OpenAI
+    from redrafter_mlx.server.protocol import Answer, Call, Outcome
+    from redrafter_mlx.server.responses import Responses
 
     started = Started(10, 0, None)
     apis = [
@@ -636,8 +651,8 @@ def test_each_family_s_calls_are_read_by_mlx_lm_s_parser_however_steps_cut_them(
     runs to the answer's end) through mlx-lm's own parsers."""
     import importlib
 
-    from redrafter_mlx.cli.http_api import Answer
     from redrafter_mlx.io.templates import ToolFormat
+    from redrafter_mlx.server.protocol import Answer
 
     parser = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
     fmt = ToolFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
@@ -659,11 +674,11 @@ def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_message
     a reasoning item left out; the custom call comes back as a custom_tool_call item."""
     import importlib
 
-    from redrafter_mlx.cli.http_api import Answer, Call, Limits, Outcome
-    from redrafter_mlx.cli.responses_api import Responses, parse_responses
     from redrafter_mlx.core.service import Started
     from redrafter_mlx.core.stream import GenerationStats
     from redrafter_mlx.io.templates import ToolFormat
+    from redrafter_mlx.server.protocol import Answer, Call, Limits, Outcome
+    from redrafter_mlx.server.responses import Responses, parse_responses
 
     parser = importlib.import_module("mlx_lm.tool_parsers.json_tools")
     limits = Limits(("m",), tools=ToolFormat("<tool_call>", "</tool_call>", parser.parse_tool_call))
@@ -769,8 +784,8 @@ def test_llama3_s_bare_json_calls_are_read_from_its_template_s_own_rendering(
 
     from mlx_lm.tokenizer_utils import load
 
-    from redrafter_mlx.cli.http_api import Answer
     from redrafter_mlx.io.templates import apply_chat_template, tool_format
+    from redrafter_mlx.server.protocol import Answer
 
     shutil.copytree(tool_model_path, tmp_path / "llama3")
     config_file = tmp_path / "llama3" / "tokenizer_config.json"

@@ -124,8 +124,19 @@ def test_prune_worked_example():
     assert tree.tokens.tolist() == [91, 92, 93, 94, 96]
     assert tree.unpack.tolist() == [[0, 1, 2, -1], [0, 1, 3, 4], [0, 1, 2, -1]]
     assert tree.parents.tolist() == [-1, 0, 1, 1, 3]
-    assert not tree.paths_in_place
     # a 5-node tree verified at 8 rows anyway: the two next most probable nodes fill it
     assert prune(pack_beams(beams), logprobs, 0.3, (1, 2, 8)).size == 7
     chain = prune(pack_beams(beams[:1]), logprobs[:1], 0.3, ())
-    assert chain.unpack.tolist() == [[0, 1, 2, -1]] and chain.paths_in_place
+    assert chain.unpack.tolist() == [[0, 1, 2, -1]]
+
+
+def test_accepted_nodes_move_only_when_not_already_after_the_prefix():
+    from redrafter_mlx.core.speculative import accepted_nodes
+
+    beams = np.array([[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]])
+    tree = pack_beams(beams)  # nodes [91, 92, 93, 95, 94, 96, 97]
+    assert accepted_nodes(tree, 1, 3).tolist() == [0, 1, 4, 5]
+    assert accepted_nodes(tree, 2, 3).tolist() == [0, 1, 2, 6]
+    assert accepted_nodes(tree, 0, 3) is None  # beam 0's nodes are numbered first
+    assert accepted_nodes(tree, 2, 2) is None  # [0, 1, 2]: beam 0's prefix
+    assert accepted_nodes(tree, 1, 0) is None  # the root alone

@@ -282,10 +282,7 @@ class DFlashDrafter:
         return DFlashPart(self)
 
     def part(self, sequence: Sequence) -> DFlashPart:
-        for part in sequence.parts:
-            if isinstance(part, DFlashPart) and part.owner is self:
-                return part
-        raise ValueError("this sequence was not made by a verifier of this drafter")
+        return sequence.part_of(self)
 
     def observe(self, sequence: Sequence, taps: dict, rows: mx.array) -> None:
         """Stage the context K/V of ``rows`` (at the positions they will be committed at)."""

@@ -353,10 +353,7 @@ class Eagle3Drafter:
         return Eagle3Part(self)
 
     def part(self, sequence: Sequence) -> Eagle3Part:
-        for part in sequence.parts:
-            if isinstance(part, Eagle3Part) and part.owner is self:
-                return part
-        raise ValueError("this sequence was not made by a verifier of this drafter")
+        return sequence.part_of(self)
 
     def observe(self, sequence: Sequence, taps: dict, rows: mx.array) -> None:
         features = self.module.fuse([taps[i][rows] for i in self.taps])

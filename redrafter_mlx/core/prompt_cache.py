@@ -6,12 +6,15 @@ Agents and chat front ends interleave conversations (an agent and its sub-agent,
 with one cache every switch re-read the whole history. A request *extends* a session when it
 begins with that session's last prompt (but for a few tokens at its end): the answer that
 followed may come back spelled otherwise, since a client resends the answer's text, which the
-tokenizer need not split into the tokens generated (a SentencePiece answer's first space is
-dropped from its text; a random model's tokens rarely survive the round trip), and a template
-may end the answer differently. Of the sessions a request extends, the one sharing most is
-taken. A request that extends none gets a fresh session while there is room, else the least
-recently used one's cache (rewound to the prefix it shares, if any: an agent's turn must not
-cost the conversation just used).
+tokenizer need not split into the tokens generated (a token that is only part of a character
+cannot come back; a random model's tokens often do not), and a template may end the answer
+differently. Where it shares less than the whole last prompt, a request extends it only when
+it is at least :data:`TAIL` tokens longer (an answer and a new turn follow): another
+conversation whose first message differs only in its last words is not a follow-up, and must
+not take (and rewind) the session of the one it resembles. Of the sessions a request extends,
+the one sharing most is taken. A request that extends none gets a fresh session while there
+is room, else the least recently used one's cache (rewound to the prefix it shares, if any: an
+agent's turn must not cost the conversation just used).
 """
 
 from __future__ import annotations
@@ -70,21 +73,31 @@ class PromptCache:
 
     def _extended(self, ids: list[int], sessions: list[Session]) -> Session | None:
         """The session whose last prompt ``ids`` begins with (but for its last
-        :data:`TAIL` tokens, at most half of it; its answer need not match) sharing the most
-        tokens, the most recent of equals."""
+        :data:`TAIL` tokens, at most half of it, where ``ids`` goes on for at least
+        :data:`TAIL` more; its answer need not match) sharing the most tokens, the most
+        recent of equals."""
         found, most = None, 0
         for session in sessions:
             cached = session.sequence.ids
             shared = common_prefix(cached, ids)
             prompt = min(len(cached), self._prompts.get(id(session), len(cached)))
-            # a short prompt's tail may not be most of it: a shared BOS is no conversation
-            if shared and shared >= prompt - min(TAIL, prompt // 2) and shared >= most:
+            if shared and shared >= most and follows(shared, prompt, len(ids)):
                 found, most = session, shared
         return found
 
     @property
     def cached_bytes(self) -> int:
         return sum(session_bytes(s) for s in self.sessions)
+
+
+def follows(shared: int, prompt: int, length: int) -> bool:
+    """Whether a request of ``length`` tokens sharing ``shared`` with a session whose last
+    prompt had ``prompt`` continues that conversation: the whole prompt shared, or all but
+    a tail (a short prompt's tail may not be most of it: a shared BOS is no conversation)
+    and followed by at least a tail's worth of new turn."""
+    if shared >= prompt:
+        return True
+    return shared >= prompt - min(TAIL, prompt // 2) and length >= prompt + TAIL
 
 
 def check_bounds(max_sessions: int, max_bytes: int | None) -> None:

@@ -35,17 +35,29 @@ class StateStore:
     ``staged[i]``: its state after the last forward's tokens, committed by :meth:`commit`;
     ``nodes[i]``: every node's state after a tree forward, ``(T, ...)`` per array in depth
     order (``node_rows (T,)``: each node's row), until :meth:`keep` stages the accepted
-    node's. ``snapshots`` map an offset to the committed states there: the only offsets a
-    cache with recurrent layers can rewind to.
+    node's. ``snapshots`` map an offset to the committed states there (each prompt's end);
+    ``checkpoints`` do the same for offsets after the latest snapshot (an answer's), at most
+    ``max_checkpoints`` spread evenly over them: together the only offsets a cache with
+    recurrent layers can rewind to.
+
+    A client resends an answer as text, which may come back tokenized otherwise from any
+    point on (a byte-level token, a merge across two tokens): with states only at the prompt's
+    end, such a follow-up re-read the whole answer where attention re-reads from the first
+    changed token. Checkpoints bound that to about ``1 / max_checkpoints`` of the answer. A
+    state array is never copied (each commit makes new ones): a checkpoint holds references,
+    and costs the memory of the states it keeps alive.
     """
 
-    def __init__(self, count: int, max_snapshots: int = 4):
+    def __init__(self, count: int, max_snapshots: int = 4, max_checkpoints: int = 4):
         self.committed: list[States | None] = [None] * count
         self.staged: list[States | None] = [None] * count
         self.nodes: list[States | None] = [None] * count
         self.node_rows: mx.array | None = None
         self.snapshots: dict[int, list[States | None]] = {0: [None] * count}
         self.max_snapshots = max_snapshots
+        self.checkpoints: dict[int, list[States | None]] = {}
+        self.max_checkpoints = max_checkpoints
+        self._stride = 1  # tokens between checkpoints (doubled whenever there are too many)
 
     def __len__(self) -> int:
         return len(self.committed)
@@ -82,20 +94,51 @@ class StateStore:
         self.snapshots[offset] = list(self.committed)
         while len(self.snapshots) > self.max_snapshots + 1:  # offset 0 (no state) stays
             del self.snapshots[next(o for o in self.snapshots if o)]
+        self.checkpoints.clear()  # the next answer's start from here
+        self._stride = 1
+
+    def checkpoint(self, offset: int) -> None:
+        """Keep the committed states at ``offset`` (after the latest snapshot) when no
+        checkpoint is in its stride yet; when more than ``max_checkpoints`` are kept the
+        stride doubles and each new stride keeps its first."""
+        base = max(self.snapshots)
+        if offset <= base or self._bucket(offset, base) in self._buckets(base):
+            return
+        self.checkpoints[offset] = list(self.committed)
+        while len(self.checkpoints) > self.max_checkpoints:
+            self._stride *= 2
+            kept = {}
+            for o in sorted(self.checkpoints):
+                kept.setdefault(self._bucket(o, base), o)
+            self.checkpoints = {o: self.checkpoints[o] for o in sorted(kept.values())}
+
+    def _bucket(self, offset: int, base: int) -> int:
+        return (offset - base) // self._stride
+
+    def _buckets(self, base: int) -> set[int]:
+        return {self._bucket(o, base) for o in self.checkpoints}
+
+    @property
+    def kept(self) -> list[int]:
+        """The offsets whose states are held (snapshots and checkpoints), ascending."""
+        return sorted({*self.snapshots, *self.checkpoints})
 
     def restore(self, offset: int) -> None:
-        """Committed states := the snapshot at ``offset`` (KeyError when there is none)."""
-        self.committed = list(self.snapshots[offset])
+        """Committed states := those kept at ``offset`` (KeyError when there are none)."""
+        kept = self.snapshots[offset] if offset in self.snapshots else self.checkpoints[offset]
+        self.committed = list(kept)
         self.staged = [None] * len(self)
         self.nodes, self.node_rows = [None] * len(self), None
-        for o in [o for o in self.snapshots if o > offset]:
-            del self.snapshots[o]  # states of tokens no longer in the cache
+        for held in (self.snapshots, self.checkpoints):  # states of tokens no longer cached
+            for o in [o for o in held if o > offset]:
+                del held[o]
 
     def arrays(self) -> list[mx.array]:
         """Arrays to evaluate to materialise the states (the snapshots' too: what the states
         hold in memory), each once."""
         groups = self.committed + self.staged + self.nodes
-        groups += [states for kept in self.snapshots.values() for states in kept]
+        for held in (self.snapshots, self.checkpoints):
+            groups += [states for kept in held.values() for states in kept]
         found = {id(x): x for states in groups if states is not None for x in states}
         return [x for x in found.values() if x is not None]
 

@@ -35,7 +35,10 @@ _VERSIONS = itertools.count()  # every change of any sequence gets a number of i
 
 
 class Part(Protocol):
-    """What a drafter keeps per sequence (its own K/V, say): committed and rewound with it."""
+    """What a drafter keeps per sequence (its own K/V, say): committed and rewound with it;
+    ``owner`` is the drafter that made it."""
+
+    owner: object
 
     def commit(self, ids: list[int]) -> None: ...
 
@@ -83,6 +86,13 @@ class Sequence:
             self._index = NgramIndex(self._ids)
         return self._index
 
+    def part_of(self, owner) -> Part:
+        """The part ``owner`` (a drafter) keeps in this sequence."""
+        for part in self.parts:
+            if part.owner is owner:
+                return part
+        raise ValueError("this sequence was not made by a verifier of this drafter")
+
     def arrays(self) -> list[mx.array]:
         """Arrays to evaluate to materialise the sequence (what it holds in memory)."""
         parts = [a for part in self.parts for a in part.arrays()]
@@ -120,6 +130,7 @@ class Sequence:
         self._ids.extend(ids)
         if self.states is not None:
             self.states.commit()
+            self.states.checkpoint(self.offset)  # an answer's follow-up may come back to here
         if self._index is not None:
             self._index.extend(ids)
         for part in self.parts:
@@ -138,7 +149,7 @@ class Sequence:
         """Whether :meth:`rewind` can cut back to ``length`` tokens."""
         if self.states is None or length == self.offset:
             return True
-        return 0 <= length < self.offset and length in self.states.snapshots
+        return 0 <= length < self.offset and length in self.states.kept
 
     def rewind(self, length: int) -> None:
         """Cut back to the first ``length`` committed tokens (every part with them).
@@ -149,7 +160,7 @@ class Sequence:
         if not self.rewindable(length):
             raise ValueError(
                 f"cannot rewind to {length} tokens: recurrent layers keep their state only at "
-                f"{sorted(self.states.snapshots)}"
+                f"{self.states.kept}"
             )
         if self.states is not None:
             self.states.restore(length)
@@ -165,11 +176,11 @@ class Sequence:
         can be rewound to, keeping at least one of ``ids`` to feed (its hidden state predicts
         the next token) -> ``(reused, reread)``: ``ids[reused:]`` is what to feed, and
         ``reread`` of those were cached but must be fed again (recurrent layers keep their
-        state only at snapshots)."""
+        state only at some offsets: :attr:`StateStore.kept`)."""
         shared = max(min(self.shared_prefix(ids), len(ids) - 1), 0)
         reused = shared
         if self.states is not None:  # the latest state held at or before that
-            reused = max(n for n in (*self.states.snapshots, self.offset) if n <= shared)
+            reused = max(n for n in (*self.states.kept, self.offset) if n <= shared)
         self.rewind(reused)
         return reused, shared - reused
 

@@ -141,7 +141,7 @@ def conclude(verifier, state: TreeState, planned: PlannedTree, hidden, taps, log
     path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
     emitted = emitted_logprobs(decoding, logits[result.path], path_tokens)
     drafting.observe(verifier.drafter, sequence, taps, result.path)
-    sequence.stage(None if planned.tree.paths_in_place else result.path, result.last_node)
+    sequence.stage(None, result.last_node)  # the recurrent layers' state (lazily)
     state.timer.mark("compact", *sequence.arrays())
     reading = Reading(
         hidden[result.last_node],
@@ -164,6 +164,7 @@ def finish(
     read, floor_logprobs = (read, None) if len(outcome.values) == 1 else read
     best, num_accepted, next_token = (int(x) for x in read[:3])
     root_and_accepted = beams[best, : num_accepted + 1].tolist()
+    sequence.stage(accepted_nodes(planned.tree, best, num_accepted))
     sequence.commit(root_and_accepted)
     step = outcome.emitted.read(
         root_and_accepted[1:] + [next_token],
@@ -263,6 +264,15 @@ def with_lookup(state: TreeState) -> tuple[np.ndarray, np.ndarray | None]:
     if not len(beams):
         return np.full((1, 1), pending, np.int32), logprobs
     return beams, logprobs
+
+
+def accepted_nodes(tree: Tree, best: int, num_accepted: int) -> mx.array | None:
+    """The tree nodes of the root and the accepted tokens of beam ``best`` ``(n + 1,)``, to
+    move after the prefix; None when they already sit there (only the root accepted, or a
+    prefix of beam 0, whose nodes are numbered first). Known on the host after the step's
+    read, so the common steps queue no compaction at all."""
+    nodes = tree.unpack[best, : num_accepted + 1]
+    return None if (nodes == np.arange(num_accepted + 1)).all() else mx.array(nodes)
 
 
 def accepted_source(beams: np.ndarray, drafted: int, best: int, num_accepted: int) -> str | None:

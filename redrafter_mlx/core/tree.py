@@ -38,13 +38,6 @@ class Tree:
     def size(self) -> int:
         return len(self.tokens)
 
-    @property
-    def paths_in_place(self) -> bool:
-        """Every beam is nodes 0..L-1 (one distinct beam): whichever path is accepted, its K/V
-        already sit where compaction would move them."""
-        kept = self.unpack >= 0
-        return bool((self.unpack == np.arange(self.unpack.shape[1]))[kept].all())
-
     def select(self, keep: np.ndarray) -> Tree:
         """The sub-tree of nodes ``keep (T,)`` bool (closed under parents), renumbered in order;
         beam positions of dropped nodes get ``unpack == -1``."""

@@ -46,7 +46,7 @@ FAMILIES = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
     # Hybrids (recurrent-state layers among attention layers), as io/checks.py verifies them:
-    # Gated DeltaNet, short convolutions, Mamba2 (the layouts of tests/families.py)
+    # Gated DeltaNet, short convolutions, Mamba2 (tests/support/families.py tests these)
     "qwen3_5": {
         "model_type": "qwen3_5",
         "num_hidden_layers": 4,

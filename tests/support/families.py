@@ -19,6 +19,8 @@ from mlx_lm.generate import generate_step
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
 from redrafter_mlx.cli import main
+from redrafter_mlx.io.demo import FAMILIES as DEMO_FAMILIES
+from redrafter_mlx.io.demo import GATED_DELTA
 from support import run_steps
 
 VOCAB = 97
@@ -90,21 +92,9 @@ FAMILIES: dict[str, dict] = {
 # Hybrid families: attention layers among layers with recurrent state (Gated DeltaNet, short
 # convolutions, Mamba2), and Mamba2 alone. Sizes keep every state array small but non-trivial
 # (grouped heads, a convolution wider than one token).
-GATED_DELTA = {  # Gated DeltaNet layers: grouped key heads, a 4-wide convolution
-    "head_dim": 16,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-}
 HYBRIDS: dict[str, dict] = {
-    "qwen3_5": {
-        "model_type": "qwen3_5",
-        "num_hidden_layers": 4,
-        "full_attention_interval": 2,
-        **GATED_DELTA,
-    },
+    # the demo model's layouts (`redrafter-mlx demo-model --family`), so both are tested
+    "qwen3_5": DEMO_FAMILIES["qwen3_5"],
     "qwen3_5_moe": {
         "model_type": "qwen3_5_moe",
         "num_hidden_layers": 2,
@@ -131,19 +121,7 @@ HYBRIDS: dict[str, dict] = {
         "moe_intermediate_size": 32,
         "partial_rotary_factor": 0.5,
     },
-    "lfm2": {
-        "model_type": "lfm2",
-        "num_hidden_layers": 3,
-        "norm_eps": 1e-5,
-        "conv_bias": False,
-        "conv_L_cache": 3,
-        "block_dim": 64,
-        "block_ff_dim": 96,
-        "block_multiple_of": 16,
-        "block_ffn_dim_multiplier": 1.0,
-        "block_auto_adjust_ff_dim": False,
-        "full_attn_idxs": [1],
-    },
+    "lfm2": {**DEMO_FAMILIES["lfm2"], "block_ff_dim": 96},
     "lfm2_moe": {
         "model_type": "lfm2_moe",
         "num_hidden_layers": 3,
@@ -177,33 +155,10 @@ HYBRIDS: dict[str, dict] = {
         "shared_intermediate_size": 64,
         "position_embedding_type": "rope",
     },
-    "nemotron_h": {
-        "model_type": "nemotron_h",
-        "hybrid_override_pattern": ["M", "*", "-", "M"],
-        "num_hidden_layers": 4,
-        "attention_bias": False,
-        "mamba_num_heads": 4,
-        "mamba_head_dim": 16,
-        "mamba_proj_bias": False,
-        "ssm_state_size": 16,
-        "conv_kernel": 4,
-        "n_groups": 1,
-        "mlp_bias": False,
-        "layer_norm_epsilon": 1e-5,
-        "use_bias": False,
-        "use_conv_bias": True,
-        "head_dim": 16,
-    },
+    "nemotron_h": DEMO_FAMILIES["nemotron_h"],
     "falcon_h1": {
-        "model_type": "falcon_h1",
+        **DEMO_FAMILIES["falcon_h1"],
         "num_hidden_layers": 2,
-        "head_dim": 16,
-        "mamba_d_conv": 4,
-        "mamba_d_head": 16,
-        "mamba_d_ssm": 64,
-        "mamba_d_state": 16,
-        "mamba_n_heads": 4,
-        "mamba_n_groups": 1,
         "tie_word_embeddings": True,
     },
     "mamba2": {

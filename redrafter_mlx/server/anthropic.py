@@ -1,8 +1,8 @@
 """Anthropic's Messages API for `redrafter-mlx serve`: ``POST /v1/messages`` (whole answers,
 or Anthropic's server-sent events with ``"stream": true``) and ``POST
 /v1/messages/count_tokens``. Pure functions, no HTTP and no model: requests become the
-same :class:`~redrafter_mlx.cli.http_api.Call` the OpenAI side makes, answers are built from
-the same :class:`~redrafter_mlx.cli.http_api.Answer`.
+same :class:`~redrafter_mlx.server.protocol.Call` the OpenAI side makes, answers are built from
+the same :class:`~redrafter_mlx.server.protocol.Answer`.
 
 What maps how:
 - ``system`` and the messages' text blocks -> the chat template's messages; ``tool_use``
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import uuid
 
-from redrafter_mlx.cli import http_api as h
-from redrafter_mlx.cli.http_api import ApiError, Call, Limits
 from redrafter_mlx.core.service import Request, Started
+from redrafter_mlx.server import protocol as h
+from redrafter_mlx.server.protocol import ApiError, Call, Limits
 
 MAX_TEMPERATURE = 1.0  # as Anthropic's API
 STOP_REASONS = {

@@ -1,7 +1,7 @@
 """OpenAI's Responses API for `redrafter-mlx serve`: ``POST /v1/responses``, whole or
 streamed as the official ``openai`` SDK and Codex CLI parse it. Pure functions, no HTTP and no
-model: a request becomes the same :class:`~redrafter_mlx.cli.http_api.Call` the other APIs
-make, the answer is built from the same :class:`~redrafter_mlx.cli.http_api.Answer`.
+model: a request becomes the same :class:`~redrafter_mlx.server.protocol.Call` the other APIs
+make, the answer is built from the same :class:`~redrafter_mlx.server.protocol.Answer`.
 
 What maps how:
 - ``instructions`` and ``developer`` / ``system`` messages -> one system message, in order
@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from redrafter_mlx.cli import http_api as h
-from redrafter_mlx.cli.http_api import ApiError, Call, Limits
 from redrafter_mlx.core.service import Request, Started
+from redrafter_mlx.server import protocol as h
+from redrafter_mlx.server.protocol import ApiError, Call, Limits
 
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 HOSTED_TOOLS_NOTE = "hosted tools this server cannot run, left out of the prompt"

@@ -390,9 +390,11 @@ class Answer:
 
     ``offered``: the tools offered (None: no call is looked for); ``forced``: the answer
     starts inside a call (its opening tag was put after the prompt); ``decode`` (token ids
-    -> text): a continuation's, whose first space the streaming detokenizer drops (mlx-lm's
-    trim a chat answer's leading space) and which is put back: a text completion's text is
-    the concatenation of its tokens."""
+    -> text): the first space the streaming detokenizer drops (mlx-lm's trim an answer's
+    leading space) is put back where the tokens decode with it: a text completion's text is
+    the concatenation of its tokens, and a chat answer resent by its client must tokenize
+    as generated, or the prompt cache re-reads it (a byte-level BPE's " Paris" is one token,
+    "Paris" another)."""
 
     def __init__(
         self,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import uuid
 
-from redrafter_mlx.cli import http_api as h
-from redrafter_mlx.cli.http_api import ApiError, Call, Limits, parse_json  # noqa: F401 (API)
 from redrafter_mlx.core.service import Request, Started
+from redrafter_mlx.server import protocol as h
+from redrafter_mlx.server.protocol import ApiError, Call, Limits, parse_json  # noqa: F401 (API)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's newer name for the system role: chat templates know "system" only
