@@ -204,3 +204,21 @@ def test_past_max_batch_requests_wait_in_the_queue_and_past_it_are_refused(targe
         service.close()
     assert reason == "length" and len(tokens) == 4
     assert [job.outcome for job in running] == ["cancelled", "cancelled"]
+
+
+def test_a_request_joining_the_batch_starts_from_its_conversation_s_cache(target, drafter):
+    service = tiny_service(target, drafter, max_batch=4)
+    try:
+        first_tokens, _ = run(service.submit(Request(LONG[0], max_tokens=8)))
+        other = service.submit(Request(LONG[1], max_tokens=200))  # answering meanwhile
+        other.start(timeout=60)
+        follow_up = LONG[0] + first_tokens + [5, 6, 7, 8, 9, 10, 11, 12, 13]
+        job = service.submit(Request(follow_up, max_tokens=8))
+        started = job.start(timeout=60)
+        tokens = [t for step in job.steps(timeout=60) for t in step.tokens]
+        other.cancel()
+        list(other.steps(timeout=60))
+    finally:
+        service.close()
+    assert started.cached_tokens >= len(LONG[0]) + len(first_tokens) - 1
+    assert tokens == alone(verifier_for(target), decoding_of(), follow_up, 8)
