@@ -124,7 +124,7 @@ class Scheduler:
             busy = [e.session for e in self.entries]
             session = service.prompt_cache.take(ids, busy)
             new = session.prepare(ids)
-        except ReDrafterError as e:
+        except Exception as e:  # the request's fault (ReDrafterError) or a bug: say so
             job.fail(e)
             return None
         service.session = session
