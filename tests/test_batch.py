@@ -222,3 +222,17 @@ def test_a_request_joining_the_batch_starts_from_its_conversation_s_cache(target
         service.close()
     assert started.cached_tokens >= len(LONG[0]) + len(first_tokens) - 1
     assert tokens == alone(verifier_for(target), decoding_of(), follow_up, 8)
+
+
+def test_a_prompt_past_the_context_fails_alone_and_the_batch_goes_on(target):
+    service = tiny_service(target, max_batch=4, max_context=16)
+    try:
+        running = service.submit(Request(LONG[0], max_tokens=10))
+        too_long = service.submit(Request(list(range(1, 21)), max_tokens=4))
+        with pytest.raises(ContextFull):
+            too_long.start(timeout=60)
+        tokens, reason = run(running)
+    finally:
+        service.close()
+    assert too_long.outcome == "failed"
+    assert reason == "length" and len(tokens) == 10
