@@ -32,13 +32,20 @@ def mixed_decodings(beams):
     ]
 
 
+def same_shape_decodings(beams):
+    """Three drafted trees of one shape (their searches run as one) and a chain."""
+    drafted = decoding_of(beams, BeamShape(2, 3))
+    return [drafted, drafted, decoding_of(None, BeamShape(1, 2), autoregressive=True), drafted]
+
+
 @pytest.mark.parametrize("plan", [CPU_PLAN, GENERIC_PLAN], ids=["cpu", "generic"])
+@pytest.mark.parametrize("make", [mixed_decodings, same_shape_decodings], ids=["mixed", "same"])
 def test_a_batch_of_mixed_modes_answers_each_as_alone_with_one_read_per_step(
-    target, drafter, plan, monkeypatch
+    target, drafter, plan, make, monkeypatch
 ):
     beams = BeamDrafter(drafter, target.model.embed_tokens)
     verifier = verifier_for(target, beams, plan)
-    decodings = mixed_decodings(beams)
+    decodings = make(beams)
     expected = [alone(verifier, d, p, 24) for d, p in zip(decodings, PROMPTS, strict=True)]
     reads = []
     real = batch.host_read

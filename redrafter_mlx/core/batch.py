@@ -26,6 +26,7 @@ import numpy as np
 from redrafter_mlx.core import autoregressive, drafting, speculative
 from redrafter_mlx.core.accept import choose
 from redrafter_mlx.core.decode import State, Verifier
+from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.joint import Segment
 from redrafter_mlx.core.step import SpentState, Step, emitted_logprobs, host_read
@@ -126,24 +127,99 @@ def _step_planned(verifier: Verifier, planned: list[_Planned]) -> list[Step]:
     compiled = all(verifier.compiles(p.segment.count, p.member.state.decoding) for p in planned)
     hidden = verifier.forward.joint([p.segment for p in planned], compiled=compiled)
     logits = _split(verifier.forward.lm_head(mx.concatenate(hidden)), hidden)
-    concluded, values, evaluated = [], [], []
-    for p, h, rows in zip(planned, hidden, logits, strict=True):
+    parts: list = [None] * len(planned)  # per member: (values, evaluated, finish)
+    keys: list = [None] * len(planned)  # a seeded member's key after its draws
+    grouped: dict[tuple, list] = {}  # members whose searches run as one
+    for i, (p, h, rows) in enumerate(zip(planned, hidden, logits, strict=True)):
         p.member.seed()
-        concluded.append(_conclude(verifier, p, h, rows))
-        values.append(concluded[-1][0])
-        evaluated.extend(concluded[-1][1])
+        if p.tree is None:
+            parts[i] = _conclude_chain(p, rows)
+        else:
+            state = p.member.state
+            state.timer.mark("verify", rows)
+            taps = p.segment.taps or {}
+            accepted = speculative.accept_and_stage(verifier, state, p.tree, h, taps, rows)
+            group = search_group(verifier, state.decoding)
+            if group is None:  # drafted now, in its own random key's turn
+                drafted = speculative.draft(
+                    verifier, state.decoding, state.sequence, accepted.reading
+                )
+                parts[i] = _tree_part(p, accepted.outcome(*drafted))
+            else:
+                grouped.setdefault(group, []).append((i, p, accepted))
         if p.member.key is not None:
-            values[-1] = (*values[-1], current_key())
+            keys[i] = current_key()
+    for group, members in grouped.items():
+        for (i, p, accepted), drafted in zip(
+            members, _search(verifier, group, members), strict=True
+        ):
+            parts[i] = _tree_part(p, accepted.outcome(drafted, 0))
+    values = [
+        (*vs, *([] if key is None else [key])) for (vs, _, _), key in zip(parts, keys, strict=True)
+    ]
     flat = [v for vs in values for v in vs]
-    read = host_read(*flat, evaluated=evaluated)
+    read = host_read(*flat, evaluated=[a for _, arrays, _ in parts for a in arrays])
     read = [read] if len(flat) == 1 else list(read)
     steps = []
-    for p, vs, (_, _, finish) in zip(planned, values, concluded, strict=True):
+    for p, vs, (_, _, finish) in zip(planned, values, parts, strict=True):
         mine, read = read[: len(vs)], read[len(vs) :]
         if p.member.key is not None:
             p.member.key, mine = key_value(mine[-1]), mine[:-1]
         steps.append(finish(mine))
     return steps
+
+
+def search_group(verifier: Verifier, decoding) -> tuple | None:
+    """What members whose drafter searches can run as one search share (the search's
+    options), or None where a member drafts alone: no drafter pass (lookup beams alone), a
+    drafter with per-sequence state or its own drafting, or a search that reads its scores
+    per depth (an early stop)."""
+    drafter = verifier.drafter
+    if not decoding.mode.drafted or getattr(drafter, "draft", None) is not None:
+        return None
+    if not isinstance(drafter, BeamDrafter):
+        return None
+    options = verifier.search_options(decoding.shape)
+    return None if options.get("min_prob", 0) > 0 else tuple(sorted(options.items()))
+
+
+def _search(verifier: Verifier, group: tuple, members: list) -> list[tuple]:
+    """One beam search for several members (their contexts and pending tokens stacked, padded
+    to a power of two: a compiled search is traced once per size) -> each member's drafted
+    ``(beams (W, L), log-probs or None)``; a member alone searches as alone."""
+    if len(members) == 1:
+        _, p, accepted = members[0]
+        state = p.member.state
+        return [speculative.draft(verifier, state.decoding, state.sequence, accepted.reading)[0]]
+    contexts = mx.stack([accepted.reading.context for _, _, accepted in members])
+    pending = mx.stack([accepted.reading.pending for _, _, accepted in members])
+    size = search_size(len(members))
+    if size > len(members):  # rows of the first member's: searched, never read
+        contexts = mx.concatenate([contexts, mx.repeat(contexts[:1], size - len(members), 0)])
+        pending = mx.concatenate([pending, mx.repeat(pending[:1], size - len(members), 0)])
+    beams, logprobs, _ = verifier.drafter.search(contexts, pending, **dict(group))
+    drafted = []
+    for j, (_, p, _) in enumerate(members):
+        floor = speculative.pruning_logprobs(verifier, p.member.state.decoding, logprobs[j])
+        drafted.append((beams[j], floor))
+    return drafted
+
+
+def search_size(members: int) -> int:
+    """The rows a joint search runs for ``members`` searches: the next power of two."""
+    return 1 << (members - 1).bit_length()
+
+
+def _tree_part(p: _Planned, outcome: speculative.Outcome):
+    """A tree member's ``(values to read, arrays to evaluate, finish)``."""
+    member, state = p.member, p.member.state
+
+    def finish_tree(read) -> Step:
+        values = read[0] if len(outcome.values) == 1 else tuple(read)
+        member.state, step = speculative.finish(state, p.tree, outcome, values)
+        return step
+
+    return outcome.values, outcome.evaluated, finish_tree
 
 
 def _conclude_alone(verifier: Verifier, p: _Planned) -> Step:
@@ -166,22 +242,10 @@ def _split(rows: mx.array, like: list[mx.array]) -> list[mx.array]:
     return parts
 
 
-def _conclude(verifier: Verifier, p: _Planned, hidden: mx.array, logits: mx.array):
-    """A member's lazy conclusion -> ``(values to read, arrays to evaluate, finish)``, where
-    ``finish(read values)`` commits and returns the member's step."""
+def _conclude_chain(p: _Planned, logits: mx.array):
+    """An autoregressive member's ``(values to read, arrays to evaluate, finish)``: its next
+    token chosen from ``logits (1, V)``, lazily."""
     member, state = p.member, p.member.state
-    if p.tree is not None:
-        state.timer.mark("verify", logits)
-        outcome = speculative.conclude(
-            verifier, state, p.tree, hidden, p.segment.taps or {}, logits
-        )
-
-        def finish_tree(read) -> Step:
-            values = read[0] if len(outcome.values) == 1 else tuple(read)
-            member.state, step = speculative.finish(state, p.tree, outcome, values)
-            return step
-
-        return outcome.values, outcome.evaluated, finish_tree
     choice = choose(logits, state.decoding.sampler)
     emitted = emitted_logprobs(state.decoding, logits, choice)
     values = (mx.concatenate([state.pending, choice]).astype(mx.int32),)

@@ -25,9 +25,16 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import wired_limit
 
-from redrafter_mlx.core.batch import Member, batch_step, current_key, key_value
+from redrafter_mlx.core.batch import (
+    Member,
+    batch_step,
+    current_key,
+    key_value,
+    search_group,
+    search_size,
+)
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.llm import chain_mask
+from redrafter_mlx.core.llm import chain_mask, compute_dtype, target_dims
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.step import Step
 from redrafter_mlx.core.stream import StepResponse, responses
@@ -227,16 +234,29 @@ class Scheduler:
         self.service.prompt_cache.trim()
 
 
-def warm_up(verifier) -> None:
-    """Trace the joint forward's row counts (the plan's tree sizes it pads to, up to its
-    compiled limit), so that no batch stops mid-answer to compile (the generic plan verifies
-    exact sizes eagerly: nothing to trace)."""
+def warm_up(verifier, decodings=(), max_batch: int = 2) -> None:
+    """Trace what batch steps of ``decodings`` run that single steps do not, so that no batch
+    stops mid-answer to compile: the joint forward's row counts (the plan's tree sizes it pads
+    to, up to its compiled limit; the generic plan verifies exact sizes eagerly) and the
+    drafter's joint searches (one per power of two up to ``max_batch`` members)."""
     plan = verifier.plan
     sequence = verifier.new_sequence()
     for size in plan.tree_sizes:
         if 1 < size <= plan.compiled_max_rows:
             tokens, positions = mx.zeros((size,), mx.int32), mx.arange(size)
             mx.eval(verifier.forward(tokens, positions, chain_mask(0, size), sequence))
+    hidden, _ = target_dims(verifier.model)
+    dtype = compute_dtype(verifier.model)
+    for decoding in decodings:
+        group = search_group(verifier, decoding)
+        if group is None:
+            continue
+        for members in range(2, max_batch + 1):
+            rows = search_size(members)
+            contexts = mx.zeros((rows, hidden), dtype)
+            mx.eval(
+                *verifier.drafter.search(contexts, mx.zeros((rows,), mx.int32), **dict(group))[:2]
+            )
 
 
 def answer_together(

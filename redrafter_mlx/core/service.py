@@ -288,7 +288,8 @@ class GenerationService:
             self.engine = self._setup()
             self.engine.warm_up()
             if self.max_batch > 1:
-                warm_up_batches(self.engine.verifier)
+                decodings = [self.engine.decoding_for(s) for s in (Sampling(1.0), Sampling())]
+                warm_up_batches(self.engine.verifier, decodings, self.max_batch)
             self.prompt_cache = PromptCache(self.engine.new_session, **self._cache_bounds)
         except BaseException as e:  # reported by start(), on the caller's thread
             self._setup_error = e

@@ -136,6 +136,28 @@ def verify_forward(verifier, state: TreeState, planned: PlannedTree):
 def conclude(verifier, state: TreeState, planned: PlannedTree, hidden, taps, logits) -> Outcome:
     """After the verify forward, lazily: accept, stage the accepted path in the sequence, draft
     the next beams from it."""
+    accepted = accept_and_stage(verifier, state, planned, hidden, taps, logits)
+    drafted = draft(verifier, state.decoding, state.sequence, accepted.reading)
+    return accepted.outcome(*drafted)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A verified tree's acceptance, lazily: what the step emits (``emitted``), what the
+    drafter reads next (``reading``) and the values the step's read starts with."""
+
+    chosen: mx.array  # (3,) the accepted beam, its accepted count, the next token
+    emitted: Emitted
+    reading: Reading
+
+    def outcome(self, drafted: tuple, draft_syncs: int) -> Outcome:
+        """The step's :class:`Outcome` once the next beams ``drafted`` are (lazily) known."""
+        values = step_values(self.chosen, drafted)
+        return Outcome(values, self.emitted.arrays(), self.emitted, draft_syncs)
+
+
+def accept_and_stage(verifier, state: TreeState, planned: PlannedTree, hidden, taps, logits):
+    """Accept, hand the drafter its taps, stage the recurrent state -> :class:`Accepted`."""
     sequence, decoding, beams = state.sequence, state.decoding, planned.beams
     result = accept_tree(state, planned, logits)
     path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
@@ -150,9 +172,8 @@ def conclude(verifier, state: TreeState, planned: PlannedTree, hidden, taps, log
         mx.array(beams)[result.best],
         result.num_accepted + 1,
     )
-    drafted, draft_syncs = draft(verifier, decoding, sequence, reading)
     chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-    return Outcome(step_values(chosen, drafted), emitted.arrays(), emitted, draft_syncs)
+    return Accepted(chosen, emitted, reading)
 
 
 def finish(
@@ -225,9 +246,15 @@ def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
         return (None, None), 0
     options = verifier.search_options(decoding.shape)
     beams, logprobs, syncs = drafting.draft(verifier.drafter, sequence, reading, options)
+    return (beams, pruning_logprobs(verifier, decoding, logprobs)), syncs
+
+
+def pruning_logprobs(verifier, decoding: Decoding, logprobs: mx.array) -> mx.array | None:
+    """The drafted tokens' log-probs where the tree is pruned by them, else None (nothing
+    prunes the tree by them: the read leaves them out)."""
     if not (decoding.shape.min_prob or drafting.prunes(verifier.drafter)):
-        logprobs = None  # nothing prunes the tree by them: the read leaves them out
-    return (beams, logprobs), syncs
+        return None
+    return logprobs
 
 
 def step_values(values: mx.array, drafted: tuple) -> tuple[mx.array, ...]:
