@@ -7,9 +7,10 @@ Each :class:`Member` keeps its own decoding (mode, shape, sampler, log-probs), i
 its own sequence; a batch step packs each member's tree as its own step would (an
 autoregressive member's pending token is a 1-node tree), verifies them all in one joint forward
 (:mod:`~redrafter_mlx.core.joint`: the weights read once for all N tokens), applies the LM
-head once, then each member accepts, stages and drafts as alone, and one host read brings back
-every member's result. A member whose context is full gets its ContextFull and leaves; the
-others step on.
+head once, then each member accepts and stages as alone and drafts from its own state (the
+members' beam searches of one shape run as one search, their rows stacked: the drafter's
+weights read once too), and one host read brings back every member's result. A member whose
+context is full gets its ContextFull and leaves; the others step on.
 
 Seeded sampling: each member may keep its own random key (``Member.key``), set before its
 draws and read back with the batch's read, so its draws are the ones it would make alone
