@@ -39,7 +39,7 @@ from redrafter_mlx.server import protocol as api
 from redrafter_mlx.server.app import MAX_BODY_BYTES, App, Server
 from redrafter_mlx.tuning.profiles import resolve_shape
 
-MAX_BATCH = 8  # requests answered at once by default (benchmarks/README.md: run 88 (#45))
+MAX_BATCH = 8  # requests answered at once by default (only 8 measured: runs 88 and 92, #45)
 
 EXAMPLES = """examples:
   redrafter-mlx serve
