@@ -1,12 +1,20 @@
 """ReDrafter speculative decoding for MLX.
 
-``from redrafter_mlx import load, generate, stream_generate``: mlx-lm's call shapes
+``from redrafter_mlx import load, generate, stream_generate, batch_generate``: mlx-lm's call shapes
 (:mod:`redrafter_mlx.api`), imported on first use so that the command line starts without MLX.
 """
 
 __version__ = "0.1.0"
 
-_API = ("load", "generate", "stream_generate", "GenerationResponse", "Model")
+_API = (
+    "load",
+    "generate",
+    "stream_generate",
+    "batch_generate",
+    "GenerationResponse",
+    "BatchResponse",
+    "Model",
+)
 __all__ = ["__version__", *_API]
 
 

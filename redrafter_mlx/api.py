@@ -17,6 +17,7 @@ script's re-exec does the same for the command line); imported after, it warns o
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 
@@ -27,8 +28,9 @@ if _TOO_LATE:
     warnings.warn(_TOO_LATE, RuntimeWarning, stacklevel=2)
 
 from collections.abc import Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 
+import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
@@ -37,6 +39,7 @@ from redrafter_mlx.core.accept import Sampler, greedy, temperature  # noqa: E402
 from redrafter_mlx.core.decode import Verifier  # noqa: E402
 from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
+from redrafter_mlx.core.scheduler import answer_together  # noqa: E402
 from redrafter_mlx.core.session import Session  # noqa: E402
 from redrafter_mlx.core.shape import BeamShape  # noqa: E402
 from redrafter_mlx.core.step import Decoding  # noqa: E402
@@ -44,7 +47,15 @@ from redrafter_mlx.core.stream import GenerationResponse, token_responses  # noq
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.profiles import resolve_shape  # noqa: E402
 
-__all__ = ["GenerationResponse", "Model", "generate", "load", "stream_generate"]
+__all__ = [
+    "BatchResponse",
+    "GenerationResponse",
+    "Model",
+    "batch_generate",
+    "generate",
+    "load",
+    "stream_generate",
+]
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,29 @@ def _shape(model: Model | nn.Module, overrides: dict, temp: float) -> BeamShape:
     return BeamShape(**{**default.__dict__, **given})
 
 
+def _overrides(width, length, min_prob, search_width, lookup) -> dict:
+    """The shape keywords as :class:`BeamShape` fields (None: not given)."""
+    return {
+        "width": width,
+        "length": length,
+        "min_prob": min_prob,
+        "search_width": search_width,
+        "lookup": lookup,
+    }
+
+
+def _decoding(model, verifier: Verifier, overrides: dict, sampler, autoregressive, logprobs):
+    """The decoding of a call's keywords: the shape (:func:`_shape`), the mode, the sampler."""
+    shape = _shape(model, overrides, temperature(sampler))
+    mode = Mode.choose(
+        drafter=verifier.drafter is not None,
+        shape=shape,
+        autoregressive=autoregressive,
+        plain_fallback=True,
+    )
+    return Decoding(mode, shape, sampler or greedy, logprobs=logprobs)
+
+
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
     """Token ids of ``prompt`` (text, encoded as mlx-lm encodes it, or ids)."""
     if isinstance(prompt, str):
@@ -146,21 +180,8 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     verifier = _verifier(model, drafter)
-    overrides = {
-        "width": beam_width,
-        "length": beam_length,
-        "min_prob": min_prob,
-        "search_width": search_width,
-        "lookup": lookup,
-    }
-    shape = _shape(model, overrides, temperature(sampler))
-    mode = Mode.choose(
-        drafter=verifier.drafter is not None,
-        shape=shape,
-        autoregressive=autoregressive,
-        plain_fallback=True,
-    )
-    decoding = Decoding(mode, shape, sampler or greedy, logprobs=logprobs)
+    overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
+    decoding = _decoding(model, verifier, overrides, sampler, autoregressive, logprobs)
     session = Session(verifier, tokenizer, decoding, seed=seed)
     steps = session.generate(
         _prompt_ids(tokenizer, prompt), max_tokens=max_tokens, stop_strings=stop_strings
@@ -197,3 +218,99 @@ def generate(
         if stats is not None and stats.steps:
             print(f"ReDrafter: {stats.tokens_per_step:.2f} tokens/step")
     return text
+
+
+@dataclass
+class BatchStats:
+    """What :func:`batch_generate` did, in mlx-lm's ``BatchStats`` terms: prompt and generated
+    tokens (end tokens counted, as mlx-lm counts them), seconds and tokens/s of each phase, the
+    peak memory (GB); ``answers``: each answer's own :class:`GenerationStats`."""
+
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0
+    peak_memory: float = 0.0
+    answers: list = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / max(self.prompt_time, 1e-9)
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / max(self.generation_time, 1e-9)
+
+
+@dataclass
+class BatchResponse:
+    """mlx-lm's ``BatchResponse``: each prompt's text, the stats, and (when asked for) each
+    answer's token ids (its end token left out, as mlx-lm leaves it out)."""
+
+    texts: list[str]
+    stats: BatchStats
+    caches: None = None
+    token_ids: list[list[int]] | None = None
+
+
+def batch_generate(
+    model: Model | nn.Module,
+    tokenizer,
+    prompts: list[list[int]] | list[str],
+    max_tokens: int | list[int] = 128,
+    verbose: bool = False,
+    return_token_ids: bool = False,
+    *,
+    sampler: Sampler | None = None,
+    beam_width: int | None = None,
+    beam_length: int | None = None,
+    min_prob: float | None = None,
+    search_width: int | None = None,
+    lookup: int | None = None,
+    autoregressive: bool = False,
+    stop_strings: tuple[str, ...] = (),
+    seed: int | None = None,
+    drafter: BeamDrafter | None = None,
+) -> BatchResponse:
+    """mlx-lm's ``batch_generate``: answer every prompt (token ids, or text) at once, each
+    answer speculative as :func:`stream_generate`'s (same keywords) and equal to it at
+    temperature 0, every decode step of all answers one batched target forward ->
+    :class:`BatchResponse`. ``max_tokens``: one budget, or one per prompt."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    verifier = _verifier(model, drafter)
+    overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
+    decoding = _decoding(model, verifier, overrides, sampler, autoregressive, False)
+    verifier.warm_up(decoding)
+    if seed is not None:
+        mx.random.seed(seed)
+    ids = [_prompt_ids(tokenizer, p) for p in prompts]
+    budgets = [max_tokens] * len(ids) if isinstance(max_tokens, int) else list(max_tokens)
+    tic = time.perf_counter()
+    answers = answer_together(
+        verifier, tokenizer, ids, decoding, max_tokens=budgets, stop_strings=stop_strings
+    )
+    wall = time.perf_counter() - tic
+    texts = ["".join(r.text for r in answer) for answer in answers]
+    runs = [answer[-1].stats for answer in answers]
+    prompt_time = sum(r.prompt_seconds for r in runs)  # prompts are prefilled in turn
+    stats = BatchStats(
+        prompt_tokens=sum(r.prompt_tokens for r in runs),
+        prompt_time=prompt_time,
+        generation_tokens=sum(r.completion_tokens for r in runs),
+        generation_time=wall - prompt_time,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        answers=runs,
+    )
+    if verbose:
+        print(
+            f"[batch_generate] Prompt: {stats.prompt_tokens} tokens, "
+            f"{stats.prompt_tps:.3f} tokens-per-sec"
+        )
+        print(
+            f"[batch_generate] Generation: {stats.generation_tokens} tokens, "
+            f"{stats.generation_tps:.3f} tokens-per-sec"
+        )
+        print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
+    token_ids = [[t for r in a for t in r.tokens] for a in answers] if return_token_ids else None
+    return BatchResponse(texts, stats, None, token_ids)

@@ -69,7 +69,8 @@ def traces(monkeypatch):
 def server(tmp_path_factory):
     pytest.importorskip("openai")
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with serving(log, "--queue-size", str(QUEUE_SIZE), *SHAPE) as served:
+    # the serial server: its tests count queued requests (test_batch_http serves batched)
+    with serving(log, "--queue-size", str(QUEUE_SIZE), "--max-batch", "1", *SHAPE) as served:
         yield served
 
 

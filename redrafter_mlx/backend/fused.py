@@ -19,9 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
+from redrafter_mlx.core.joint import JointView
 from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.sequence import View
+from redrafter_mlx.core.tree import verified_size
 
 GENERIC = Plan()
 
@@ -320,28 +322,69 @@ class FusedForward(Forward):
         self.dtype = compute_dtype(self.model)
 
     def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
-        plan, model, mask, positions = self.plan, self.model, view.mask, view.positions
+        plan, mask = self.plan, view.mask
         if isinstance(mask, str):
             mask = chain_mask(view.offset, tokens.shape[0])
-        h = model.model.embed_tokens(tokens)[None]
         small = compiled and tokens.shape[0] <= plan.compiled_max_rows
+
+        def attend(i, layer, queries, keys, values):
+            keys, values = view.write(i, keys, values)
+            scale = layer.self_attn.scale
+            return attention(queries, keys, values, scale, mask, plan.grouped_attention)
+
+        return self._layers(tokens, view.positions, small, attend, view.record)
+
+    def run_joint(self, tokens: mx.array, joint: JointView, compiled: bool) -> mx.array:
+        """The joint forward (:mod:`~redrafter_mlx.core.joint`): the compiled halves once
+        over all N rows (padded to the plan's next tree size, a shape traced at warm-up),
+        attention per segment against its own sequence's cache, as that sequence's own
+        forward runs it -> hidden ``(N, H)``."""
+        plan, n = self.plan, tokens.shape[0]
+        small = compiled and n <= plan.compiled_max_rows
+        rows = verified_size(n, plan.tree_sizes) if small else n
+        positions = joint.positions
+        if rows > n:  # padding rows: token 0 at position 0, attending to nothing
+            tokens = mx.concatenate([tokens, mx.zeros((rows - n,), tokens.dtype)])
+            positions = mx.concatenate([positions, mx.zeros((rows - n,), positions.dtype)])
+
+        def attend(i, layer, queries, keys, values):
+            return self._joint_attention(i, layer, joint, queries, keys, values, rows - n)
+
+        return self._layers(tokens, positions, small, attend, joint.record)[:n]
+
+    def _layers(self, tokens, positions, small: bool, attend, record) -> mx.array:
+        """The layers over ``tokens (T,)`` at ``positions (T,)`` -> final-norm hidden
+        ``(T, H)``: compiled halves (``small``) or eager ones around ``attend(i, layer,
+        queries, keys, values)``, each layer's output handed to ``record``."""
+        model, every = self.model, self.plan.async_layers
+        h = model.model.embed_tokens(tokens)[None]
         before, after = (self.layers.before, self.layers.after) if small else self.eager
         layers = model.model.layers
         tables = None
         if self.shared_rope:
             tables = rope_tables(layers[0].self_attn, positions, self.dtype)
         rope_args = tables or (positions,)
-        every = plan.async_layers
         for i, layer in enumerate(layers):
             queries, keys, values = before[i](h, *rope_args)
-            keys, values = view.write(i, keys, values)
-            scale = layer.self_attn.scale
-            out = attention(queries, keys, values, scale, mask, plan.grouped_attention)
-            h = after[i](h, out)
-            view.record(i, h)
+            h = after[i](h, attend(i, layer, queries, keys, values))
+            record(i, h)
             if every and (i + 1) % every == 0 and i + 1 < len(layers):
                 mx.async_eval(h)  # start computing while Python builds the next layers
         return model.model.norm(h)[0]
+
+    def _joint_attention(self, i, layer, joint: JointView, queries, keys, values, padding: int):
+        """Each segment's attention ``(1, heads, T_i, D)`` over its own sequence, side by
+        side, then zeros for the padding rows -> ``(1, heads, N', D)``."""
+        scale, grouped = layer.self_attn.scale, self.plan.grouped_attention
+        outs = []
+        for view, (start, stop) in zip(joint.views, joint.bounds, strict=True):
+            k, v = view.write(i, keys[:, :, start:stop], values[:, :, start:stop])
+            q = queries[:, :, start:stop]
+            outs.append(attention(q, k, v, scale, view.mask, grouped))
+        if padding:
+            b, heads, _, d = queries.shape
+            outs.append(mx.zeros((b, heads, padding, d), queries.dtype))
+        return mx.concatenate(outs, axis=2)
 
 
 def _rope_key(rope: nn.Module) -> tuple:

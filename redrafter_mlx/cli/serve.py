@@ -39,6 +39,8 @@ from redrafter_mlx.server import protocol as api
 from redrafter_mlx.server.app import MAX_BODY_BYTES, App, Server
 from redrafter_mlx.tuning.profiles import resolve_shape
 
+MAX_BATCH = 8  # requests answered at once by default (only 8 measured: runs 88 and 92, #45)
+
 EXAMPLES = """examples:
   redrafter-mlx serve
   redrafter-mlx serve --port 8080 --queue-size 4 --max-tokens 256
@@ -76,6 +78,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=flags.at_least(1),
         default=8,
         help="requests that may wait behind the running one; more get 503 (default: 8)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=flags.at_least(1),
+        default=MAX_BATCH,
+        help="requests answered at once, their decode steps batched into one forward; 1 "
+        f"answers one at a time (default: {MAX_BATCH})",
     )
     parser.add_argument(
         "--prompt-cache-size",
@@ -212,6 +221,7 @@ def main(args: argparse.Namespace) -> None:
         queue_size=args.queue_size,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        max_batch=args.max_batch,
     )
     engine = start_or_exit(service)
     checks = limits(args, loaded.runtime)

@@ -52,6 +52,14 @@ def chain_step(verifier, state: ChainState) -> tuple[ChainState, Step]:
     emitted = emitted_logprobs(state.decoding, logits, choice)
     mx.async_eval(choice, *emitted.arrays())
     value = token.item()  # host read: this token (the next one is computing)
+    return chained(state, choice, emitted, value)
+
+
+def chained(state: ChainState, choice: mx.array, emitted: Emitted, value: int):
+    """After the read of ``state``'s pending token ``value`` (its K/V written): commit it ->
+    the state whose pending token is ``choice (1,)`` (log-probs ``emitted``) and the step that
+    emitted ``value``."""
+    sequence = state.sequence
     sequence.commit([value])
     new = ChainState(sequence, state.decoding, choice, emitted, sequence.version, state.steps + 1)
     return new, state.emitted.read([value])

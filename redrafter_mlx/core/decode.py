@@ -20,7 +20,7 @@ the sequence moved on raises :class:`~redrafter_mlx.core.step.SpentState`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -94,8 +94,21 @@ class Verifier:
         the first emitted token (None when autoregressive: its first step emits it,
         pipelined). ``cancelled`` is asked between prompt chunks (raises Cancelled; the chunks
         fed so far stay committed, a prefix the next prompt can reuse)."""
+        return run_chunks(self.prefilling(sequence, prompt, decoding, timer=timer), cancelled)
+
+    def prefilling(
+        self,
+        sequence: Sequence,
+        prompt: list[int],
+        decoding: Decoding,
+        *,
+        timer: PhaseTimer | None = None,
+    ) -> Generator[None, None, tuple[State, Step | None]]:
+        """:meth:`prefill` one prompt chunk per ``next``: it yields between chunks (where a
+        server steps its other sequences) and returns :meth:`prefill`'s result."""
         self.check(decoding)
-        pending, context, logits = self.feed(sequence, prompt, decoding.sampler, cancelled)
+        fed = yield from self.feeding(sequence, prompt, decoding.sampler)
+        pending, context, logits = fed
         if not decoding.mode.speculative:
             return autoregressive.first_state(sequence, decoding, pending, logits), None
         emitted = emitted_logprobs(decoding, logits, pending[None])
@@ -149,14 +162,18 @@ class Verifier:
     def feed(self, sequence: Sequence, prompt: list[int], sampler: Sampler, cancelled=None):
         """Feed ``prompt`` in chunks and commit it -> the next token ``()``, its context
         ``(H,)`` and the logits ``(1, V)`` it was chosen from."""
+        return run_chunks(self.feeding(sequence, prompt, sampler), cancelled)
+
+    def feeding(self, sequence: Sequence, prompt: list[int], sampler: Sampler):
+        """:meth:`feed`, yielding between its chunks."""
         if not prompt:
             raise ValueError("empty prompt: nothing to condition on")
         self.check_room(sequence, len(prompt) + 1)
         chunk_size = self.plan.prefill_chunk
         taps = dict.fromkeys(drafting.taps_of(self.drafter))
         for start in range(0, len(prompt), chunk_size):
-            if cancelled is not None and start and cancelled():
-                raise Cancelled("cancelled during the prompt")
+            if start:
+                yield
             chunk = prompt[start : start + chunk_size]
             positions = mx.arange(sequence.offset, sequence.offset + len(chunk))
             # prompts have arbitrary lengths: uncompiled (fixed shapes are the decode steps')
@@ -229,6 +246,19 @@ class Verifier:
         if decoding.mode.drafted:
             pending = mx.array(0, mx.int32)
             self.drafter.warm_up(hidden[-1], pending, **self.search_options(decoding.shape))
+
+
+def run_chunks(chunks: Generator, cancelled: Callable[[], bool] | None = None):
+    """Run a generator that yields between prompt chunks to its end -> what it returns;
+    ``cancelled`` is asked at each yield (Cancelled: the chunks fed so far stay committed)."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+        if cancelled is not None and cancelled():
+            chunks.close()
+            raise Cancelled("cancelled during the prompt")
 
 
 @functools.lru_cache(maxsize=64)

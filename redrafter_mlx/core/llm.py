@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 from mlx_lm.models.cache import KVCache as MlxKVCache
 
+from redrafter_mlx.core.joint import JointLayerCache, JointView, Segment
 from redrafter_mlx.core.recurrent import StateSlot, wrap_mixers
 from redrafter_mlx.core.sequence import Sequence, View
 from redrafter_mlx.core.tree import Tree
@@ -176,7 +177,7 @@ class Forward:
         if slot_counts(self.layout)[1]:
             for layer in inner_model(self.model).layers:
                 wrap_mixers(layer)
-        self._view: View | None = None  # the running forward's (for its taps)
+        self._view: View | JointView | None = None  # the running forward's (for its taps)
 
     def __call__(
         self,
@@ -221,6 +222,48 @@ class Forward:
         caches = [layer_cache(slot) for slot in self.layout]
         self._add_taps(view.taps)
         self._view = view
+        try:
+            return inner_model(self.model)(tokens[None], cache=caches)[0]
+        finally:
+            self._view = None
+
+    def joint(self, segments: list[Segment], *, compiled: bool = True) -> list[mx.array]:
+        """One forward over several sequences' new tokens (:mod:`~redrafter_mlx.core.joint`)
+        -> each segment's final-norm hidden ``(T_i, H)``; each sequence's K/V (and taps)
+        written as its own forward would."""
+        # one sequence, or recurrent layers (their state is per sequence): each its own forward
+        if len(segments) == 1 or slot_counts(self.layout)[1]:
+            return [
+                self(
+                    s.tokens,
+                    s.positions,
+                    s.mask,
+                    s.sequence,
+                    compiled=compiled,
+                    tree=s.tree,
+                    taps=s.taps,
+                )
+                for s in segments
+            ]
+        joint = JointView(segments)
+        hidden = self.run_joint(mx.concatenate([s.tokens for s in segments]), joint, compiled)
+        joint.finish()
+        return joint.split(hidden)
+
+    def run_joint(self, tokens: mx.array, joint: JointView, compiled: bool) -> mx.array:
+        """The joint forward itself -> hidden ``(N, H)`` (what a device's plan replaces): the
+        model's own modules over :class:`~redrafter_mlx.core.joint.JointLayerCache`."""
+        del compiled
+        mask = joint.block_mask()
+
+        def layer_cache(slot):
+            if isinstance(slot, list):
+                return CacheList(*(layer_cache(s) for s in slot))
+            return JointLayerCache(joint, slot.index, slot.window, mask)
+
+        caches = [layer_cache(slot) for slot in self.layout]
+        self._add_taps(joint.taps)
+        self._view = joint
         try:
             return inner_model(self.model)(tokens[None], cache=caches)[0]
         finally:

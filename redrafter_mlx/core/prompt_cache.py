@@ -19,7 +19,7 @@ agent's turn must not cost the conversation just used).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.session import Session
@@ -46,13 +46,15 @@ class PromptCache:
         self.sessions: list[Session] = []
         self._prompts: dict[int, int] = {}  # id(session) -> its last prompt's length
 
-    def take(self, ids: list[int]) -> Session:
-        """The session to answer the prompt ``ids`` with (now the most recently used)."""
-        session = self._extended(ids)
-        if session is None and len(self.sessions) < self.max_sessions:
+    def take(self, ids: list[int], busy: Collection[Session] = ()) -> Session:
+        """The session to answer the prompt ``ids`` with (now the most recently used), never
+        one of ``busy`` (sessions answering other requests now: a batch's)."""
+        free = [s for s in self.sessions if s not in busy]
+        session = self._extended(ids, free)
+        if session is None and (len(self.sessions) < self.max_sessions or not free):
             session = self._new_session()
         elif session is None:  # the least recently used one: not a conversation just used
-            session = self.sessions[0]
+            session = free[0]
         if session in self.sessions:
             self.sessions.remove(session)
         self.sessions.append(session)
@@ -60,20 +62,22 @@ class PromptCache:
         return session
 
     def trim(self) -> None:
-        """Drop least recently used sessions until the caches fit ``max_bytes`` (the most
-        recent one stays, whatever its size)."""
-        while self.max_bytes is not None and len(self.sessions) > 1:
-            if self.cached_bytes <= self.max_bytes:
+        """Drop least recently used sessions until the caches fit ``max_bytes`` and (sessions
+        made while all were busy) ``max_sessions``; the most recent one stays, whatever its
+        size."""
+        while len(self.sessions) > 1:
+            over_bytes = self.max_bytes is not None and self.cached_bytes > self.max_bytes
+            if not over_bytes and len(self.sessions) <= self.max_sessions:
                 return
             self._prompts.pop(id(self.sessions.pop(0)), None)
 
-    def _extended(self, ids: list[int]) -> Session | None:
+    def _extended(self, ids: list[int], sessions: list[Session]) -> Session | None:
         """The session whose last prompt ``ids`` begins with (but for its last
         :data:`TAIL` tokens, at most half of it, where ``ids`` goes on for at least
         :data:`TAIL` more; its answer need not match) sharing the most tokens, the most
         recent of equals."""
         found, most = None, 0
-        for session in self.sessions:
+        for session in sessions:
             cached = session.sequence.ids
             shared = common_prefix(cached, ids)
             prompt = min(len(cached), self._prompts.get(id(session), len(cached)))

@@ -26,10 +26,12 @@ import mlx.core as mx
 
 from redrafter_mlx.core.accept import is_greedy, make_sampler
 from redrafter_mlx.core.decode import Verifier
-from redrafter_mlx.core.distributed import session_for
+from redrafter_mlx.core.distributed import LeadVerifier, session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.prompt_cache import PromptCache, check_bounds
+from redrafter_mlx.core.scheduler import Scheduler
+from redrafter_mlx.core.scheduler import warm_up as warm_up_batches
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
@@ -179,14 +181,33 @@ class Job:
     def _put(self, event) -> None:
         self._events.put(event)
 
+    # the worker's side
+
+    def put(self, event) -> None:
+        """Hand the caller an event (:class:`Started`, a :class:`StepResponse`)."""
+        self._put(event)
+
+    def fail(self, error: BaseException) -> None:
+        """End the job with ``error`` (raised to its caller)."""
+        self.outcome = "failed"
+        self._put(error)
+
+    def finish(self, outcome: str) -> None:
+        """End the job: "finished" (its last response was put) or "cancelled"."""
+        self.outcome = outcome
+        if outcome == "cancelled":
+            self._put(_END)
+
 
 class GenerationService:
-    """Serves :class:`Request`\\ s one at a time, in arrival order, on one worker thread.
+    """Serves :class:`Request`\\ s in arrival order on one worker thread: one at a time
+    (``max_batch`` 1), or up to ``max_batch`` at once, stepped together
+    (:mod:`~redrafter_mlx.core.scheduler`: continuous batching).
 
     ``setup`` builds the :class:`Engine` on the worker (load the model there); at most
-    ``queue_size`` requests wait behind the running one, more raise :class:`QueueFull`; the
+    ``queue_size`` requests wait behind the running ones, more raise :class:`QueueFull`; the
     KV caches of at most ``prompt_cache_size`` conversations (and ``prompt_cache_bytes``) are
-    kept between requests.
+    kept between requests (more while more are answered at once).
     """
 
     def __init__(
@@ -196,9 +217,13 @@ class GenerationService:
         queue_size: int = 8,
         prompt_cache_size: int = 4,
         prompt_cache_bytes: int | None = None,
+        max_batch: int = 1,
     ):
         if queue_size < 1:
             raise ValueError(f"queue size {queue_size}: need at least 1")
+        if max_batch < 1:
+            raise ValueError(f"max batch {max_batch}: need at least 1")
+        self.max_batch = max_batch
         self._cache_bounds = {"max_sessions": prompt_cache_size, "max_bytes": prompt_cache_bytes}
         check_bounds(prompt_cache_size, prompt_cache_bytes)  # here, not on the worker
         self._setup = setup
@@ -262,12 +287,18 @@ class GenerationService:
         try:
             self.engine = self._setup()
             self.engine.warm_up()
+            if self.max_batch > 1:
+                decodings = [self.engine.decoding_for(s) for s in (Sampling(1.0), Sampling())]
+                warm_up_batches(self.engine.verifier, decodings, self.max_batch)
             self.prompt_cache = PromptCache(self.engine.new_session, **self._cache_bounds)
         except BaseException as e:  # reported by start(), on the caller's thread
             self._setup_error = e
             return
         finally:
             self._ready.set()
+        if self.max_batch > 1 and not isinstance(self.engine.verifier, LeadVerifier):
+            Scheduler(self, self.max_batch).run()  # a sharded target answers one at a time
+            return
         while (job := self._queue.get()) is not None:
             self._running = job
             try:
@@ -298,7 +329,7 @@ class GenerationService:
     def _generate(self, job: Job) -> str:
         """Run ``job`` to its end; "finished" or "cancelled"."""
         engine, request = self.engine, job.request
-        ids = self._encode(request.prompt)
+        ids = self.encode(request.prompt)
         self.session = self.prompt_cache.take(ids)
         if request.sampling.seed is not None:
             mx.random.seed(request.sampling.seed)
@@ -313,7 +344,7 @@ class GenerationService:
         try:
             for step in steps:
                 if not started:  # the prompt is in the cache: say how much was reused
-                    job._put(self._started(ids, request))
+                    job._put(self.started(ids, request, self.session))
                     started = True
                 job._put(step)
                 if step.finish_reason is not None:
@@ -325,7 +356,7 @@ class GenerationService:
             steps.close()
             self.prompt_cache.trim()
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt``; ConfigError when it is empty, cannot be templated, or
         leaves no room in the context for a new token."""
         try:
@@ -344,6 +375,7 @@ class GenerationService:
             )
         return ids
 
-    def _started(self, ids: list[int], request: Request) -> Started:
+    def started(self, ids: list[int], request: Request, session: Session) -> Started:
+        """What a job's caller learns when its prompt is in ``session``'s cache."""
         shape = self.engine.shape_for(request.sampling)
-        return Started(len(ids), self.session.reused, shape, self.engine.mode)
+        return Started(len(ids), session.reused, shape, self.engine.mode)

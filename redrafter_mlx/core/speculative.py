@@ -68,15 +68,103 @@ def drafted_state(
 
 def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
     """One step from ``state``'s pending token, its drafted beams and its lookup beams."""
-    sequence, timer, decoding = state.sequence, state.timer, state.decoding
-    timer.start()
+    state.timer.start()
+    planned = plan_tree(verifier, state)
+    hidden, taps, logits = verify_forward(verifier, state, planned)
+    outcome = conclude(verifier, state, planned, hidden, taps, logits)
+    read = host_read(*outcome.values, evaluated=outcome.evaluated)
+    state.timer.mark("draft")
+    return finish(state, planned, outcome, read)
+
+
+@dataclass(frozen=True)
+class PlannedTree:
+    """A step's tree, ready for its verify forward: the beams ``(W + k, L)``, their packed
+    (pruned, padded) tree, its size before padding, and its tokens ``(T,)``, positions
+    ``(T,)`` and mask ``(T, S + T)``."""
+
+    beams: np.ndarray
+    tree: Tree
+    size: int
+    tokens: mx.array
+    positions: mx.array
+    mask: mx.array
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A verified tree's acceptance and the next beams, lazily: ``values`` what the step's
+    read reads (the chosen beam, its accepted count, the next token; the drafted beams; their
+    log-probs where the tree is pruned by them), ``evaluated`` what it evaluates with them."""
+
+    values: tuple[mx.array, ...]
+    evaluated: tuple[mx.array, ...]
+    emitted: Emitted
+    draft_syncs: int
+
+
+def plan_tree(verifier, state: TreeState) -> PlannedTree:
+    """Pack the step's tree (ContextFull when the context has no room for its root)."""
     beams, tree, size = pack(verifier, state)
-    hidden, taps, logits, result = verify(verifier, state, beams, tree)
+    offset = state.sequence.offset
+    mask = tree_mask(tree, offset)
+    positions = mx.array(offset + tree.depths)
+    state.timer.mark("pack", mask)
+    return PlannedTree(beams, tree, size, mx.array(tree.tokens), positions, mask)
+
+
+def verify_forward(verifier, state: TreeState, planned: PlannedTree):
+    """One target forward over the planned tree (K/V into the sequence's scratch), lazily ->
+    ``(hidden (T, H), taps, logits (T, V))``; ``taps``: the outputs ``(T, H)`` of the layers
+    the drafter reads."""
+    compiled = verifier.compiles(planned.tree.size, state.decoding)
+    taps = dict.fromkeys(drafting.taps_of(verifier.drafter))
+    hidden = verifier.forward(
+        planned.tokens,
+        planned.positions,
+        planned.mask,
+        state.sequence,
+        compiled=compiled,
+        tree=planned.tree,
+        taps=taps,
+    )
+    logits = verifier.forward.lm_head(hidden)
+    state.timer.mark("verify", logits)
+    return hidden, taps, logits
+
+
+def conclude(verifier, state: TreeState, planned: PlannedTree, hidden, taps, logits) -> Outcome:
+    """After the verify forward, lazily: accept, stage the accepted path in the sequence, draft
+    the next beams from it."""
+    accepted = accept_and_stage(verifier, state, planned, hidden, taps, logits)
+    drafted = draft(verifier, state.decoding, state.sequence, accepted.reading)
+    return accepted.outcome(*drafted)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A verified tree's acceptance, lazily: what the step emits (``emitted``), what the
+    drafter reads next (``reading``) and the values the step's read starts with."""
+
+    chosen: mx.array  # (3,) the accepted beam, its accepted count, the next token
+    emitted: Emitted
+    reading: Reading
+
+    def outcome(self, drafted: tuple, draft_syncs: int) -> Outcome:
+        """The step's :class:`Outcome` once the next beams ``drafted`` are (lazily) known."""
+        values = step_values(self.chosen, drafted)
+        return Outcome(values, self.emitted.arrays(), self.emitted, draft_syncs)
+
+
+def accept_and_stage(verifier, state: TreeState, planned: PlannedTree, hidden, taps, logits):
+    """Accept, hand the drafter its taps, stage the recurrent state -> :class:`Accepted`."""
+    sequence, decoding, beams = state.sequence, state.decoding, planned.beams
+    result = accept_tree(state, planned, logits)
     path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
     emitted = emitted_logprobs(decoding, logits[result.path], path_tokens)
     drafting.observe(verifier.drafter, sequence, taps, result.path)
     sequence.stage(None, result.last_node)  # the recurrent layers' state (lazily)
-    timer.mark("compact", *sequence.arrays())
+    state.timer.mark("compact", *sequence.arrays())
     reading = Reading(
         hidden[result.last_node],
         result.next_token,
@@ -84,19 +172,26 @@ def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
         mx.array(beams)[result.best],
         result.num_accepted + 1,
     )
-    drafted, draft_syncs = draft(verifier, decoding, sequence, reading)
     chosen = mx.stack([result.best, result.num_accepted, result.next_token])
-    read, floor_logprobs = read_step(chosen, drafted, emitted.arrays())
-    timer.mark("draft")
+    return Accepted(chosen, emitted, reading)
+
+
+def finish(
+    state: TreeState, planned: PlannedTree, outcome: Outcome, read
+) -> tuple[TreeState, Step]:
+    """After the step's read (``read``: :attr:`Outcome.values` on the host): commit the
+    accepted tokens -> the next state and what the step emitted."""
+    sequence, decoding, beams = state.sequence, state.decoding, planned.beams
+    read, floor_logprobs = (read, None) if len(outcome.values) == 1 else read
     best, num_accepted, next_token = (int(x) for x in read[:3])
     root_and_accepted = beams[best, : num_accepted + 1].tolist()
-    sequence.stage(accepted_nodes(tree, best, num_accepted))
+    sequence.stage(accepted_nodes(planned.tree, best, num_accepted))
     sequence.commit(root_and_accepted)
-    step = emitted.read(
+    step = outcome.emitted.read(
         root_and_accepted[1:] + [next_token],
         num_accepted + 1,
-        tree_size=size,
-        syncs=1 + draft_syncs,
+        tree_size=planned.size,
+        syncs=1 + outcome.draft_syncs,
         accepted_from=accepted_source(beams, len(state.drafted), best, num_accepted),
     )
     new = TreeState(
@@ -106,7 +201,7 @@ def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
         _beams(decoding, read[3:]),
         floor_logprobs,
         sequence.version,
-        timer,
+        state.timer,
         state.steps + 1,
     )
     return new, step
@@ -129,21 +224,9 @@ def pack(verifier, state: TreeState) -> tuple[np.ndarray, Tree, int]:
     return beams, pad_tree(tree, verified_size(size, verifier.plan.tree_sizes)), size
 
 
-def verify(verifier, state: TreeState, beams: np.ndarray, tree: Tree):
-    """One target forward over ``tree`` (K/V into the sequence's scratch) and the acceptance
-    of ``beams``, lazily -> ``(hidden (T, H), taps, logits (T, V), Acceptance)``; ``taps``: the
-    outputs ``(T, H)`` of the layers the drafter reads."""
-    sequence, timer = state.sequence, state.timer
-    mask = tree_mask(tree, sequence.offset)
-    positions = mx.array(sequence.offset + tree.depths)
-    timer.mark("pack", mask)
-    compiled = verifier.compiles(tree.size, state.decoding)
-    taps = dict.fromkeys(drafting.taps_of(verifier.drafter))
-    hidden = verifier.forward(
-        mx.array(tree.tokens), positions, mask, sequence, compiled=compiled, tree=tree, taps=taps
-    )
-    logits = verifier.forward.lm_head(hidden)
-    timer.mark("verify", logits)
+def accept_tree(state: TreeState, planned: PlannedTree, logits: mx.array):
+    """The acceptance of the planned beams by the target's ``logits (T, V)``, lazily."""
+    tree, beams = planned.tree, planned.beams
     pruned = tree.unpack < 0  # never accepted: a token id no choice can equal
     result = accept(
         mx.array(np.where(pruned, -1, beams)),
@@ -151,8 +234,8 @@ def verify(verifier, state: TreeState, beams: np.ndarray, tree: Tree):
         logits,
         state.decoding.sampler,
     )
-    timer.mark("accept", result.num_accepted, result.next_token)
-    return hidden, taps, logits, result
+    state.timer.mark("accept", result.num_accepted, result.next_token)
+    return result
 
 
 def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
@@ -163,22 +246,35 @@ def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
         return (None, None), 0
     options = verifier.search_options(decoding.shape)
     beams, logprobs, syncs = drafting.draft(verifier.drafter, sequence, reading, options)
+    return (beams, pruning_logprobs(verifier, decoding, logprobs)), syncs
+
+
+def pruning_logprobs(verifier, decoding: Decoding, logprobs: mx.array) -> mx.array | None:
+    """The drafted tokens' log-probs where the tree is pruned by them, else None (nothing
+    prunes the tree by them: the read leaves them out)."""
     if not (decoding.shape.min_prob or drafting.prunes(verifier.drafter)):
-        logprobs = None  # nothing prunes the tree by them: the read leaves them out
-    return (beams, logprobs), syncs
+        return None
+    return logprobs
 
 
-def read_step(values: mx.array, drafted: tuple, evaluated=()):
-    """The step's one host read: ``values`` then the drafted beams flattened (int), plus the
-    drafted tokens' log-probs when the tree is pruned by them (:func:`draft` leaves them None
-    otherwise); ``evaluated``'s arrays are evaluated with it and stay on the device."""
+def step_values(values: mx.array, drafted: tuple) -> tuple[mx.array, ...]:
+    """What a step's one host read reads: ``values`` then the drafted beams flattened (int),
+    plus the drafted tokens' log-probs when the tree is pruned by them (:func:`draft` leaves
+    them None otherwise)."""
     beams, logprobs = drafted
     ints = values.astype(mx.int32)
     if beams is not None:
         ints = mx.concatenate([ints, beams.reshape(-1)])
     if beams is None or logprobs is None:
-        return host_read(ints, evaluated=evaluated), None
-    return host_read(ints, logprobs, evaluated=evaluated)
+        return (ints,)
+    return ints, logprobs
+
+
+def read_step(values: mx.array, drafted: tuple, evaluated=()):
+    """The step's one host read of :func:`step_values` -> ``(ints, log-probs or None)``;
+    ``evaluated``'s arrays are evaluated with it and stay on the device."""
+    read = host_read(*step_values(values, drafted), evaluated=evaluated)
+    return (read, None) if isinstance(read, np.ndarray) else read
 
 
 def with_lookup(state: TreeState) -> tuple[np.ndarray, np.ndarray | None]:

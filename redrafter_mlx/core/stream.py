@@ -44,6 +44,9 @@ class GenerationStats:
     accepted_from: Counter = field(default_factory=Counter)
     syncs: int = 0
     peak_memory_gb: float = 0.0
+    # The end-of-sequence token that ended the answer (None: it ended otherwise). It is not
+    # in the answer's tokens or text, and is counted in ``completion_tokens``.
+    end_token: int | None = None
 
     def add_step(self, step: Step, seconds: float) -> None:
         """Count one decode step; ``seconds``: the generation's time up to its end."""
@@ -54,6 +57,13 @@ class GenerationStats:
         if step.accepted_from:
             self.accepted_from[step.accepted_from] += len(step.tokens) - 1
         self.generation_seconds = seconds
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens the model generated, the end token that ended the answer included: the
+        one counting rule of usage (mlx-lm's ``generation_tokens`` and OpenAI's
+        ``completion_tokens`` count it too)."""
+        return self.generation_tokens + (self.end_token is not None)
 
     @property
     def prompt_tps(self) -> float:
@@ -104,9 +114,10 @@ class GenerationResponse:
     choice). ``text`` is the new text since the previous response; a step's text arrives with
     its last token (its other tokens have ``""``). ``logprobs`` ``(V,)``: the target's
     log-probs the token was chosen from, as mlx-lm's (None unless asked for: they cost a
-    log-softmax per token). ``token`` is None only on a last response that adds no token (an
-    EOS or a full context ended the answer after the previous one). ``stats``: the running
-    :class:`GenerationStats`.
+    log-softmax per token). An answer ended by its end-of-sequence token ends, as mlx-lm's
+    does, with a response carrying that token (no text of its own, counted in
+    ``generation_tokens``); ``token`` is None only on a last response that adds no token (a
+    full context ended the answer). ``stats``: the running :class:`GenerationStats`.
     """
 
     text: str
@@ -127,15 +138,25 @@ def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationRespons
     count = 0
     for step in steps:
         stats = step.stats
-        last = len(step.tokens) - 1
-        tokens = step.tokens or ([None] if step.finish_reason else [])
+        tokens = list(step.tokens)
+        if (
+            step.finish_reason == "stop"
+            and step.stop_string is None
+            and stats.end_token is not None
+        ):
+            tokens.append(stats.end_token)  # mlx-lm's last response carries the end token
+        elif step.finish_reason and not tokens:
+            tokens = [None]
+        last = len(tokens) - 1
         for i, token in enumerate(tokens):
             count += token is not None
             yield GenerationResponse(
                 text=step.text if i >= last else "",
                 token=token,
-                logprobs=None if step.logprobs is None or token is None else step.logprobs[i],
-                from_draft=i < last and stats.steps > 0,
+                logprobs=None
+                if step.logprobs is None or i >= len(step.tokens)
+                else step.logprobs[i],
+                from_draft=i < len(step.tokens) - 1 and stats.steps > 0,
                 prompt_tokens=stats.prompt_tokens,
                 prompt_tps=stats.prompt_tps,
                 generation_tokens=count,
@@ -194,13 +215,15 @@ def stream_steps(
         yield from _stream_steps(steps, tokenizer, len(prompt), max_tokens, stop_strings)
 
 
-def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
+def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings, began=None):
+    """:func:`stream_steps` over ``steps``; ``began``: when the prompt began (a
+    ``time.perf_counter()``; None: now)."""
     stats = GenerationStats(prompt_tokens=prompt_tokens)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     eos = set(tokenizer.eos_token_ids)
     mx.reset_peak_memory()
-    tic = time.perf_counter()
+    tic = time.perf_counter() if began is None else began
     first = True
     shown = 0  # characters of the text already returned
     while True:
@@ -217,6 +240,7 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
             if stats.steps % CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()
         emitted, reason = apply_stops(step.tokens, eos, max_tokens - stats.generation_tokens)
+        ended_by_eos = reason == "stop"
         emitted, cut = _add_until_stop_string(detokenizer, emitted, stop_strings)
         stats.generation_tokens += len(emitted)
         if cut is None and reason is not None:
@@ -226,6 +250,8 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
             reason, end = "stop", cut
         elif reason is not None:
             end = len(detokenizer.text)
+            if ended_by_eos:  # the end token: not in the answer, counted in its usage
+                stats.end_token = step.tokens[len(emitted)]
         else:
             end = len(detokenizer.text) - held_back(detokenizer.text, stop_strings)
         text, shown = detokenizer.text[shown:end], max(shown, end)
@@ -237,6 +263,20 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings):
         if reason is not None:
             steps.close()
             return
+
+
+def responses(
+    steps: Iterator[Step],
+    tokenizer,
+    prompt_tokens: int,
+    *,
+    max_tokens: int = 256,
+    stop_strings: tuple[str, ...] = (),
+    began: float | None = None,
+) -> Iterator[StepResponse]:
+    """:func:`stream_steps`' responses over steps from elsewhere (a batch's): the prefill's
+    first step (where it emits one) first, then one per decode step."""
+    return _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings, began)
 
 
 def apply_stops(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], str | None]:

@@ -578,7 +578,7 @@ class Outcome:
 
     @property
     def completion_tokens(self) -> int:
-        return self.stats.generation_tokens
+        return self.stats.completion_tokens  # the end token counted
 
     def redrafter(self) -> dict:
         """How the decoding went: the beam shape, decode steps (target passes after the

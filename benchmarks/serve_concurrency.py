@@ -1,0 +1,225 @@
+"""Aggregate throughput, latency and time to first token with 1, 2, 4 and 8 concurrent
+clients, for three servers on the same weights, interleaved in one run: ours batching
+(`serve --max-batch N`), ours serial (`serve --max-batch 1`: one request at a time, as before
+issue 45) and mlx-lm's `mlx_lm.server` (continuous batching, no draft model).
+
+Each round sends the same ``--requests`` greedy chat requests (MT-Bench first turns, streamed,
+``--max-tokens`` each) from ``c`` client threads that each take the next prompt when their
+answer ends; the servers take turns round by round (c = 1, then 2, ...; the server order
+rotates each concurrency level). Per round: aggregate output tokens/s (all completion tokens
+over the round's wall time), median and p95 request latency, median and p95 time to first
+token (the first content chunk), and how many answers' texts equal the same server's answers
+at the first concurrency level, and each other server's there. Only one server computes at a
+time; the others idle.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/serve_concurrency.py \\
+        --out benchmarks/results/serve_concurrency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from redrafter_mlx.backend.blas import reexec_with_blas
+
+reexec_with_blas()  # before MLX loads: the servers inherit the same BLAS
+
+from redrafter_mlx.io.embedded import default_model_path  # noqa: E402
+from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(name: str, command: list[str]) -> tuple[subprocess.Popen, int]:
+    """Start a server on a free port (``{port}`` in ``command``); wait until it answers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = Path(tempfile.mkdtemp(prefix=f"concurrency-{name}-")) / "server.log"
+    command = [c.replace("{port}", str(port)) for c in command]
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=stderr, stderr=stderr)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{name} exited:\n{log.read_text()}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200 and _ready(name, log):
+                return process, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"{name} did not start")
+
+
+def _ready(name: str, log: Path) -> bool:
+    return name == "mlx-lm" or bool(re.search(r"serving the OpenAI API at", log.read_text()))
+
+
+def ask(port: int, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy chat request -> text, completion tokens, TTFT and latency."""
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    tic = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+    response = conn.getresponse()
+    parts, first, usage, chunks = [], None, None, 0
+    for line in response:
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        usage = event.get("usage") or usage
+        choices = event.get("choices") or []
+        if choices and choices[0].get("delta", {}).get("content"):
+            first = first or time.perf_counter()
+            parts.append(choices[0]["delta"]["content"])
+            chunks += 1
+    done = time.perf_counter()
+    conn.close()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {
+        "text": "".join(parts),
+        "tokens": tokens,
+        "ttft_s": (first or done) - tic,
+        "latency_s": done - tic,
+    }
+
+
+def round_of(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """All ``prompts`` through ``clients`` concurrent clients -> the round's figures."""
+    results: dict[int, dict] = {}
+    lock = threading.Lock()
+    todo = list(range(len(prompts)))
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            results[i] = ask(port, prompts[i], max_tokens)
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    rows = [results[i] for i in range(len(prompts))]
+    return {
+        "wall_s": wall,
+        "tokens": sum(r["tokens"] for r in rows),
+        "aggregate_tps": sum(r["tokens"] for r in rows) / wall,
+        "latency_median_s": statistics.median(r["latency_s"] for r in rows),
+        "latency_p95_s": p95([r["latency_s"] for r in rows]),
+        "ttft_median_s": statistics.median(r["ttft_s"] for r in rows),
+        "ttft_p95_s": p95([r["ttft_s"] for r in rows]),
+        "texts": [r["text"] for r in rows],
+    }
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def environment() -> dict:
+    """What the numbers depend on: versions, BLAS, cores (the machine was shared: say so)."""
+    import os
+
+    import mlx.core as mx
+    import mlx_lm
+
+    blas = os.environ.get("LD_PRELOAD", "") or "the wheel's own"
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "blas": blas,
+        "cpus": os.cpu_count(),
+        "device": str(mx.default_device()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--requests", type=int, default=8, help="requests per round")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=8, help="our batching server's")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model = str(default_model_path())
+    ours = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "{port}"]
+    ours += ["--queue-size", "32", "--max-tokens", str(args.max_tokens)]
+    commands = {
+        "ours-batched": ours + ["--max-batch", str(args.max_batch)],
+        "ours-serial": ours + ["--max-batch", "1"],
+        "mlx-lm": [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", "{port}"],
+    }
+    prompts = [turns[0] for turns in load_prompts(None, args.requests, 1)]
+    servers = {name: start(name, command) for name, command in commands.items()}
+    for _, port in servers.values():  # a first request may build what a server builds lazily
+        ask(port, "Hello", 8)
+    rounds: dict[str, dict[int, dict]] = {name: {} for name in servers}
+    try:
+        for level, clients in enumerate(args.clients):
+            names = list(servers)
+            names = names[level % len(names) :] + names[: level % len(names)]
+            for name in names:
+                rounds[name][clients] = round_of(
+                    servers[name][1], prompts, clients, args.max_tokens
+                )
+                figures = {k: v for k, v in rounds[name][clients].items() if k != "texts"}
+                print(name, clients, json.dumps(figures), file=sys.stderr, flush=True)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
+    first = {name: by_clients[args.clients[0]]["texts"] for name, by_clients in rounds.items()}
+    for name, by_clients in rounds.items():
+        for figures in by_clients.values():
+            texts = figures.pop("texts")
+            figures["same_texts_as_alone"] = sum(
+                a == b for a, b in zip(texts, first[name], strict=True)
+            )
+            figures["same_texts_as"] = {
+                other: sum(a == b for a, b in zip(texts, theirs, strict=True))
+                for other, theirs in first.items()
+            }
+    report = {
+        "environment": environment(),
+        "args": vars(args) | {"out": str(args.out)},
+        "model": model,
+        "rounds": rounds,
+    }
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Several sequences' decode steps as one batch step: one target forward for all their trees,
+one host read for all their results.
+
+Legend: B sequences, T_i tree nodes of sequence i, N their sum, H hidden, V vocab.
+
+Each :class:`Member` keeps its own decoding (mode, shape, sampler, log-probs), its own tree and
+its own sequence; a batch step packs each member's tree as its own step would (an
+autoregressive member's pending token is a 1-node tree), verifies them all in one joint forward
+(:mod:`~redrafter_mlx.core.joint`: the weights read once for all N tokens), applies the LM
+head once, then each member accepts and stages as alone and drafts from its own state (the
+members' beam searches of one shape run as one search, their rows stacked: the drafter's
+weights read once too), and one host read brings back every member's result. A member whose
+context is full gets its ContextFull and leaves; the others step on.
+
+Seeded sampling: each member may keep its own random key (``Member.key``), set before its
+draws and read back with the batch's read, so its draws are the ones it would make alone
+(answers equal to the same seeded request served alone, whoever shares the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from redrafter_mlx.core import autoregressive, drafting, speculative
+from redrafter_mlx.core.accept import choose
+from redrafter_mlx.core.decode import State, Verifier
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.joint import Segment
+from redrafter_mlx.core.step import SpentState, Step, emitted_logprobs, host_read
+
+
+@dataclass
+class Member:
+    """One sequence of a batch: its decode state (replaced by each batch step) and its own
+    random key (``(hi << 32) | lo`` of MLX's key; None: it draws from the global generator)."""
+
+    state: State
+    key: int | None = None
+
+    def seed(self) -> None:
+        """Make MLX's generator this member's (before building its draws)."""
+        if self.key is not None:
+            mx.random.seed(self.key)
+
+
+def current_key() -> mx.array:
+    """MLX's generator's key now ``(2,)`` uint32, lazily."""
+    return mx.random.state[0]
+
+
+def key_value(key: np.ndarray) -> int:
+    """A key read to the host -> the integer :func:`mlx.core.random.seed` sets it from."""
+    return (int(key[0]) << 32) | int(key[1])
+
+
+@dataclass
+class _Planned:
+    """A member's part of a batch step before the forward."""
+
+    member: Member
+    segment: Segment
+    tree: speculative.PlannedTree | None  # None: an autoregressive member's one token
+
+
+def batch_step(verifier: Verifier, members: list[Member]) -> list[Step | BaseException]:
+    """Step every member once (its ``state`` replaced by the next) -> what each emitted, or
+    the error that ended it (ContextFull, SpentState): that member is not stepped."""
+    results: dict[int, Step | BaseException] = {}
+    planned: list[tuple[int, _Planned]] = []
+    for i, member in enumerate(members):
+        try:
+            alone = _plan(verifier, member)
+        except (ContextFull, SpentState) as e:
+            results[i] = e
+            continue
+        if isinstance(alone, Step):  # stepped by itself (see _plan)
+            results[i] = alone
+        else:
+            planned.append((i, alone))
+    for (i, _), step in zip(planned, _step_planned(verifier, [p for _, p in planned]), strict=True):
+        results[i] = step
+    return [results[i] for i in range(len(members))]
+
+
+def _plan(verifier: Verifier, member: Member) -> _Planned | Step:
+    """A member's segment, or the step it took alone: an unseeded member alone in the batch
+    (the single-sequence step, pipelined where autoregressive), or an autoregressive one at
+    the context's end (the single step's rule for its last token)."""
+    state = member.state
+    if state.version != state.sequence.version:
+        raise SpentState("a batch member's state was stepped already")
+    sequence = state.sequence
+    if isinstance(state, speculative.TreeState):
+        state.timer.start()
+        tree = speculative.plan_tree(verifier, state)
+        segment = Segment(
+            sequence, tree.tokens, tree.positions, tree.mask, tree.tree, _taps(verifier)
+        )
+        return _Planned(member, segment, tree)
+    if not verifier.has_room(sequence, 1) or state.pending is None:
+        member.seed()
+        member.state, step = verifier.step(state)
+        if member.key is not None:
+            member.key = key_value(np.array(current_key()))  # the context's end: once
+        return step
+    positions = mx.array([sequence.offset])
+    return _Planned(member, Segment(sequence, state.pending, positions, None), None)
+
+
+def _taps(verifier: Verifier) -> dict:
+    return dict.fromkeys(drafting.taps_of(verifier.drafter))
+
+
+def _step_planned(verifier: Verifier, planned: list[_Planned]) -> list[Step]:
+    """The joint forward, each member's lazy conclusion, the one read, each member's commit."""
+    if not planned:
+        return []
+    if len(planned) == 1 and planned[0].member.key is None:  # alone: the single step
+        member = planned[0].member
+        if planned[0].tree is None:
+            member.state, step = verifier.step(member.state)
+            return [step]
+        return [_conclude_alone(verifier, planned[0])]
+    compiled = all(verifier.compiles(p.segment.count, p.member.state.decoding) for p in planned)
+    hidden = verifier.forward.joint([p.segment for p in planned], compiled=compiled)
+    logits = _split(verifier.forward.lm_head(mx.concatenate(hidden)), hidden)
+    parts: list = [None] * len(planned)  # per member: (values, evaluated, finish)
+    keys: list = [None] * len(planned)  # a seeded member's key after its draws
+    grouped: dict[tuple, list] = {}  # members whose searches run as one
+    for i, (p, h, rows) in enumerate(zip(planned, hidden, logits, strict=True)):
+        p.member.seed()
+        if p.tree is None:
+            parts[i] = _conclude_chain(p, rows)
+        else:
+            state = p.member.state
+            state.timer.mark("verify", rows)
+            taps = p.segment.taps or {}
+            accepted = speculative.accept_and_stage(verifier, state, p.tree, h, taps, rows)
+            group = search_group(verifier, state.decoding)
+            if group is None:  # drafted now, in its own random key's turn
+                drafted = speculative.draft(
+                    verifier, state.decoding, state.sequence, accepted.reading
+                )
+                parts[i] = _tree_part(p, accepted.outcome(*drafted))
+            else:
+                grouped.setdefault(group, []).append((i, p, accepted))
+        if p.member.key is not None:
+            keys[i] = current_key()
+    for group, members in grouped.items():
+        for (i, p, accepted), drafted in zip(
+            members, _search(verifier, group, members), strict=True
+        ):
+            parts[i] = _tree_part(p, accepted.outcome(drafted, 0))
+    values = [
+        (*vs, *([] if key is None else [key])) for (vs, _, _), key in zip(parts, keys, strict=True)
+    ]
+    flat = [v for vs in values for v in vs]
+    read = host_read(*flat, evaluated=[a for _, arrays, _ in parts for a in arrays])
+    read = [read] if len(flat) == 1 else list(read)
+    steps = []
+    for p, vs, (_, _, finish) in zip(planned, values, parts, strict=True):
+        mine, read = read[: len(vs)], read[len(vs) :]
+        if p.member.key is not None:
+            p.member.key, mine = key_value(mine[-1]), mine[:-1]
+        steps.append(finish(mine))
+    return steps
+
+
+def search_group(verifier: Verifier, decoding) -> tuple | None:
+    """What members whose drafter searches can run as one search share (the search's
+    options), or None where a member drafts alone: no drafter pass (lookup beams alone), a
+    drafter with per-sequence state or its own drafting, or a search that reads its scores
+    per depth (an early stop)."""
+    drafter = verifier.drafter
+    if not decoding.mode.drafted or getattr(drafter, "draft", None) is not None:
+        return None
+    if not isinstance(drafter, BeamDrafter):
+        return None
+    options = verifier.search_options(decoding.shape)
+    return None if options.get("min_prob", 0) > 0 else tuple(sorted(options.items()))
+
+
+def _search(verifier: Verifier, group: tuple, members: list) -> list[tuple]:
+    """One beam search for several members (their contexts and pending tokens stacked, padded
+    to a power of two: a compiled search is traced once per size) -> each member's drafted
+    ``(beams (W, L), log-probs or None)``; a member alone searches as alone."""
+    if len(members) == 1:
+        _, p, accepted = members[0]
+        state = p.member.state
+        return [speculative.draft(verifier, state.decoding, state.sequence, accepted.reading)[0]]
+    contexts = mx.stack([accepted.reading.context for _, _, accepted in members])
+    pending = mx.stack([accepted.reading.pending for _, _, accepted in members])
+    size = search_size(len(members))
+    if size > len(members):  # rows of the first member's: searched, never read
+        contexts = mx.concatenate([contexts, mx.repeat(contexts[:1], size - len(members), 0)])
+        pending = mx.concatenate([pending, mx.repeat(pending[:1], size - len(members), 0)])
+    beams, logprobs, _ = verifier.drafter.search(contexts, pending, **dict(group))
+    drafted = []
+    for j, (_, p, _) in enumerate(members):
+        floor = speculative.pruning_logprobs(verifier, p.member.state.decoding, logprobs[j])
+        drafted.append((beams[j], floor))
+    return drafted
+
+
+def search_size(members: int) -> int:
+    """The rows a joint search runs for ``members`` searches: the next power of two."""
+    return 1 << (members - 1).bit_length()
+
+
+def _tree_part(p: _Planned, outcome: speculative.Outcome):
+    """A tree member's ``(values to read, arrays to evaluate, finish)``."""
+    member, state = p.member, p.member.state
+
+    def finish_tree(read) -> Step:
+        values = read[0] if len(outcome.values) == 1 else tuple(read)
+        member.state, step = speculative.finish(state, p.tree, outcome, values)
+        return step
+
+    return outcome.values, outcome.evaluated, finish_tree
+
+
+def _conclude_alone(verifier: Verifier, p: _Planned) -> Step:
+    """A speculative member alone: :func:`speculative.speculative_step` from its planned tree."""
+    state = p.member.state
+    hidden, taps, logits = speculative.verify_forward(verifier, state, p.tree)
+    outcome = speculative.conclude(verifier, state, p.tree, hidden, taps, logits)
+    read = host_read(*outcome.values, evaluated=outcome.evaluated)
+    state.timer.mark("draft")
+    p.member.state, step = speculative.finish(state, p.tree, outcome, read)
+    return step
+
+
+def _split(rows: mx.array, like: list[mx.array]) -> list[mx.array]:
+    """``rows (N, ...)`` split as ``like``'s arrays' first axes."""
+    parts, start = [], 0
+    for x in like:
+        parts.append(rows[start : start + x.shape[0]])
+        start += x.shape[0]
+    return parts
+
+
+def _conclude_chain(p: _Planned, logits: mx.array):
+    """An autoregressive member's ``(values to read, arrays to evaluate, finish)``: its next
+    token chosen from ``logits (1, V)``, lazily."""
+    member, state = p.member, p.member.state
+    choice = choose(logits, state.decoding.sampler)
+    emitted = emitted_logprobs(state.decoding, logits, choice)
+    values = (mx.concatenate([state.pending, choice]).astype(mx.int32),)
+
+    def finish_chain(read) -> Step:
+        member.state, step = autoregressive.chained(state, choice, emitted, int(read[0][0]))
+        return step
+
+    return values, emitted.arrays(), finish_chain

@@ -1,0 +1,245 @@
+"""Batched decode steps (core/batch.py, core/joint.py) and the batching service
+(core/scheduler.py): every sequence's answer is the one it gets alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from support import decoding_of, verifier_for
+from support.batching import alone, batched
+from support.families import build
+from support.serving import run, tiny_service
+
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
+from redrafter_mlx.core import batch
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.errors import ContextFull
+from redrafter_mlx.core.service import Request, Sampling
+from redrafter_mlx.core.shape import BeamShape
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3, 3]]
+LONG = [[10, 11, 11], [14, 39, 3]]  # the tiny target's greedy answers: 300 tokens, no EOS
+
+
+def mixed_decodings(beams):
+    """A drafted tree, an autoregressive chain, drafted + lookup beams, lookup alone."""
+    return [
+        decoding_of(beams, BeamShape(2, 3)),
+        decoding_of(None, BeamShape(1, 2), autoregressive=True),
+        decoding_of(beams, BeamShape(1, 2, lookup=1)),
+        decoding_of(None, BeamShape(1, 3, lookup=2)),
+    ]
+
+
+def same_shape_decodings(beams):
+    """Three drafted trees of one shape (their searches run as one) and a chain."""
+    drafted = decoding_of(beams, BeamShape(2, 3))
+    return [drafted, drafted, decoding_of(None, BeamShape(1, 2), autoregressive=True), drafted]
+
+
+@pytest.mark.parametrize("plan", [CPU_PLAN, GENERIC_PLAN], ids=["cpu", "generic"])
+@pytest.mark.parametrize("make", [mixed_decodings, same_shape_decodings], ids=["mixed", "same"])
+def test_a_batch_of_mixed_modes_answers_each_as_alone_with_one_read_per_step(
+    target, drafter, plan, make, monkeypatch
+):
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    verifier = verifier_for(target, beams, plan)
+    decodings = make(beams)
+    expected = [alone(verifier, d, p, 24) for d, p in zip(decodings, PROMPTS, strict=True)]
+    reads = []
+    real = batch.host_read
+    monkeypatch.setattr(batch, "host_read", lambda *a, **k: reads.append(1) or real(*a, **k))
+    answers, results = batched(verifier, decodings, PROMPTS, 24)
+    assert answers == expected
+    assert len(reads) == len(results)  # one host read per batch step, whatever B
+    assert all(step.syncs == 1 for steps in results for step in steps)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+def test_sliding_window_and_hybrid_targets_batch_exactly(family):
+    model = build(family)
+    verifier = verifier_for(model)
+    decodings = [
+        decoding_of(None, BeamShape(1, 3, lookup=2)),
+        decoding_of(None, BeamShape(1, 2), autoregressive=True),
+    ] * 2
+    prompts = [[3, 14, 15, 9, 26, 5, 35], [1, 2, 3], [4, 5, 6, 7], [9, 9]]
+    expected = [alone(verifier, d, p, 16) for d, p in zip(decodings, prompts, strict=True)]
+    assert batched(verifier, decodings, prompts, 16)[0] == expected
+
+
+def test_a_full_context_ends_its_member_and_the_others_step_on(target, drafter):
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    verifier = verifier_for(target, beams, CPU_PLAN, max_context=24)
+    decodings = mixed_decodings(beams)[:2]
+    long, short = list(range(1, 20)), [5, 6]
+    members = [
+        batch.Member(verifier.prefill(verifier.new_sequence(), p, d)[0])
+        for d, p in zip(decodings, [long, short], strict=True)
+    ]
+    ended = None
+    for _ in range(30):
+        steps = batch.batch_step(verifier, members if ended is None else members[1:])
+        if ended is None and isinstance(steps[0], ContextFull):
+            ended = steps[0]
+        if ended is not None and any(isinstance(s, ContextFull) for s in steps):
+            break
+    assert isinstance(ended, ContextFull)
+    assert members[1].state.sequence.offset > members[0].state.sequence.offset - len(long)
+
+
+def test_seeded_members_draw_what_they_draw_alone(target, drafter):
+    import mlx.core as mx
+
+    from redrafter_mlx.core.accept import make_sampler
+
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    verifier = verifier_for(target, beams, CPU_PLAN)
+    sampler = make_sampler(0.9)
+    decodings = [
+        decoding_of(beams, BeamShape(2, 3), sampler),
+        decoding_of(None, BeamShape(1, 2), sampler, autoregressive=True),
+    ]
+    expected = []
+    for seed, d, p in zip((5, 6), decodings, PROMPTS[:2], strict=True):
+        mx.random.seed(seed)
+        expected.append(alone(verifier, d, p, 20))
+    mx.random.seed(123)  # another request's draws: a member's key is its own
+    mx.random.uniform(shape=(7,))
+    assert _keyed_answers(verifier, decodings, PROMPTS[:2], (5, 6), 20) == expected
+
+
+def _keyed_answers(verifier, decodings, prompts, seeds, n):
+    """Each member prefilled from its own seed, then stepped together with its own key."""
+    import mlx.core as mx
+    import numpy as np
+
+    members, tokens = [], []
+    for seed, decoding, prompt in zip(seeds, decodings, prompts, strict=True):
+        mx.random.seed(seed)
+        state, first = verifier.prefill(verifier.new_sequence(), prompt, decoding)
+        members.append(batch.Member(state, batch.key_value(np.array(batch.current_key()))))
+        tokens.append([] if first is None else list(first.tokens))
+    while min(len(t) for t in tokens) < n:
+        for answer, step in zip(tokens, batch.batch_step(verifier, members), strict=True):
+            answer += step.tokens
+    return [t[:n] for t in tokens]
+
+
+@pytest.mark.parametrize("drafted", [True, False], ids=["redrafter", "autoregressive"])
+def test_the_batching_service_answers_each_request_as_the_serial_one(target, drafter, drafted):
+    requests = [
+        Request(p, max_tokens=24, sampling=Sampling(0.8, seed=10 + i) if i % 2 else Sampling())
+        for i, p in enumerate(PROMPTS + [[5, 6], [9, 1, 9]])
+    ]
+    serial = tiny_service(target, drafter if drafted else None)
+    try:
+        expected = [run(serial.submit(r)) for r in requests]
+    finally:
+        serial.close()
+    service = tiny_service(target, drafter if drafted else None, max_batch=4, queue_size=8)
+    try:
+        jobs = [service.submit(r) for r in requests]
+        answers = [None] * len(jobs)
+
+        def read(i):
+            answers[i] = run(jobs[i])
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        service.close()
+    assert answers == expected
+    assert all(job.outcome == "finished" for job in jobs)
+
+
+def test_a_batching_service_over_a_hybrid_target_answers_as_the_serial_one():
+    model = build("qwen3_5")
+    requests = [Request(p, max_tokens=12) for p in PROMPTS]
+    serial = tiny_service(model)
+    try:
+        expected = [run(serial.submit(r)) for r in requests]
+    finally:
+        serial.close()
+    service = tiny_service(model, max_batch=4)
+    try:
+        jobs = [service.submit(r) for r in requests]
+        answers = [run(job) for job in jobs]
+    finally:
+        service.close()
+    assert answers == expected
+
+
+def test_a_cancelled_member_leaves_and_the_batch_goes_on(target, drafter):
+    service = tiny_service(target, drafter, max_batch=4)
+    try:
+        gone = threading.Event()
+        leaving = service.submit(Request(PROMPTS[0], max_tokens=200), gone.is_set)
+        staying = service.submit(Request(PROMPTS[1], max_tokens=30))
+        leaving.start(timeout=60)
+        next(leaving.steps(timeout=60))
+        gone.set()
+        list(leaving.steps(timeout=60))
+        tokens, reason = run(staying)
+    finally:
+        service.close()
+    assert leaving.outcome == "cancelled"
+    assert reason == "length" and len(tokens) == 30
+
+
+def test_past_max_batch_requests_wait_in_the_queue_and_past_it_are_refused(target, drafter):
+    from redrafter_mlx.core.service import QueueFull
+
+    service = tiny_service(target, drafter, max_batch=2, queue_size=1)
+    try:
+        running = []
+        for prompt in LONG:  # one place in the queue: each taken up before the next
+            running.append(service.submit(Request(prompt, max_tokens=300)))
+            running[-1].start(timeout=60)
+        waiting = service.submit(Request(PROMPTS[2], max_tokens=4))
+        assert service.waiting == 1
+        with pytest.raises(QueueFull):
+            service.submit(Request(PROMPTS[3], max_tokens=4))
+        for job in running:
+            job.cancel()
+        tokens, reason = run(waiting)
+    finally:
+        service.close()
+    assert reason == "length" and len(tokens) == 4
+    assert [job.outcome for job in running] == ["cancelled", "cancelled"]
+
+
+def test_a_request_joining_the_batch_starts_from_its_conversation_s_cache(target, drafter):
+    service = tiny_service(target, drafter, max_batch=4)
+    try:
+        first_tokens, _ = run(service.submit(Request(LONG[0], max_tokens=8)))
+        other = service.submit(Request(LONG[1], max_tokens=200))  # answering meanwhile
+        other.start(timeout=60)
+        follow_up = LONG[0] + first_tokens + [5, 6, 7, 8, 9, 10, 11, 12, 13]
+        job = service.submit(Request(follow_up, max_tokens=8))
+        started = job.start(timeout=60)
+        tokens = [t for step in job.steps(timeout=60) for t in step.tokens]
+        other.cancel()
+        list(other.steps(timeout=60))
+    finally:
+        service.close()
+    assert started.cached_tokens >= len(LONG[0]) + len(first_tokens) - 1
+    assert tokens == alone(verifier_for(target), decoding_of(), follow_up, 8)
+
+
+def test_a_prompt_past_the_context_fails_alone_and_the_batch_goes_on(target):
+    service = tiny_service(target, max_batch=4, max_context=16)
+    try:
+        running = service.submit(Request(LONG[0], max_tokens=10))
+        too_long = service.submit(Request(list(range(1, 21)), max_tokens=4))
+        with pytest.raises(ContextFull):
+            too_long.start(timeout=60)
+        tokens, reason = run(running)
+    finally:
+        service.close()
+    assert too_long.outcome == "failed"
+    assert reason == "length" and len(tokens) == 10
