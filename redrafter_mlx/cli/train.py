@@ -177,6 +177,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--init", help="start from this drafter folder (same shape)")
     p.add_argument(
+        "--context-layers",
+        type=_layer_list,
+        default=(),
+        metavar="I,J",
+        help="also read these target layers' outputs (0-based, comma-separated), fused with "
+        "the final hidden state (EAGLE-3 style; read from the verify forward at no extra "
+        "cost; the records keep them: a cache extracted without them is refused)",
+    )
+    p.add_argument(
         "--identity-init",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -191,6 +200,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine decay)"
     )
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument(
+        "--own-drafts",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="training-time test: this share of the examples (0-1) is fed the drafter's own "
+        "greedy drafts after the first position, as beam search feeds them (default 0: "
+        "teacher forcing only)",
+    )
     p.add_argument(
         "--epochs",
         type=float,
@@ -424,6 +442,17 @@ def _interrupted(stage: str, out: str | None, ranks: Ranks, *, terminated: bool)
     raise SystemExit(143 if terminated else 130) from None
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """``--context-layers 2,15`` -> ``(2, 15)``."""
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: need layer indices like 2,15") from None
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"{text!r}: need distinct layer indices >= 0")
+    return layers
+
+
 def extract_options(args: argparse.Namespace, *, stop_at: float = 0.0) -> ExtractOptions:
     """The extraction phase's settings among the flags; ``stop_at``: its deadline (--minutes)."""
     names = [f.name for f in fields(ExtractOptions) if f.name != "stop_at"]
@@ -549,6 +578,10 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in non_negative.items():
         if not 0 <= value < math.inf:  # nan too
             raise TrainError(f"{flag} must be a finite number >= 0 (got {value})")
+    if not 0 <= args.own_drafts <= 1:  # nan too
+        raise TrainError(f"--own-drafts must be a share from 0 to 1 (got {args.own_drafts})")
+    if args.init and args.context_layers:
+        raise TrainError("--context-layers makes a new drafter: leave out --init")
     if args.source == "self" and args.topk:
         raise TrainError("--topk is not stored for --source self")
     if args.source == "self" and not 4 <= args.gen_tokens < args.max_seq_len:
