@@ -65,8 +65,10 @@ class DrafterArgs:
             raise DrafterError(f"rnn {self.rnn!r}: need true or false")
         layers = self.context_layers
         if layers is not None:
-            if not isinstance(layers, list | tuple) or not layers or any(
-                type(i) is not int or i < 0 for i in layers
+            if (
+                not isinstance(layers, list | tuple)
+                or not layers
+                or any(type(i) is not int or i < 0 for i in layers)
             ):
                 raise DrafterError(f"context_layers {layers!r}: need a list of layer indices >= 0")
             self.context_layers = list(layers)

@@ -41,9 +41,10 @@ class Examples:
         return cls(data, valid, np.nonzero(valid.any(axis=1))[0])
 
     def batch(self, t: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows ``t (B,)`` -> context (B, H) (and ``taps (B, n H)`` when the stream has them), inputs / targets / valid (B, P), and ``idx``
-        (B, P): the rows ``t + i`` whose target hidden made each target prediction (the caller
-        gathers those hidden states where it needs them)."""
+        """Rows ``t (B,)`` -> context (B, H) (and ``taps (B, n H)`` when the stream has them),
+        inputs / targets / valid (B, P), and ``idx`` (B, P): the rows ``t + i`` whose target
+        hidden made each target prediction (the caller gathers those hidden states where it
+        needs them)."""
         idx = self.future(t)
         batch = {
             "context": self.data["hidden"][t],
