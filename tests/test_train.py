@@ -1006,7 +1006,8 @@ def test_an_old_cache_is_refused_for_a_layered_drafter_and_a_newer_format_always
 def test_training_on_own_drafts_feeds_the_drafters_argmax_and_learns(tmp_path):
     """--own-drafts: chosen rows get the drafter's own greedy drafts as inputs after the first
     position (the labels stay the target's); a layered drafter trained so (single process,
-    through the loop) rises well above chance on held-out agreement."""
+    through the loop) rises well above chance on held-out agreement, and eval-drafter's replay
+    counts what its real decode loop counts."""
     write_conversations(tmp_path / "data.json", 60)
     model = learnable_target()
     args = layered_flags(tmp_path, "--own-drafts", "1")
@@ -1031,4 +1032,12 @@ def test_training_on_own_drafts_feeds_the_drafters_argmax_and_learns(tmp_path):
     before = trainer.agreement(heldout)["mean_agreement"]
     best = loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
     assert best["mean_agreement"] > max(0.25, before + 0.2), (before, best)  # chance: 1/48
-    assert load_drafter(Path(args.out), model).taps == (0, 1)
+    drafter = load_drafter(Path(args.out), model)
+    assert drafter.taps == (0, 1)
+    # eval-drafter's replay fuses the same taps as the real loop: the same counts
+    job = E.Evaluation(
+        model, CharTokenizer(), drafter, ["ab cd", "Xy 12 z"], shape_grid([2], [4]), 20
+    )
+    real, sim = E.evaluate(job), E.simulate_grid(job)
+    assert [(r["tokens"], r["steps"]) for r in real] == [(r["tokens"], r["steps"]) for r in sim]
+    assert real[0]["tokens_per_step"] > 1.2, real
