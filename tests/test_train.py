@@ -22,8 +22,8 @@ from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafte
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.shape import shape_grid
+from redrafter_mlx.training import budget, loop
 from redrafter_mlx.training import evaluate as E
-from redrafter_mlx.training import loop
 from redrafter_mlx.training.cache import Cache
 from redrafter_mlx.training.checkpoint import load_checkpoint
 from redrafter_mlx.training.data import (
@@ -1041,3 +1041,30 @@ def test_training_on_own_drafts_feeds_the_drafters_argmax_and_learns(tmp_path):
     real, sim = E.evaluate(job), E.simulate_grid(job)
     assert [(r["tokens"], r["steps"]) for r in real] == [(r["tokens"], r["steps"]) for r in sim]
     assert real[0]["tokens_per_step"] > 1.2, real
+
+
+def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reached(
+    monkeypatch, capsys
+):
+    """--minutes N takes the row of the longest measured budget not above N (the shortest
+    below all), fills the flags the user left out with its recipe, and says its figure."""
+    rows = (
+        budget.Budget(15, False, 0.0, 1.2, "run A"),
+        budget.Budget(30, True, 0.25, 1.4, "run B"),
+    )
+    monkeypatch.setattr(budget, "TABLE", rows)
+    assert budget.budget_for(10) is rows[0] and budget.budget_for(29.9) is rows[0]
+    assert budget.budget_for(30) is rows[1] and budget.budget_for(600) is rows[1]
+    assert budget.budget_for(30, ()) is None
+    assert budget.fused_layers(30) == (2, 15, 27) and budget.fused_layers(2) == (1,)
+    args = parse("--minutes", "45")
+    assert T.with_budget_recipe(args, 30) is rows[1]
+    assert (args.context_layers, args.own_drafts) == ((2, 15, 27), 0.25)
+    T.say_expected(rows[1])
+    assert "expected: about 1.40 tokens/step (a 30-minute run" in capsys.readouterr().err
+    given = parse("--minutes", "45", "--context-layers", "3", "--own-drafts", "0")
+    T.with_budget_recipe(given, 30)
+    assert (given.context_layers, given.own_drafts) == ((3,), 0.0)  # what the user gave wins
+    plain = parse()
+    assert T.with_budget_recipe(plain, 30) is None
+    assert (plain.context_layers, plain.own_drafts) == ((), 0.0)  # today's recipe
