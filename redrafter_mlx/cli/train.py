@@ -8,7 +8,9 @@ Two phases, one command (the library is ``redrafter_mlx.training``):
    (``training/selfdistill.py``: the drafter then learns from the very text it will see when
    decoding). Shards in ``--cache-dir`` (``training/cache.py``) keep, per token: the token, the
    target's final-norm hidden state (float16), its argmax (the target's own next token), its
-   top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the
+   top-k next-token log-probs (soft targets), an assistant mask and, for a drafter reading
+   several target layers (``--context-layers``), those layers' outputs from the same forward
+   (``training/taps.py``; the manifest's ``format`` 2). Epochs never rerun the
    target. One run extracts into a cache at a time (a lock file).
 2. **Train** (``training/loop.py``). At position t the drafter gets ``h_t`` and, for future
    step i = 1..P (``--positions``), the tokens ``x_{t+1..t+i}`` and is trained against the
