@@ -70,7 +70,8 @@ def run(ranks: int, flags: list[str], logs: Path) -> str:
 def flags(root: Path, model: Path, data: Path, name: str) -> list[str]:
     """A self-distillation run small enough for seconds: generation windows of 4 x 4
     prompts, held-out in one unit (rank 1's is empty), the training budget met inside a
-    round; then 54 steps with an evaluation and checkpoint every 10."""
+    round; then 54 steps with an evaluation and checkpoint every 10, of a drafter reading a
+    target layer besides the last, half its examples fed its own drafts."""
     return [
         *("--model", str(model), "--data", str(data), "--source", "self"),
         *("--out", str(root / f"out-{name}"), "--cache-dir", str(root / f"cache-{name}")),
@@ -79,6 +80,7 @@ def flags(root: Path, model: Path, data: Path, name: str) -> list[str]:
         *("--head", "own", "--draft-vocab", "64", "--exit-dim", "64", "--num-draft-layers", "1"),
         *("--batch-size", "32", "--epochs", "1", "--eval-every", "10", "--lr", "3e-3"),
         *("--patience", "100", "--seed", "0", "--quiet", "--json"),
+        *("--context-layers", "0", "--own-drafts", "0.5"),  # a layered drafter, own drafts
     ]
 
 
@@ -118,7 +120,7 @@ def assert_same_cache(first: Path, second: Path) -> None:
     for split in ("heldout", "train"):
         a, b = one.load(split), two.load(split)
         assert set(a) == set(b) and a["tokens"].shape == b["tokens"].shape
-        for key in ("tokens", "mask", "doc", "argmax", "hidden"):
+        for key in ("tokens", "mask", "doc", "argmax", "hidden", "taps"):
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"{split} {key}")
 
 

@@ -8,12 +8,28 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
-from support import tiny_llama, tiny_model_folder, toy_tokenizer
+from support import (
+    decoding_of,
+    run_steps,
+    tiny_llama,
+    tiny_model_folder,
+    toy_tokenizer,
+    verifier_for,
+)
+from support.decoding import take
 
-from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
+from redrafter_mlx.backend import plan as plans
+from redrafter_mlx.core import llm
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
+from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.errors import ReDrafterError
+from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import drafters
+from redrafter_mlx.training.taps import tapped
 
 CONFIG = {"model_type": "llama", "hidden_size": 64, "vocab_size": 64, "num_hidden_layers": 2}
 QUANTIZED = {**CONFIG, "quantization": {"group_size": 64, "bits": 4}, "torch_dtype": "bfloat16"}
@@ -493,3 +509,108 @@ def test_two_writers_recording_at_once_keep_every_entry(tmp_path):
     assert [p.wait(120) for p in procs] == [0, 0]
     paths = {e["path"] for e in drafters.read_registry()}
     assert len(paths) == 80
+
+
+# -- layered drafters: inputs from several target layers (issue 44)
+
+
+def layered_drafter(target, layers=(0, 2), seed: int = 3):
+    """A random drafter reading ``layers`` besides the final hidden state, its fusion random
+    (not the pass-through it starts training from: every tapped column counts)."""
+
+    drafter = random_drafter(64, 64, seed=seed, context_layers=list(layers), exit_dim=96)
+    return BeamDrafter(drafter, llm.embedding(target))
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    return tiny_llama(seed=5, layers=4)
+
+
+@pytest.mark.parametrize("plan_name", ["CPU_PLAN", "GENERIC_PLAN"])
+@pytest.mark.parametrize("shape", [(1, 4), (3, 4), (4, 5)], ids=str)
+def test_greedy_with_a_layered_drafter_equals_the_targets_own_output(deep_target, plan_name, shape):
+    """Exactness on the CPU plan's fused forward and on the generic one (what
+    REDRAFTER_CPU_TUNING=0 runs): the answer is the target's own, token for token."""
+
+    plan = getattr(plans, plan_name)
+    drafter = layered_drafter(deep_target)
+    prompt = [5, 17, 33, 2, 41, 8, 9]
+    expected, _ = take(run_steps(deep_target, prompt, plan=plan), 48)
+    got, steps = take(run_steps(deep_target, prompt, drafter, BeamShape(*shape), plan=plan), 48)
+    assert got == expected
+    assert steps <= 48
+
+
+@pytest.mark.parametrize("plan_name", ["CPU_PLAN", "GENERIC_PLAN"])
+def test_a_layered_drafter_drafts_from_the_taps_training_extracts(deep_target, plan_name):
+    """After a prompt, the first beams are the beam search from the final hidden state fused
+    with the tapped layers' features of the last prompt token, as extraction records them
+    (``training/taps.py``): decoding reads what training learnt from, at no extra forward."""
+
+    drafter = layered_drafter(deep_target, layers=(1, 2))
+    verifier = verifier_for(deep_target, drafter, getattr(plans, plan_name))
+    sequence = verifier.new_sequence()
+
+    def expected_beams(ids):
+        with tapped(deep_target, (1, 2)) as got:
+            hidden = llm.inner_model(deep_target)(mx.array(ids)[None])[0]
+        features = tap_features([got[1][0][0], got[2][0][0]])
+        pending = mx.argmax(llm.lm_head(deep_target, hidden[-1:]), axis=-1)[0]
+        context = drafter.drafter.fuse(hidden[-1:], features[-1:])[0]
+        return int(pending), np.array(drafter(context, pending, width=3, length=4)[0])
+
+    state, _ = verifier.prefill(
+        sequence, [5, 17, 33, 2, 41, 8, 9], decoding_of(drafter, BeamShape(3, 4))
+    )
+    for _ in range(4):  # after the prompt, then after steps (the last accepted path row's taps)
+        pending, beams = expected_beams(list(sequence.ids))
+        assert state.pending == pending
+        np.testing.assert_array_equal(state.drafted, beams)
+        state, _ = verifier.step(state)
+
+
+def test_a_layered_drafter_round_trips_and_old_drafters_keep_loading(tmp_path, deep_target):
+    """``context_layers`` is saved and read back; a config without it (the reference format,
+    v1-v5) loads as the last-layer-only drafter, which keeps no per-sequence part; one reading
+    a layer the target lacks is refused in one line."""
+
+    layered = layered_drafter(deep_target).drafter
+    save_drafter(layered, tmp_path / "layered")
+    loaded = load_drafter(tmp_path / "layered", deep_target)
+    assert loaded.taps == (0, 2) and "context_proj" in loaded
+    x = mx.ones((1, 3 * 64))
+    assert mx.array_equal(loaded.context_proj(x), layered.context_proj(x))
+    old = drafter_folder(tmp_path / "old")
+    config = json.loads((old / "config.json").read_text())
+    config.pop("context_layers")  # as v1-v5 and the reference format write it
+    (old / "config.json").write_text(json.dumps(config))
+    plain = load_drafter(old, deep_target)
+    assert plain.taps == () and "context_proj" not in plain
+    assert BeamDrafter(plain, llm.embedding(deep_target)).new_part() is None
+    with pytest.raises(ReDrafterError, match=r"reads target layers \[0, 2\], but the target has 2"):
+        load_drafter(tmp_path / "layered", tiny_llama())
+
+
+def test_a_layered_drafter_drafts_from_the_last_accepted_path_rows_taps(deep_target):
+    """A step's reading drafts from the taps of path row ``count - 1`` (the last accepted
+    token), and the commit keeps that row's features for the next prompt-less draft."""
+
+    drafter = layered_drafter(deep_target, layers=(1, 3))
+    part = drafter.new_part()
+    sequence = type("Seq", (), {"parts": [part]})()
+    rng = np.random.default_rng(0)
+    taps = {i: mx.array(rng.normal(size=(6, 64)).astype(np.float32)) for i in (1, 3)}
+    rows = mx.array([4, 0, 2, 5])
+    drafter.observe(sequence, taps, rows)
+    context, pending = mx.array(rng.normal(size=64).astype(np.float32)), mx.array(7)
+    reading = Reading(context, pending, rows, mx.array([3, 4, 5, 6]), mx.array(3))
+    got = drafter.draft(sequence, reading, width=2, length=3)[0]
+    row = tap_features([taps[1][2:3], taps[3][2:3]])  # path row 3 - 1 is forward row 2
+    fused = drafter.drafter.fuse(context[None], row)[0]
+    np.testing.assert_array_equal(
+        np.array(got), np.array(drafter(fused, pending, width=2, length=3)[0])
+    )
+    part.commit([3, 4, 5])
+    after = drafter.draft(sequence, Reading.after_prompt(context, pending), width=2, length=3)[0]
+    np.testing.assert_array_equal(np.array(after), np.array(got))

@@ -17,12 +17,13 @@ from support import shared_data, write_conversations
 
 from redrafter_mlx.backend.plan import build_verifier
 from redrafter_mlx.cli import train as T
-from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter
+from redrafter_mlx.core import llm
+from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.shape import shape_grid
+from redrafter_mlx.training import budget, loop
 from redrafter_mlx.training import evaluate as E
-from redrafter_mlx.training import loop
 from redrafter_mlx.training.cache import Cache
 from redrafter_mlx.training.checkpoint import load_checkpoint
 from redrafter_mlx.training.data import (
@@ -34,8 +35,10 @@ from redrafter_mlx.training.data import (
 from redrafter_mlx.training.drafter_init import grow_layers
 from redrafter_mlx.training.examples import Examples, frequent_tokens
 from redrafter_mlx.training.extract import GEN_WINDOW, prepare_cache, teacher_force
+from redrafter_mlx.training.loss import unrolled_logits
 from redrafter_mlx.training.ranks import ONE
 from redrafter_mlx.training.selfdistill import greedy_batch
+from redrafter_mlx.training.taps import tapped
 from redrafter_mlx.training.trainer import WarmupCosine, build_trainer
 
 VOCAB = 64
@@ -949,3 +952,119 @@ def test_a_drafter_is_registered_only_after_its_card(tmp_path, monkeypatch):
     F.finish(target, out, {"agreement": [0.5]}, data="d", license_=None, prompts=1)
     assert [e["path"] for e in drafters.read_registry()] == [str(out.resolve())]
     assert "1.50 tokens/step" in (out / "README.md").read_text()
+
+
+# -- layered drafters and training on the drafter's own drafts (issue 44)
+
+
+def layered_flags(root: Path, *more: str) -> argparse.Namespace:
+    return T.setup_arg_parser().parse_args(
+        [*trained_flags(root), "--max-tokens", "3000", "--heldout-tokens", "600"]
+        + ["--context-layers", "0,1", *more]
+    )
+
+
+def test_layered_records_keep_the_tapped_layers_features_from_the_same_forward():
+    """Teacher forcing and self-generation record the tapped layers' normalised outputs
+    (``taps (N, n H)``) beside the final hidden state, equal between the two paths."""
+
+    model = learnable_target(3)
+    ids = [1, 9, 20, 33, 3, 40, 12]
+    rec = teacher_force(model, ids, topk=0, layers=(0, 1))
+    with tapped(model, (0, 1)) as got:
+        llm.inner_model(model)(mx.array(ids)[None])
+    want = tap_features([got[0][0][0], got[1][0][0]])
+    assert rec["taps"].shape == (7, 128) and rec["taps"].dtype == np.float16
+    np.testing.assert_allclose(rec["taps"], np.array(want), atol=2e-3)
+    assert not isinstance(llm.inner_model(model).layers[0], llm.Tap)  # restored after
+    (answer,) = greedy_batch(model, [ids], 12, eos={2}, layers=(0, 1))
+    alone = teacher_force(model, answer["tokens"].tolist(), topk=0, layers=(0, 1))
+    np.testing.assert_allclose(answer["taps"], alone["taps"], atol=2e-2)
+
+
+def test_an_old_cache_is_refused_for_a_layered_drafter_and_a_newer_format_always(tmp_path):
+    """A cache written before records kept taps (no ``format`` in its manifest) still serves
+    a last-layer drafter, and is refused in one line for a layered one, never misread; a
+    format newer than this code's is refused."""
+    write_conversations(tmp_path / "data.json", 30)
+    model, data, folder = learnable_target(), tmp_path / "data.json", tmp_path / "cache"
+    plain = T.setup_arg_parser().parse_args(trained_flags(tmp_path) + ["--max-tokens", "500"])
+    cache = prepare_cache(model, CharTokenizer(), "tiny", data, folder, T.extract_options(plain))
+    assert cache.manifest["format"] == 2 and "taps" not in cache.load("train")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["format"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    prepare_cache(model, CharTokenizer(), "tiny", data, folder, T.extract_options(plain))
+    layered = T.extract_options(layered_flags(tmp_path))
+    with pytest.raises(TrainError, match=r"cache format 1 \(written before records kept tapped"):
+        prepare_cache(model, CharTokenizer(), "tiny", data, folder, layered)
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "format": 3}))
+    with pytest.raises(TrainError, match="cache format 3, newer than this version reads"):
+        prepare_cache(model, CharTokenizer(), "tiny", data, folder, T.extract_options(plain))
+
+
+def test_training_on_own_drafts_feeds_the_drafters_argmax_and_learns(tmp_path):
+    """--own-drafts: chosen rows get the drafter's own greedy drafts as inputs after the first
+    position (the labels stay the target's); a layered drafter trained so (single process,
+    through the loop) rises well above chance on held-out agreement, and eval-drafter's replay
+    counts what its real decode loop counts."""
+    write_conversations(tmp_path / "data.json", 60)
+    model = learnable_target()
+    args = layered_flags(tmp_path, "--own-drafts", "1")
+    cache = prepare_cache(
+        model, CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "cache",
+        T.extract_options(args),
+    )  # fmt: skip
+    opts = T.train_options(args)
+    examples = Examples.build(cache.load("train"), opts.positions)
+    trainer = build_trainer(model, frequent_tokens(cache.load("train"), 48), opts, 10)
+    rows = examples.starts[:32]
+    context, _, labels, *_ = trainer.tensors(examples, rows)
+    mixed = trainer.own_inputs(rows, context, examples.batch(rows)["inputs"])
+    teacher = examples.batch(rows)["inputs"]
+
+    embeds = llm.embedding(model)(mx.array(teacher)).astype(mx.float32)
+    drafts = np.array(trainer.drafter.draft_ids(mx.argmax(unrolled_logits(
+        trainer.drafter, context, embeds), axis=-1)))  # fmt: skip
+    assert (mixed[:, 0] == teacher[:, 0]).all() and (mixed[:, 1:] == drafts[:, :-1]).all()
+    assert np.array_equal(labels, trainer.tensors(examples, rows, own=True)[2])
+    heldout = Examples.build(cache.load("heldout"), opts.positions)
+    before = trainer.agreement(heldout)["mean_agreement"]
+    best = loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
+    assert best["mean_agreement"] > max(0.25, before + 0.2), (before, best)  # chance: 1/48
+    drafter = load_drafter(Path(args.out), model)
+    assert drafter.taps == (0, 1)
+    # eval-drafter's replay fuses the same taps as the real loop: the same counts
+    job = E.Evaluation(
+        model, CharTokenizer(), drafter, ["ab cd", "Xy 12 z"], shape_grid([2], [4]), 20
+    )
+    real, sim = E.evaluate(job), E.simulate_grid(job)
+    assert [(r["tokens"], r["steps"]) for r in real] == [(r["tokens"], r["steps"]) for r in sim]
+    assert real[0]["tokens_per_step"] > 1.2, real
+
+
+def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reached(
+    monkeypatch, capsys
+):
+    """--minutes N takes the row of the longest measured budget not above N (the shortest
+    below all), fills the flags the user left out with its recipe, and says its figure."""
+    rows = (
+        budget.Budget(15, False, 0.0, 1.2, "run A"),
+        budget.Budget(30, True, 0.25, 1.4, "run B"),
+    )
+    monkeypatch.setattr(budget, "TABLE", rows)
+    assert budget.budget_for(10) is rows[0] and budget.budget_for(29.9) is rows[0]
+    assert budget.budget_for(30) is rows[1] and budget.budget_for(600) is rows[1]
+    assert budget.budget_for(30, ()) is None
+    assert budget.fused_layers(30) == (2, 15, 27) and budget.fused_layers(2) == (1,)
+    args = parse("--minutes", "45")
+    assert T.with_budget_recipe(args, 30) is rows[1]
+    assert (args.context_layers, args.own_drafts) == ((2, 15, 27), 0.25)
+    T.say_expected(rows[1])
+    assert "expected: about 1.40 tokens/step (a 30-minute run" in capsys.readouterr().err
+    given = parse("--minutes", "45", "--context-layers", "3", "--own-drafts", "0")
+    T.with_budget_recipe(given, 30)
+    assert (given.context_layers, given.own_drafts) == ((3,), 0.0)  # what the user gave wins
+    plain = parse()
+    assert T.with_budget_recipe(plain, 30) is None
+    assert (plain.context_layers, plain.own_drafts) == ((), 0.0)  # today's recipe

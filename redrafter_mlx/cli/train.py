@@ -8,7 +8,9 @@ Two phases, one command (the library is ``redrafter_mlx.training``):
    (``training/selfdistill.py``: the drafter then learns from the very text it will see when
    decoding). Shards in ``--cache-dir`` (``training/cache.py``) keep, per token: the token, the
    target's final-norm hidden state (float16), its argmax (the target's own next token), its
-   top-k next-token log-probs (soft targets) and an assistant mask. Epochs never rerun the
+   top-k next-token log-probs (soft targets), an assistant mask and, for a drafter reading
+   several target layers (``--context-layers``), those layers' outputs from the same forward
+   (``training/taps.py``; the manifest's ``format`` 2). Epochs never rerun the
    target. One run extracts into a cache at a time (a lock file).
 2. **Train** (``training/loop.py``). At position t the drafter gets ``h_t`` and, for future
    step i = 1..P (``--positions``), the tokens ``x_{t+1..t+i}`` and is trained against the
@@ -42,8 +44,10 @@ from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.errors import LoadError, ReDrafterError, TrainError
+from redrafter_mlx.core.llm import inner_model
 from redrafter_mlx.io.embedded import default_model_path
 from redrafter_mlx.io.load import load_target
+from redrafter_mlx.training.budget import Budget, budget_for, fused_layers
 from redrafter_mlx.training.cache import Cache, read_json
 from redrafter_mlx.training.checkpoint import check_out_is_free, finished
 from redrafter_mlx.training.data import default_data_path
@@ -177,6 +181,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--init", help="start from this drafter folder (same shape)")
     p.add_argument(
+        "--context-layers",
+        type=_layer_list,
+        default=None,
+        metavar="I,J",
+        help="also read these target layers' outputs (0-based, comma-separated), fused with "
+        "the final hidden state (EAGLE-3 style; read from the verify forward at no extra "
+        "cost; the records keep them: a cache extracted without them is refused; default: "
+        "none, or under --minutes what its measured table chose for the budget)",
+    )
+    p.add_argument(
         "--identity-init",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -191,6 +205,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine decay)"
     )
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument(
+        "--own-drafts",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="training-time test: this share of the examples (0-1) is fed the drafter's own "
+        "greedy drafts after the first position, as beam search feeds them (default 0: "
+        "teacher forcing only, or under --minutes what its measured table chose)",
+    )
     p.add_argument(
         "--epochs",
         type=float,
@@ -275,6 +298,9 @@ def main(args: argparse.Namespace) -> None:
         if ranks.lead and not args.quiet:
             flags.say_loading(args.model)
         target = _load(args.model)
+        row = with_budget_recipe(args, len(inner_model(target.model).layers))
+        if row is not None and ranks.lead and not args.quiet:
+            say_expected(row)
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(target.name).name}")
         stage = "extract"
@@ -424,10 +450,23 @@ def _interrupted(stage: str, out: str | None, ranks: Ranks, *, terminated: bool)
     raise SystemExit(143 if terminated else 130) from None
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """``--context-layers 2,15`` -> ``(2, 15)``."""
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: need layer indices like 2,15") from None
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"{text!r}: need distinct layer indices >= 0")
+    return layers
+
+
 def extract_options(args: argparse.Namespace, *, stop_at: float = 0.0) -> ExtractOptions:
     """The extraction phase's settings among the flags; ``stop_at``: its deadline (--minutes)."""
     names = [f.name for f in fields(ExtractOptions) if f.name != "stop_at"]
-    return ExtractOptions(**{name: getattr(args, name) for name in names}, stop_at=stop_at)
+    values = {name: getattr(args, name) for name in names}
+    values["context_layers"] = tuple(args.context_layers or ())  # None: not resolved, none
+    return ExtractOptions(**values, stop_at=stop_at)
 
 
 # --minutes N: extraction may use this share of N (it stops early, with fewer tokens than
@@ -492,10 +531,39 @@ def say_time_plan(args: argparse.Namespace, started: float) -> None:
     )
 
 
+def with_budget_recipe(args: argparse.Namespace, num_layers: int) -> Budget | None:
+    """Fill --context-layers and --own-drafts where they were not given: under --minutes (a
+    new drafter) with the recipe of the budget's measured row (``training/budget.py``), else
+    today's (last layer only, teacher forcing). Returns that row (None: none applies)."""
+    row = budget_for(args.minutes) if args.minutes and not args.init else None
+    if args.context_layers is None:
+        args.context_layers = fused_layers(num_layers) if row and row.layered else ()
+    if args.own_drafts is None:
+        args.own_drafts = row.own_drafts if row else 0.0
+    return row
+
+
+def say_expected(row: Budget) -> None:
+    """One line: the tokens/step the budget's measured row reached, and its recipe."""
+    recipe = "several target layers" if row.layered else "the last target layer"
+    if row.own_drafts:
+        recipe += f", {row.own_drafts:g} of the examples on its own drafts"
+    print(
+        f"expected: about {row.tokens_per_step:.2f} tokens/step (a {row.minutes:g}-minute run "
+        f"measured here with the embedded model, {row.measured}; recipe: {recipe}); another "
+        "model, corpus or machine differs",
+        file=sys.stderr,
+    )
+
+
 def train_options(args: argparse.Namespace) -> TrainOptions:
     """The training phase's settings among the flags."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainOptions)}
     values |= {"extra_cache": tuple(args.extra_cache), "epochs": epochs(args)}
+    values |= {
+        "context_layers": tuple(args.context_layers or ()),
+        "own_drafts": args.own_drafts or 0.0,
+    }
     return TrainOptions(**values)
 
 
@@ -549,6 +617,10 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in non_negative.items():
         if not 0 <= value < math.inf:  # nan too
             raise TrainError(f"{flag} must be a finite number >= 0 (got {value})")
+    if args.own_drafts is not None and not 0 <= args.own_drafts <= 1:  # nan too
+        raise TrainError(f"--own-drafts must be a share from 0 to 1 (got {args.own_drafts})")
+    if args.init and args.context_layers:
+        raise TrainError("--context-layers makes a new drafter: leave out --init")
     if args.source == "self" and args.topk:
         raise TrainError("--topk is not stored for --source self")
     if args.source == "self" and not 4 <= args.gen_tokens < args.max_seq_len:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from redrafter_mlx.core.accept import log_softmax
-from redrafter_mlx.core.drafter import Drafter
+from redrafter_mlx.core.drafter import Drafter, tap_features
 from redrafter_mlx.core.errors import ConfigError
 
 
@@ -167,8 +167,42 @@ class BeamDrafter:
     def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array]):
         self.drafter = drafter
         self.embed = embed
+        self.taps = drafter.taps  # the target layers it reads (none: the final hidden only)
         self._compiled: dict[tuple[int, int, int], Callable] = {}
         self._expanders: dict[int, Callable] = {}
+
+    # -- as the speculative step's source (``core/drafting.py``)
+
+    def new_part(self) -> TapsPart | None:
+        """Per sequence: the tapped features of its last committed token (layered drafters)."""
+        return TapsPart(self) if self.taps else None
+
+    def observe(self, sequence, taps: dict, rows: mx.array) -> None:
+        """Stage the tapped features ``(n, n_taps H)`` of a forward's ``rows (n,)``."""
+        if self.taps:
+            self._part(sequence).staged = tap_features([taps[i][rows] for i in self.taps])
+
+    def draft(self, sequence, reading, **options) -> tuple:
+        """:meth:`search` from the reading's context: the final hidden state, fused with the
+        tapped features of the same row for a layered drafter (the last accepted path row, or
+        after a prompt the last committed token)."""
+        context = reading.context
+        if self.taps:
+            part = self._part(sequence)
+            if reading.path.shape[0]:
+                features = part.staged[reading.count - 1]
+            else:
+                features = part.last
+            if features is None:  # fed without taps (an autoregressive step): drafts are
+                features = mx.zeros((len(self.taps) * context.shape[-1],))  # worse, not wrong
+            context = self.drafter.fuse(context[None], features[None])[0]
+        return self.search(context, reading.pending, **options)
+
+    def _part(self, sequence) -> TapsPart:
+        for part in sequence.parts:
+            if isinstance(part, TapsPart) and part.owner is self:
+                return part
+        raise ValueError("this sequence was not made by a verifier of this drafter")
 
     def __call__(self, context: mx.array, pending: mx.array, **options):
         """:meth:`search`'s beams and log-probs (without its count of host reads)."""
@@ -269,3 +303,27 @@ class BeamDrafter:
 
             fn = self._expanders[width] = mx.compile(one)
         return fn
+
+
+class TapsPart:
+    """A sequence's tapped features for a layered drafter (a ``core/sequence.Part``): ``last``
+    ``(n_taps H,)`` of its last committed token, ``staged (n, n_taps H)`` of a forward's rows
+    in the order they join (the next commit keeps its last committed row)."""
+
+    def __init__(self, owner: BeamDrafter):
+        self.owner = owner
+        self.last: mx.array | None = None
+        self.staged: mx.array | None = None
+
+    def commit(self, ids: list[int]) -> None:
+        n, staged = len(ids), self.staged
+        if n:
+            self.last = staged[n - 1] if staged is not None and staged.shape[0] >= n else None
+        self.staged = None
+
+    def rewind(self, length: int) -> None:
+        del length  # the features of the token now last are gone: the next feed sets them
+        self.last = self.staged = None
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.last is None else [self.last]

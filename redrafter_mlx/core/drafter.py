@@ -11,6 +11,10 @@ names are ``rnn_w``, ``rnn_u``, ``input_proj`` (only when E != 2H), ``lm_head.{i
   V/K times cheaper. Draft indices are mapped back to target ids with ``draft_vocab``.
 - ``head: "target"``: the last layer predicts a hidden vector (E -> H) that is scored against the
   target's own (frozen) LM-head rows for the draft vocabulary, instead of a trained E -> K matrix.
+- ``context_layers``: target layers (0-based) whose outputs join the final hidden state, EAGLE-3
+  style: each tap RMS-normalised (:func:`tap_features`), then ``[taps..., h]`` ((n + 1) H) is
+  projected to H by ``context_proj`` (bias-free), which is the context ``h`` the rest reads.
+  Absent (None): the last-layer-only drafter of the reference and of v1-v5.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from redrafter_mlx.core.atomic import write_text, write_with
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import compute_dtype, head_linear, target_dims
+from redrafter_mlx.core.llm import compute_dtype, head_linear, inner_model, target_dims
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 
@@ -39,6 +43,7 @@ class DrafterArgs:
     rnn: bool = True
     head: str = "own"
     draft_vocab_size: int | None = None
+    context_layers: list[int] | None = None
     model_type: str = MODEL_TYPE
 
     def __post_init__(self):
@@ -58,6 +63,15 @@ class DrafterArgs:
                 raise DrafterError(f"{name} {value!r}: need an integer >= {least}")
         if not isinstance(self.rnn, bool):
             raise DrafterError(f"rnn {self.rnn!r}: need true or false")
+        layers = self.context_layers
+        if layers is not None:
+            if (
+                not isinstance(layers, list | tuple)
+                or not layers
+                or any(type(i) is not int or i < 0 for i in layers)
+            ):
+                raise DrafterError(f"context_layers {layers!r}: need a list of layer indices >= 0")
+            self.context_layers = list(layers)
 
     @classmethod
     def from_dict(cls, config: dict) -> DrafterArgs:
@@ -94,6 +108,9 @@ class Drafter(nn.Module):
             self.rnn_u = nn.Linear(h, h, bias=True)
         if e != 2 * h:
             self.input_proj = nn.Linear(2 * h, e)
+        if args.context_layers:
+            taps = len(args.context_layers)
+            self.context_proj = nn.Linear((taps + 1) * h, h, bias=False)
         out = h if args.head == "target" else args.draft_vocab
         self.lm_head = [ResBlock(e) for _ in range(args.num_draft_layers)]
         self.lm_head.append(nn.Linear(e, out, bias=False))
@@ -112,6 +129,25 @@ class Drafter(nn.Module):
     def draft_ids(self, index: mx.array) -> mx.array:
         """Draft-vocab indices -> target token ids."""
         return self.draft_vocab[index] if self.args.draft_vocab_size else index
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs this drafter reads besides the final hidden state."""
+        return tuple(self.args.context_layers or ())
+
+    def fuse(self, hidden: mx.array, taps: mx.array | None) -> mx.array:
+        """Final hidden ``(B, H)`` and tapped features ``(B, n H)`` (:func:`tap_features`; None
+        without ``context_layers``) -> the context ``(B, H)`` the head reads."""
+        if "context_proj" not in self:
+            return hidden
+        return self.context_proj(mx.concatenate([taps.astype(hidden.dtype), hidden], axis=-1))
+
+    def start_fused_as_hidden(self) -> None:
+        """``context_proj`` starts as passing the final hidden state through (tap columns
+        zero): a new layered drafter starts as the last-layer-only one, taps learnt from 0."""
+        h = self.args.hidden_size
+        weight = mx.zeros(self.context_proj.weight.shape, self.context_proj.weight.dtype)
+        self.context_proj.weight = weight.at[:, -h:].add(mx.eye(h, dtype=weight.dtype))
 
     def rnn_step(self, state: mx.array, embeds: mx.array) -> mx.array:
         """RNN state (B, H), embedded input tokens (B, H) -> new state (B, H)."""
@@ -138,6 +174,17 @@ class Drafter(nn.Module):
         if self.args.head == "target":
             return features @ self._target_rows.T.astype(features.dtype)
         return features
+
+
+def tap_features(outputs: list[mx.array], eps: float = 1e-6) -> mx.array:
+    """Tapped layer outputs ``[(..., H)] * n`` -> ``(..., n H)`` float32, each RMS-normalised
+    (the residual stream's scale grows with depth; normalised, float16 caches hold it and one
+    projection weighs the layers alike)."""
+    normed = []
+    for x in outputs:
+        x = x.astype(mx.float32)
+        normed.append(x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps))
+    return mx.concatenate(normed, axis=-1)
 
 
 def tensor_shapes(args: DrafterArgs) -> dict[str, tuple[int, ...]]:
@@ -226,4 +273,10 @@ def check_matches_target(args: DrafterArgs, target: nn.Module, where: Path | str
         raise DrafterError(
             f"{where}: drafter is for hidden_size {args.hidden_size} / vocab_size "
             f"{args.vocab_size}, but the target has {hidden} / {vocab}"
+        )
+    layers = len(inner_model(target).layers)
+    if args.context_layers and max(args.context_layers) >= layers:
+        raise DrafterError(
+            f"{where}: drafter reads target layers {args.context_layers}, but the target has "
+            f"{layers} layers"
         )

@@ -6,7 +6,13 @@ Legend: N tokens of a token stream, H target hidden size, k stored top-k log-pro
 
 A shard holds, per token: ``tokens (N,)``, ``hidden (N, H)`` f16 (the target's final-norm
 hidden state), ``argmax (N,)`` (the target's next token), ``mask (N,)`` (assistant token),
-``doc (N,)`` (which conversation) and, with ``--topk``, ``topk_ids`` / ``topk_logp (N, k)``.
+``doc (N,)`` (which conversation), with ``--topk`` ``topk_ids`` / ``topk_logp (N, k)`` and,
+for a layered drafter (``--context-layers``), ``taps (N, n H)`` f16: the tapped layers' RMS-
+normalised outputs (``training/taps.py``).
+
+``manifest["format"]`` versions the records: 1 (no ``format`` key: caches written before taps
+existed) holds no ``taps``; 2 may. A format-1 cache serves a last-layer drafter as before and is
+refused, in one line, for a layered one; a format this code does not know is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import numpy as np
 from redrafter_mlx.core.atomic import write_text, write_with
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.training.ranks import ONE, Ranks
+
+FORMAT = 2  # the record format this code writes (see the module docstring)
 
 
 def read_json(path: Path) -> dict:
@@ -56,8 +64,9 @@ class Cache:
         path = root / "manifest.json"
         if not path.exists():
             manifest = {"identity": identity, "shards": [], "next": {"heldout": 0, "train": 0}}
-            return cls(root, manifest)
+            return cls(root, {"format": FORMAT, **manifest})
         manifest = read_json(path)
+        check_format(path, manifest, identity.get("context_layers"))
         if manifest["identity"] != identity:
             raise TrainError(
                 f"{path} was extracted with other settings "
@@ -128,6 +137,22 @@ class Cache:
                 parts.append(dict(np.load(self.root / s["file"])))
                 have += s["tokens"]
         return join_docs(parts) if parts else None
+
+
+def check_format(path: Path, manifest: dict, context_layers) -> None:
+    """TrainError (one line) when the cache's record format cannot serve this run."""
+    version = manifest.get("format", 1)
+    if not isinstance(version, int) or version > FORMAT:
+        raise TrainError(
+            f"{path}: cache format {version!r}, newer than this version reads ({FORMAT}); "
+            "use another --cache-dir, or the version that wrote it"
+        )
+    if version < 2 and context_layers:
+        raise TrainError(
+            f"{path}: cache format {version} (written before records kept tapped layers) "
+            f"cannot train a drafter reading layers {context_layers}; use another "
+            "--cache-dir (it is extracted anew), or leave out --context-layers"
+        )
 
 
 @contextmanager

@@ -39,6 +39,7 @@ def _shape(opts: TrainOptions) -> dict:
         exit_dim=opts.exit_dim,
         num_draft_layers=opts.num_draft_layers,
         identity_init=opts.identity_init,
+        context_layers=opts.context_layers,
     )
 
 
@@ -51,6 +52,7 @@ def new_drafter(
     exit_dim: int = 0,
     num_draft_layers: int | None = None,
     identity_init: bool = True,
+    context_layers: tuple[int, ...] = (),
 ):
     """A random drafter for ``model`` with draft vocabulary ``vocab (K,)`` (None: full),
     width ``exit_dim`` (0: 2H) and ``num_draft_layers`` residual layers (None: 2)."""
@@ -63,7 +65,10 @@ def new_drafter(
         head=head,
         num_draft_layers=2 if num_draft_layers is None else num_draft_layers,
         draft_vocab_size=int(vocab.shape[0]) if vocab is not None else None,
+        context_layers=list(context_layers) or None,
     )
+    if context_layers:
+        drafter.start_fused_as_hidden()
     if vocab is not None:
         drafter.draft_vocab = mx.array(vocab)
     if head == "target" and identity_init:

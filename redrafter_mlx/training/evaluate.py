@@ -38,7 +38,7 @@ from redrafter_mlx.core import atomic, llm
 from redrafter_mlx.core.accept import accepted_lengths, greedy
 from redrafter_mlx.core.decode import Verifier
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
-from redrafter_mlx.core.drafter import Drafter
+from redrafter_mlx.core.drafter import Drafter, tap_features
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.lookup import NgramIndex
 from redrafter_mlx.core.mode import Mode
@@ -378,15 +378,21 @@ def greedy_path(
     if drafted:
         counted = _counts(chunks, count_until or max_tokens)
         real = {"tokens": counted["tokens"], "steps": counted["steps"]}
-    return ids, path_hidden(verifier.forward, ids), real
+    return ids, path_hidden(verifier.forward, ids, verifier.drafter), real
 
 
-def path_hidden(forward: llm.Forward, ids: list[int]) -> mx.array:
+def path_hidden(forward: llm.Forward, ids: list[int], drafter=None) -> mx.array:
     """The target's final-norm hidden (n, H) over a whole path of n token ids, one uncompiled
-    forward (path lengths vary: nothing to compile)."""
+    forward (path lengths vary: nothing to compile); for a layered ``drafter`` (one with
+    ``taps``) the context it drafts from instead: that hidden fused with the tapped layers of
+    the same forward, as decoding fuses them (``core/draft.BeamDrafter.draft``)."""
     n, sequence = len(ids), llm.new_sequence(forward.model)
     mask = llm.chain_mask(0, n)
-    return forward(mx.array(ids), mx.arange(n), mask, sequence, compiled=False)
+    taps = dict.fromkeys(getattr(drafter, "taps", ()))
+    hidden = forward(mx.array(ids), mx.arange(n), mask, sequence, compiled=False, taps=taps)
+    if not taps:
+        return hidden
+    return drafter.drafter.fuse(hidden, tap_features([taps[i] for i in drafter.taps]))
 
 
 # ----------------------------------------------------------------------------- paths cache
@@ -430,7 +436,7 @@ def load_paths(
         key = hashlib.sha1(json.dumps([target_id, p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None
-            hidden = path_hidden(verifier.forward, ids)
+            hidden = path_hidden(verifier.forward, ids, verifier.drafter)
         else:
             ids, hidden, real = greedy_path(verifier, prompt_ids, max_tokens, eos, count_until)
             stored[key] = ids

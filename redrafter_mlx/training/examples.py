@@ -41,17 +41,21 @@ class Examples:
         return cls(data, valid, np.nonzero(valid.any(axis=1))[0])
 
     def batch(self, t: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows ``t (B,)`` -> context (B, H), inputs / targets / valid (B, P), and ``idx``
-        (B, P): the rows ``t + i`` whose target hidden made each target prediction (the caller
-        gathers those hidden states where it needs them)."""
+        """Rows ``t (B,)`` -> context (B, H) (and ``taps (B, n H)`` when the stream has them),
+        inputs / targets / valid (B, P), and ``idx`` (B, P): the rows ``t + i`` whose target
+        hidden made each target prediction (the caller gathers those hidden states where it
+        needs them)."""
         idx = self.future(t)
-        return {
+        batch = {
             "context": self.data["hidden"][t],
             "inputs": self.data["tokens"][idx],
             "targets": self.data["argmax"][idx],
             "valid": self.valid[t],
             "idx": idx,
         }
+        if "taps" in self.data:  # a layered drafter's features of the context row (B, n H)
+            batch["taps"] = self.data["taps"][t]
+        return batch
 
     def future(self, t: np.ndarray) -> np.ndarray:
         """``(B, P)``: the rows ``t + i``, i = 1..P, of rows ``t (B,)`` (the stream's last row

@@ -43,6 +43,8 @@ from redrafter_mlx.training.options import ExtractOptions
 from redrafter_mlx.training.ranks import ONE, Ranks
 from redrafter_mlx.training.selfdistill import greedy_batch
 from redrafter_mlx.training.sharded import Span, extract_sharded
+from redrafter_mlx.training.taps import features as tap_arrays
+from redrafter_mlx.training.taps import tapped
 
 SHARD_TOKENS = 16384
 GEN_WINDOW = 4  # --source self: batches sorted by prompt length together
@@ -108,6 +110,8 @@ def _identity(model, model_path, data: Path, heldout: int, opts: ExtractOptions)
         "topk": opts.topk,
         "fingerprint": fingerprint(model),
     }
+    if opts.context_layers:  # records keep these layers' features (absent: none kept)
+        identity.update(context_layers=list(opts.context_layers))
     if opts.source == "self":
         identity.update(source="self", gen_tokens=opts.gen_tokens)
         if opts.self_prompts == "all":
@@ -251,12 +255,15 @@ def _bar(title: str, opts: ExtractOptions) -> Progress:
     return Progress(*columns, disable=opts.quiet, console=progress.console())
 
 
-def teacher_force(model, ids: list[int], topk: int) -> Record:
+def teacher_force(model, ids: list[int], topk: int, layers: tuple[int, ...] = ()) -> Record:
     """Run the target over ``ids (N,)``: hidden (N, H) f16, argmax (N,), top-k ids/log-probs
-    ``(N, k)`` when ``topk``."""
-    hidden = llm.inner_model(model)(mx.array(ids)[None])[0]
+    ``(N, k)`` when ``topk``, the tapped ``layers``' features ``taps (N, n H)`` f16 when any."""
+    with tapped(model, layers) as got:
+        hidden = llm.inner_model(model)(mx.array(ids)[None])[0]
     logits = llm.lm_head(model, hidden).astype(mx.float32)
     out = {"hidden": hidden.astype(mx.float16), "argmax": mx.argmax(logits, axis=-1)}
+    if layers:
+        out["taps"] = tap_arrays(got, layers)[0]
     if topk:
         logp = log_softmax(logits)
         top = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
@@ -274,7 +281,7 @@ def teacher_records(model, tokenizer, convs: list, first: int, opts: ExtractOpti
         ids, mask = ids[: opts.max_seq_len], mask[: opts.max_seq_len]
         if sum(mask[1:]) < 4:  # too few trainable predictions to be worth a record
             continue
-        arrays = teacher_force(model, ids, opts.topk)
+        arrays = teacher_force(model, ids, opts.topk, opts.context_layers)
         arrays.update(tokens=np.array(ids, np.int32), mask=np.array(mask, bool))
         yield i + 1, arrays, True
 
@@ -292,7 +299,7 @@ def self_records(model, tokenizer, convs: list, first: int, opts: ExtractOptions
         records = []
         for k in range(0, len(prompts), opts.gen_batch):
             batch = prompts[k : k + opts.gen_batch]
-            records += greedy_batch(model, batch, opts.gen_tokens, eos)
+            records += greedy_batch(model, batch, opts.gen_tokens, eos, opts.context_layers)
         records = [r for r in records if r["mask"].sum() >= 4]
         for k, r in enumerate(records):
             last = k == len(records) - 1

@@ -12,10 +12,13 @@ from redrafter_mlx.core.accept import log_softmax
 
 
 def unrolled_features(drafter, context: mx.array, embeds: mx.array) -> mx.array:
-    """Teacher-forced drafter: ``context (B, H)``, input embeddings ``(B, P, H)`` -> the last
-    layer's output ``(B, P, D)`` (``Drafter.features``); the RNN runs over the P inputs and the
-    head is one batched call."""
+    """Teacher-forced drafter: ``context (B, H)`` (a layered drafter's: ``(B, n H + H)``, its
+    tapped features then the final hidden, fused here), input embeddings ``(B, P, H)`` -> the
+    last layer's output ``(B, P, D)`` (``Drafter.features``); the RNN runs over the P inputs
+    and the head is one batched call."""
     b, p, h = embeds.shape
+    if drafter.taps:
+        context = drafter.fuse(context[:, -h:], context[:, :-h])
     state, states = mx.zeros((b, h), embeds.dtype), []
     for i in range(p):
         state = drafter.rnn_step(state, embeds[:, i])

@@ -25,6 +25,7 @@ class ExtractOptions:
     seed: int  # the held-out / training split
     quiet: bool = False  # no progress bars or notes
     stop_at: float = 0.0  # time.time() after which no record is added (--minutes); 0: none
+    context_layers: tuple[int, ...] = ()  # target layers whose outputs each record keeps
 
 
 @dataclass(frozen=True)
@@ -52,5 +53,7 @@ class TrainOptions:
     seed: int
     max_tokens: int  # training tokens read from the cache
     extra_cache: tuple[str, ...] = ()  # more cache folders to train on (same target)
+    context_layers: tuple[int, ...] = ()  # new drafter: target layers fused with the final hidden
+    own_drafts: float = 0.0  # share of rows whose later inputs are the drafter's own drafts
     resume: bool = False  # continue from ``out/checkpoint``
     quiet: bool = False

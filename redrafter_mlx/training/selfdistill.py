@@ -18,12 +18,14 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
 from redrafter_mlx.core import llm
+from redrafter_mlx.training.taps import features as tap_arrays
+from redrafter_mlx.training.taps import tapped
 
 SYNC_EVERY = 8  # decode steps between host checks for "every row has ended"
 
 
 def greedy_batch(
-    model, prompts: list[list[int]], max_new: int, eos: set[int]
+    model, prompts: list[list[int]], max_new: int, eos: set[int], layers: tuple[int, ...] = ()
 ) -> list[dict[str, np.ndarray]]:
     """Greedy-decode ``prompts`` together -> one record per prompt.
 
@@ -31,8 +33,21 @@ def greedy_batch(
     ``max_new - 1`` answer tokens), ``mask (N,)`` True on answer tokens, ``hidden (N, H)`` f16
     final-norm hidden states, ``argmax (N,)`` the target's next token at each answer position and
     at the last prompt position (other prompt positions hold the next prompt token: never trained
-    on).
+    on); with ``layers``, ``taps (N, n H)`` f16, those layers' features (``training/taps.py``).
     """
+    with tapped(model, layers) as got:
+        answers, hidden = _decode(model, prompts, max_new, eos)
+    taps = np.array(tap_arrays(got, layers)) if layers else [None] * len(prompts)
+    pads = [max(map(len, prompts)) - len(p) for p in prompts]
+    return [
+        _record(p, pad, a, h, eos, t)
+        for p, pad, a, h, t in zip(prompts, pads, answers, hidden, taps, strict=True)
+    ]
+
+
+def _decode(model, prompts: list[list[int]], max_new: int, eos: set[int]):
+    """``greedy_batch``'s decoding -> answers ``(B, T)`` and hidden states ``(B, S + T - 1, H)``
+    f16, as numpy arrays."""
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
     x = mx.array([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])  # (B, S)
@@ -54,11 +69,7 @@ def greedy_batch(
             if ended.all():
                 break
     answers = np.array(mx.concatenate(tokens, axis=1))  # (B, T)
-    hidden = np.array(mx.concatenate(hiddens, axis=1))  # (B, S + T - 1, H)
-    return [
-        _record(p, pad, a, h, eos)
-        for p, pad, a, h in zip(prompts, pads, answers, hidden, strict=True)
-    ]
+    return answers, np.array(mx.concatenate(hiddens, axis=1))  # (B, S + T - 1, H)
 
 
 def batch_cache(model, pads: list[int]) -> list:
@@ -77,16 +88,19 @@ def batch_cache(model, pads: list[int]) -> list:
     return [batched(c) for c in model.make_cache()]
 
 
-def _record(prompt: list[int], pad: int, answer: np.ndarray, hidden: np.ndarray, eos: set[int]):
+def _record(prompt, pad: int, answer: np.ndarray, hidden: np.ndarray, eos: set[int], taps=None):
     """One row of ``greedy_batch``: cut the answer after its first end token. The last generated
     token has no hidden state (it was never fed back), so at most ``T - 1`` answer tokens stay."""
     ends = np.nonzero(np.isin(answer, list(eos)))[0]
     keep = min(int(ends[0]) + 1 if len(ends) else len(answer), len(answer) - 1)
     ids = np.concatenate([np.asarray(prompt, np.int32), answer[:keep].astype(np.int32)])
     n = len(prompt)
-    return {
+    record = {
         "tokens": ids,
         "mask": np.arange(len(ids)) >= n,
         "hidden": hidden[pad : pad + len(ids)],
         "argmax": np.concatenate([ids[1:n], answer[: keep + 1]]).astype(np.int32),
     }
+    if taps is not None:
+        record["taps"] = taps[pad : pad + len(ids)]
+    return record

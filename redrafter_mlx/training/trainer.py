@@ -18,6 +18,7 @@ import numpy as np
 
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.drafter import lm_head_rows
+from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.core.llm import embedding, target_dims
 from redrafter_mlx.training.drafter_init import initial_drafter
 from redrafter_mlx.training.examples import Examples
@@ -57,16 +58,27 @@ class Trainer:
     schedule: WarmupCosine
     soft_weight: float = 0.0
     hidden_weight: float = 0.0
+    own_drafts: float = 0.0  # share of rows trained on the drafter's own drafts (own_inputs)
     comm_seconds: float = 0.0  # averaging gradients over ranks (waiting for the slowest too)
 
-    def tensors(self, ex: Examples, rows: np.ndarray):
-        """Numpy batch -> MLX ``(context (B, H), embeds (B, P, H), labels (B, P), weights
-        (B, P), soft (B, P, K) | None, next_hidden (B, P, H) | None, batch)``."""
+    def tensors(self, ex: Examples, rows: np.ndarray, *, own: bool = False):
+        """Numpy batch -> MLX ``(context (B, H) (a layered drafter's (B, n H + H): tapped
+        features, then the final hidden), embeds (B, P, H), labels (B, P), weights (B, P),
+        soft (B, P, K) | None, next_hidden (B, P, H) | None, batch)``; ``own``: inputs mixed
+        with the drafter's own drafts (:meth:`own_inputs`)."""
         b = ex.batch(rows)
         draft = self.lookup[b["targets"]]
         weights = b["valid"] & (draft >= 0)  # out-of-vocab targets cannot be predicted
         context = mx.array(b["context"]).astype(mx.float32)
-        embeds = embedding(self.model)(mx.array(b["inputs"])).astype(mx.float32)
+        if self.drafter.taps:
+            if "taps" not in b:
+                raise TrainError(
+                    f"the drafter reads target layers {list(self.drafter.taps)}, but the "
+                    "cache's records keep no tapped layers (extract with --context-layers)"
+                )
+            context = mx.concatenate([mx.array(b["taps"]).astype(mx.float32), context], axis=1)
+        inputs = self.own_inputs(rows, context, b["inputs"]) if own else b["inputs"]
+        embeds = embedding(self.model)(mx.array(inputs)).astype(mx.float32)
         soft = nxt = None
         if self.soft_weight > 0 or self.hidden_weight > 0:
             nxt = mx.array(ex.data["hidden"][b["idx"]]).astype(mx.float32)
@@ -78,6 +90,23 @@ class Trainer:
         labels = mx.array(np.maximum(draft, 0).astype(np.int32))
         return context, embeds, labels, mx.array(weights.astype(np.float32)), soft, nxt, b
 
+    def own_inputs(self, rows: np.ndarray, context: mx.array, inputs: np.ndarray) -> np.ndarray:
+        """Training-time test: for the ``own_drafts`` share of ``rows (B,)`` (chosen per row
+        and step, so any split of a batch over ranks chooses the same), the inputs after the
+        first ``(B, P)`` become the drafter's own greedy drafts at the previous position (as
+        beam search feeds them), teacher forcing elsewhere; the labels stay the target's."""
+        salt = int(self.optimizer.step.item()) if hasattr(self.optimizer, "step") else 0
+        hashed = (rows.astype(np.uint64) * 2654435761 + salt * 40503) % 2**32
+        chosen = hashed / 2**32 < self.own_drafts
+        if not chosen.any() or inputs.shape[1] < 2:
+            return inputs
+        embeds = embedding(self.model)(mx.array(inputs)).astype(mx.float32)
+        logits = unrolled_logits(self.drafter, context, embeds)
+        drafts = np.array(self.drafter.draft_ids(mx.argmax(logits, axis=-1)))  # (B, P)
+        mixed = inputs.copy()
+        mixed[chosen, 1:] = drafts[chosen, :-1]
+        return mixed
+
     def step(self, ex: Examples, rows: np.ndarray, ranks: Ranks = ONE) -> float:
         """One optimizer step on the examples at ``rows (B,)``; the batch's loss. On several
         ``ranks`` each takes its slice of the rows and the gradients are averaged: each
@@ -87,7 +116,7 @@ class Trainer:
         if ranks.size > 1:
             count = max(self.weight(ex, rows), 1) / ranks.size
             rows = ranks.mine(rows)
-        *inputs, _ = self.tensors(ex, rows)
+        *inputs, _ = self.tensors(ex, rows, own=self.own_drafts > 0)
         grad_fn = nn.value_and_grad(self.drafter, loss_fn)
         loss, grads = grad_fn(self.drafter, *inputs, self.soft_weight, self.hidden_weight, count)
         if ranks.size > 1:
@@ -171,5 +200,13 @@ def build_trainer(model, vocab: np.ndarray | None, opts: TrainOptions, total_ste
     schedule = WarmupCosine(opts.lr, total_steps)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=opts.weight_decay)
     return Trainer(
-        model, drafter, lookup, rows, optimizer, schedule, opts.soft_weight, opts.hidden_weight
+        model,
+        drafter,
+        lookup,
+        rows,
+        optimizer,
+        schedule,
+        opts.soft_weight,
+        opts.hidden_weight,
+        opts.own_drafts,
     )

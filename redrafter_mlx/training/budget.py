@@ -1,0 +1,60 @@
+"""What ``train --minutes N`` uses: the recipe measured best for a time budget, and the
+tokens/step it reached, from a table measured on this project's machine.
+
+Legend: n the target's layer count.
+
+Each row is one budget measured from scratch (``benchmarks/README.md``, the run named in
+``measured``): the recipe kept is the one with the best held-out agreement on the training
+corpus's own held-out split (what training may be tuned on); ``tokens_per_step`` is what that
+drafter reached on 40 MT-Bench first turns (W4 L5, no lookup, greedy, 128 tokens), reported to
+the user as an expectation, never used to choose. A budget between rows takes the row below it
+(a longer budget buys at least as much); one below the first row takes the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One measured budget: ``minutes``, the recipe (``layered``: read the target's low,
+    middle and high layers, :func:`fused_layers`; ``own_drafts``: the share of examples fed
+    the drafter's own drafts), what it reached and where that was measured."""
+
+    minutes: float
+    layered: bool
+    own_drafts: float
+    tokens_per_step: float
+    measured: str
+
+
+# Run 88 (#44), benchmarks/README.md: recipes run side by side from scratch on 2 shared cores
+# (load 6-15). Held-out agreement (mean of positions 1-5) chose today's recipe at both budgets:
+# 15 min, 0.139 against 0.061 with layers and own drafts (0.25), and 0.138 against 0.139 with
+# layers alone (within noise: a new recipe must gain 0.01 to be chosen); 30 min, 0.107 against
+# 0.097 and 0.107. The load left the 30-minute runs fewer extracted tokens than the 15-minute
+# ones, hence its lower figure.
+TABLE: tuple[Budget, ...] = (
+    Budget(15, False, 0.0, 1.22, "run 88: 4,948 training tokens extracted, 209 steps"),
+    Budget(30, False, 0.0, 1.18, "run 88: 2,184 training tokens extracted, 172 steps"),
+)
+
+
+def budget_for(minutes: float, table: tuple[Budget, ...] | None = None) -> Budget | None:
+    """The row of ``table`` (default :data:`TABLE`) for a budget of ``minutes``: the longest
+    measured one not above it (the shortest when all are); None when nothing is measured."""
+    table = TABLE if table is None else table
+    if not table:
+        return None
+    rows = sorted(table, key=lambda b: b.minutes)
+    below = [b for b in rows if b.minutes <= minutes]
+    return below[-1] if below else rows[0]
+
+
+def fused_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a layered drafter reads besides the final hidden state: a low, a
+    middle and a high one (EAGLE-3's choice, layer 2, n/2 and n - 3), fewer on shallow
+    targets (distinct, in range)."""
+    picks = (min(2, num_layers - 1), num_layers // 2, num_layers - 3)
+    return tuple(sorted({i for i in picks if 0 <= i < num_layers}))
