@@ -45,7 +45,7 @@ from redrafter_mlx.core.shape import BeamShape  # noqa: E402
 from redrafter_mlx.core.step import Decoding  # noqa: E402
 from redrafter_mlx.core.stream import GenerationResponse, token_responses  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
-from redrafter_mlx.tuning.profiles import resolve_shape  # noqa: E402
+from redrafter_mlx.tuning.profiles import follow_context, resolve_shape  # noqa: E402
 
 __all__ = [
     "BatchResponse",
@@ -106,14 +106,14 @@ def _verifier(model: Model | nn.Module, drafter: BeamDrafter | None) -> Verifier
     return _PLAIN[key]
 
 
-def _shape(model: Model | nn.Module, overrides: dict, temp: float) -> BeamShape:
+def _shape(model: Model | nn.Module, overrides: dict, temp: float) -> tuple[BeamShape, str]:
     """The keywords' shape fields over this chip's profile (a loaded model) or the plan's
-    default: the command line's rule."""
+    default, and where it came from: the command line's rule."""
     if isinstance(model, Model):
-        return resolve_shape(model.runtime, overrides=overrides, temp=temp)[0]
+        return resolve_shape(model.runtime, overrides=overrides, temp=temp)
     given = {k: v for k, v in overrides.items() if v is not None}
     default = plan_for().default_shape
-    return BeamShape(**{**default.__dict__, **given})
+    return BeamShape(**{**default.__dict__, **given}), "given" if given else "default"
 
 
 def _overrides(width, length, min_prob, search_width, lookup) -> dict:
@@ -128,15 +128,16 @@ def _overrides(width, length, min_prob, search_width, lookup) -> dict:
 
 
 def _decoding(model, verifier: Verifier, overrides: dict, sampler, autoregressive, logprobs):
-    """The decoding of a call's keywords: the shape (:func:`_shape`), the mode, the sampler."""
-    shape = _shape(model, overrides, temperature(sampler))
+    """The decoding of a call's keywords (the shape: :func:`_shape`, the mode, the sampler)
+    and where its shape came from."""
+    shape, source = _shape(model, overrides, temperature(sampler))
     mode = Mode.choose(
         drafter=verifier.drafter is not None,
         shape=shape,
         autoregressive=autoregressive,
         plain_fallback=True,
     )
-    return Decoding(mode, shape, sampler or greedy, logprobs=logprobs)
+    return Decoding(mode, shape, sampler or greedy, logprobs=logprobs), source
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
@@ -181,8 +182,10 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     verifier = _verifier(model, drafter)
     overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
-    decoding = _decoding(model, verifier, overrides, sampler, autoregressive, logprobs)
+    decoding, source = _decoding(model, verifier, overrides, sampler, autoregressive, logprobs)
     session = Session(verifier, tokenizer, decoding, seed=seed)
+    if isinstance(model, Model):  # a shape no keyword chose follows the context, as in chat
+        follow_context(session, model.runtime, source, temp=temperature(sampler))
     steps = session.generate(
         _prompt_ids(tokenizer, prompt), max_tokens=max_tokens, stop_strings=stop_strings
     )
@@ -280,7 +283,7 @@ def batch_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     verifier = _verifier(model, drafter)
     overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
-    decoding = _decoding(model, verifier, overrides, sampler, autoregressive, False)
+    decoding, _ = _decoding(model, verifier, overrides, sampler, autoregressive, False)
     verifier.warm_up(decoding)
     if seed is not None:
         mx.random.seed(seed)

@@ -121,3 +121,45 @@ def test_bad_bounds_are_refused_on_the_callers_thread_before_any_setup(bounds, m
     with pytest.raises(ValueError, match=message):
         GenerationService(lambda: built.append(1), **bounds)
     assert built == []
+
+
+class Bands:
+    """Prompt-length bands as the service reads them: ``shape`` below ``plain_from`` tokens,
+    plain decoding from there (what serve builds from a profile or the plan's default)."""
+
+    def __init__(self, shape: BeamShape, plain_from: int):
+        self.shape, self.plain_from = shape, plain_from
+        self.starts = (0, plain_from)
+
+    def at(self, context: int) -> BeamShape | None:
+        return self.shape if context < self.plain_from else None
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_prompt_past_its_band_decodes_plainly_and_says_so(target, drafter, max_batch):
+    shape = BeamShape(2, 3)
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+
+    def setup() -> Engine:
+        bands = {False: Bands(shape, 8)}
+        return Engine(
+            verifier_for(target, beams), toy_tokenizer(), list, Mode.REDRAFTER, shape, shape, bands
+        )
+
+    service = GenerationService(setup, max_batch=max_batch)
+    service.start()
+    for prompt, want in (
+        (PROMPT, (shape, Mode.REDRAFTER)),
+        (PROMPT * 2, (None, Mode.AUTOREGRESSIVE)),
+    ):
+        job = service.submit(Request(prompt, max_tokens=8))
+        started = job.start(timeout=60)
+        steps = list(job.steps(timeout=60))
+        assert (started.shape, started.mode) == want
+        assert [t for s in steps for t in s.tokens] == reference_tokens(target, prompt, 8)
+        # plain decoding verifies one token per step, this shape a tree of several
+        assert (max(steps[-1].stats.tree_sizes) == 1) == (want[0] is None)
+    sampled = service.submit(Request(PROMPT * 2, max_tokens=4, sampling=Sampling(1.0, seed=3)))
+    assert sampled.start(timeout=60).shape == shape  # no bands for sampled requests here
+    list(sampled.steps(timeout=60))
+    service.close()

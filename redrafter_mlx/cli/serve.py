@@ -31,13 +31,14 @@ from pathlib import Path
 from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.core.service import Chat, Engine, GenerationService, Sampling
+from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
 from redrafter_mlx.io.templates import apply_chat_template, reasoning_tags, tool_format
 from redrafter_mlx.server import anthropic, openai, responses
 from redrafter_mlx.server import protocol as api
 from redrafter_mlx.server.app import MAX_BODY_BYTES, App, Server
-from redrafter_mlx.tuning.profiles import resolve_shape
+from redrafter_mlx.tuning.profiles import context_bands, resolve_shape
 
 MAX_BATCH = 8  # requests answered at once by default (only 8 measured: runs 88 and 92, #45)
 
@@ -148,7 +149,17 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
         rt.decoding(runtime, sampled, mode=mode)
         loaded.runtime = runtime
         loaded.shape_sources = {False: greedy_source, True: sampled_source}
-        return Engine(runtime.verifier, runtime.tokenizer, encoder(runtime), mode, greedy, sampled)
+        bands = {}
+        if mode.speculative:  # plain decoding past the lengths where a tree stops paying
+            for samples, shape, source, temp in (
+                (False, greedy, greedy_source, 0.0),
+                (True, sampled, sampled_source, 1.0),
+            ):
+                if (found := context_bands(runtime, shape, source, temp=temp)) is not None:
+                    bands[samples] = found
+        return Engine(
+            runtime.verifier, runtime.tokenizer, encoder(runtime), mode, greedy, sampled, bands
+        )
 
     return setup
 
@@ -277,9 +288,15 @@ def mode(engine: Engine, loaded: Loaded) -> str:
     if not engine.mode.speculative:
         return "autoregressive (no drafter)"
     sources, describe = loaded.shape_sources, engine.mode.describe
+
+    def shape(samples: bool, fixed: BeamShape) -> str:
+        bands = engine.bands.get(samples)
+        by_length = "" if bands is None else f", by prompt length {bands.describe()}"
+        return f"{describe(fixed)} ({sources[samples]}{by_length})"
+
     return (
-        f"{_drafter_line(loaded.runtime)}, greedy {describe(engine.greedy_shape)} "
-        f"({sources[False]}), sampling {describe(engine.sampling_shape)} ({sources[True]})"
+        f"{_drafter_line(loaded.runtime)}, greedy {shape(False, engine.greedy_shape)}, "
+        f"sampling {shape(True, engine.sampling_shape)}"
     )
 
 

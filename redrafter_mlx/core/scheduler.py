@@ -135,7 +135,7 @@ class Scheduler:
             job.fail(e)
             return None
         service.session = session
-        decoding = service.engine.decoding_for(request.sampling, request.top_logprobs)
+        decoding = service.engine.decoding_for(request.sampling, request.top_logprobs, len(ids))
         prefill = session.verifier.prefilling(session.sequence, new, decoding)
         return Entry(job, ids, session, prefill, request.sampling.seed, len(new))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -80,7 +80,9 @@ class Request:
 class Engine:
     """What the worker generates with (built on its thread by the service's ``setup``): the
     verifier, its tokenizer, ``encode`` (a :data:`Prompt` -> token ids), the decoding mode and
-    the beam shape for greedy and for sampled requests."""
+    the beam shape for greedy and for sampled requests; ``bands``, where no flag chose a shape,
+    the shape per prompt length for greedy (False) and sampled (True) requests (each with
+    ``at(tokens) -> BeamShape | None``, None: plain decoding there, and ``starts``)."""
 
     verifier: Verifier
     tokenizer: object
@@ -88,10 +90,14 @@ class Engine:
     mode: Mode
     greedy_shape: BeamShape
     sampling_shape: BeamShape
+    bands: dict = field(default_factory=dict)
 
-    def shape_for(self, sampling: Sampling) -> BeamShape | None:
-        """The shape a request runs at (None when autoregressive)."""
-        return self._shape(sampling) if self.mode.speculative else None
+    def shape_for(self, sampling: Sampling, context: int = 0) -> BeamShape | None:
+        """The shape a request with a ``context``-token prompt runs at (None: autoregressive)."""
+        if not self.mode.speculative:
+            return None
+        bands = self.bands.get(self.samples(sampling))
+        return self._shape(sampling) if bands is None else bands.at(context)
 
     @staticmethod
     def samples(sampling: Sampling) -> bool:
@@ -101,18 +107,31 @@ class Engine:
     def _shape(self, sampling: Sampling) -> BeamShape:
         return self.sampling_shape if self.samples(sampling) else self.greedy_shape
 
-    def decoding_for(self, sampling: Sampling, top_logprobs: int | None = None) -> Decoding:
-        """A request's decoding: the mode, its shape, its sampler, the log-probs it reports."""
-        shape = self._shape(sampling)
+    def decoding_for(
+        self, sampling: Sampling, top_logprobs: int | None = None, context: int = 0
+    ) -> Decoding:
+        """A request's decoding after a ``context``-token prompt: the mode, its shape, its
+        sampler, the log-probs it reports."""
+        shape = self.shape_for(sampling, context)
+        mode = self.mode if shape is not None else Mode.AUTOREGRESSIVE
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k)
-        return Decoding(self.mode, shape, sampler, top_logprobs=top_logprobs)
+        return Decoding(mode, shape or self._shape(sampling), sampler, top_logprobs=top_logprobs)
+
+    def decodings(self) -> list[Decoding]:
+        """What requests will run: the greedy decoding and the sampling one (a sampler at
+        temperature 1) at each prompt-length band's start."""
+        decodings = []
+        for sampling in (Sampling(1.0), Sampling()):
+            bands = self.bands.get(self.samples(sampling))
+            for start in (0,) if bands is None else bands.starts:
+                decodings.append(self.decoding_for(sampling, context=start))
+        return decodings
 
     def warm_up(self) -> None:
-        """Compile what requests will run, so that answers do not stop to compile: the greedy
-        shape with the greedy sampler, the sampling shape with a sampler at temperature 1 (a
-        request at another temperature may still compile its sampler once)."""
-        for sampling in (Sampling(1.0), Sampling()):
-            self.verifier.warm_up(self.decoding_for(sampling))
+        """Compile what requests will run (:meth:`decodings`), so that answers do not stop to
+        compile (a request at another temperature may still compile its sampler once)."""
+        for decoding in self.decodings():
+            self.verifier.warm_up(decoding)
 
     def new_session(self) -> Session:
         """A conversation's session (each request brings its own decoding)."""
@@ -288,8 +307,7 @@ class GenerationService:
             self.engine = self._setup()
             self.engine.warm_up()
             if self.max_batch > 1:
-                decodings = [self.engine.decoding_for(s) for s in (Sampling(1.0), Sampling())]
-                warm_up_batches(self.engine.verifier, decodings, self.max_batch)
+                warm_up_batches(self.engine.verifier, self.engine.decodings(), self.max_batch)
             self.prompt_cache = PromptCache(self.engine.new_session, **self._cache_bounds)
         except BaseException as e:  # reported by start(), on the caller's thread
             self._setup_error = e
@@ -337,7 +355,7 @@ class GenerationService:
             ids,
             max_tokens=request.max_tokens,
             stop_strings=request.stop_strings,
-            decoding=engine.decoding_for(request.sampling, request.top_logprobs),
+            decoding=engine.decoding_for(request.sampling, request.top_logprobs, len(ids)),
             cancelled=job.cancelled,
         )
         started = False
@@ -377,5 +395,6 @@ class GenerationService:
 
     def started(self, ids: list[int], request: Request, session: Session) -> Started:
         """What a job's caller learns when its prompt is in ``session``'s cache."""
-        shape = self.engine.shape_for(request.sampling)
-        return Started(len(ids), session.reused, shape, self.engine.mode)
+        shape = self.engine.shape_for(request.sampling, len(ids))
+        mode = self.engine.mode if shape is not None else Mode.AUTOREGRESSIVE
+        return Started(len(ids), session.reused, shape, mode)

@@ -149,6 +149,10 @@ class ContextBands:
     def single(cls, shape: BeamShape | None) -> ContextBands:
         return cls(((0, shape),))
 
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(start for start, _ in self.bands)
+
     def at(self, context: int) -> BeamShape | None:
         """The shape for an answer after ``context`` tokens (None: plain decoding)."""
         return next(shape for start, shape in reversed(self.bands) if context >= start)
@@ -318,21 +322,29 @@ def default_bands(plan, shape: BeamShape) -> ContextBands:
     return ContextBands(((0, shape), (plan.plain_from, None)))
 
 
-def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> ContextBands | None:
-    """Let ``session`` pick each answer's shape by its context length when it speculates with
-    a shape no flag chose: the autotune profile's bands for the profile's shape, the plan's
-    :func:`default_bands` for the default shape (plain decoding at long contexts, where a tree
-    costs more than it saves). Returns the bands it follows (None: one decoding for every
-    answer)."""
-    if not session.decoding.mode.speculative:
-        return None
+def context_bands(
+    runtime, shape: BeamShape, source: str, *, temp: float = 0.0
+) -> ContextBands | None:
+    """The shape per context length of a decoding at ``shape`` that came from ``source``
+    (:func:`resolve_shape`'s), when no flag chose it: the autotune profile's bands for the
+    profile's shape, the plan's :func:`default_bands` for the default shape (plain decoding at
+    long contexts, where a tree costs more than it saves). None: ``shape`` at every length."""
     if source.startswith("autotune profile"):
         bands = lookup_bands(runtime, temp=temp)
     elif source == "default":
-        bands = default_bands(runtime.plan, session.decoding.shape)
+        bands = default_bands(runtime.plan, shape)
     else:
         return None
-    if bands is None or bands == ContextBands.single(session.decoding.shape):
+    return None if bands is None or bands == ContextBands.single(shape) else bands
+
+
+def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> ContextBands | None:
+    """Let ``session`` pick each answer's shape by its context length when it speculates with
+    a shape no flag chose (:func:`context_bands`). Returns the bands it follows (None: one
+    decoding for every answer)."""
+    if not session.decoding.mode.speculative:
         return None
-    session.by_context = decoding_by_context(bands, session.decoding, runtime.verifier.warm_up)
+    bands = context_bands(runtime, session.decoding.shape, source, temp=temp)
+    if bands is not None:
+        session.by_context = decoding_by_context(bands, session.decoding, runtime.verifier.warm_up)
     return bands
