@@ -575,8 +575,13 @@ RESUMABLE_CHANGES = {
 
 
 def run_options(args: argparse.Namespace) -> dict:
-    """The options a checkpoint was made with (compared when resuming)."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in RESUMABLE_CHANGES}
+    """The options a checkpoint was made with (compared when resuming), as its JSON holds
+    them (tuples as lists)."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in sorted(vars(args).items())
+        if k not in RESUMABLE_CHANGES
+    }
 
 
 def check_args(args: argparse.Namespace) -> None:
