@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3 import MLP  # SwiGLU, the names both formats use
 from mlx_lm.models.rope_utils import initialize_rope
 
 from redrafter_mlx.core.accept import log_softmax
@@ -133,22 +134,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: DFlashArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Layer(nn.Module):
     def __init__(self, args: DFlashArgs):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3 import MLP  # SwiGLU, the names both formats use
 
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.draft import best, narrow
@@ -149,17 +150,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, rows, -1)), k, v
 
 
-class MLP(nn.Module):
-    def __init__(self, args: Eagle3Args):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Layer(nn.Module):
     """A decoder layer; the first (``first``) attends over ``[norm(embeds), norm(hidden)]``."""
 
@@ -174,7 +164,7 @@ class Layer(nn.Module):
         width = 2 * args.hidden_size if first else args.hidden_size
         self.self_attn = Attention(args, width)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
     def __call__(self, embeds, hidden, offset, keys, values, mask):
         """``embeds``/``hidden (B, E, H)`` -> ``(output (B, E, H), new keys, new values)``."""

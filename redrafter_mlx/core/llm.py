@@ -219,13 +219,7 @@ class Forward:
                 return StateSlot(view, slot.index, slot.size)
             return TreeLayerCache(view, slot.index, slot.window)
 
-        caches = [layer_cache(slot) for slot in self.layout]
-        self._add_taps(view.taps)
-        self._view = view
-        try:
-            return inner_model(self.model)(tokens[None], cache=caches)[0]
-        finally:
-            self._view = None
+        return self._layers(tokens, [layer_cache(slot) for slot in self.layout], view)
 
     def joint(self, segments: list[Segment], *, compiled: bool = True) -> list[mx.array]:
         """One forward over several sequences' new tokens (:mod:`~redrafter_mlx.core.joint`)
@@ -261,9 +255,13 @@ class Forward:
                 return CacheList(*(layer_cache(s) for s in slot))
             return JointLayerCache(joint, slot.index, slot.window, mask)
 
-        caches = [layer_cache(slot) for slot in self.layout]
-        self._add_taps(joint.taps)
-        self._view = joint
+        return self._layers(tokens, [layer_cache(slot) for slot in self.layout], joint)
+
+    def _layers(self, tokens: mx.array, caches: list, view) -> mx.array:
+        """The model's layers over ``tokens (T,)`` with each layer's cache, its taps recorded
+        into ``view`` -> final-norm hidden ``(T, H)``."""
+        self._add_taps(view.taps)
+        self._view = view
         try:
             return inner_model(self.model)(tokens[None], cache=caches)[0]
         finally:
