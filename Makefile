@@ -95,14 +95,16 @@ generate: setup
 	$(VENV)/bin/redrafter-mlx generate $(ARGS)
 
 # The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
-# specialisation: REDRAFTER_CPU_TUNING=0); `make test ARGS=...` runs only what ARGS names.
+# specialisation: REDRAFTER_CPU_TUNING=0), but for their chi-square tests of sampled answers
+# (marker `distribution`), which .ci/run runs there after make test, as the `soak` tests; `make
+# test ARGS=...` runs only what ARGS names.
 EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
 	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py tests/test_sequence.py \
 	tests/test_eagle3.py tests/test_dflash.py tests/test_mtp.py
 
 test: setup test-deps
 	$(RUN) $(PY) -m pytest -q $(ARGS)
-	$(if $(ARGS),,$(RUN) REDRAFTER_CPU_TUNING=0 $(PY) -m pytest -q $(EXACTNESS))
+	$(if $(ARGS),,$(RUN) REDRAFTER_CPU_TUNING=0 $(PY) -m pytest -q -m "not distribution" $(EXACTNESS))
 
 # Test-only: the reference drafters our EAGLE-3 / DFlash / MTP are checked against
 # (tests/test_eagle3.py skips without them). --no-deps: mlx-vlm's own list is heavy; its drafter

@@ -16,6 +16,16 @@ from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
 
+def pytest_collection_modifyitems(config, items):
+    """``soak`` tests run only when asked (``-m soak``): .ci/run runs them after make test."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="soak tests run only when asked: pytest -m soak (.ci/run does)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def own_redrafter_cache(tmp_path_factory):
     """A cache of the test session's own (``$REDRAFTER_CACHE``, subprocesses too): `train`

@@ -87,6 +87,7 @@ def chat(i: int) -> list[dict]:
     return [{"role": "user", "content": USER[i]}]
 
 
+@pytest.mark.soak
 def test_four_clients_at_once_get_their_answers_served_alone(batching):
     alone = [api(batching, body) for api, body in requests()]
     together, failures = [None] * 4, []

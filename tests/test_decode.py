@@ -346,6 +346,7 @@ def test_temperature_and_top_k_draw_the_same_from_raw_logits():
     "temp,top_p,width,search",
     [(0.7, 0.0, 3, 0), (1.5, 0.0, 3, 0), (1.0, 0.8, 3, 0), (1.0, 0.8, 1, 0), (1.0, 0.0, 2, 8)],
 )
+@pytest.mark.distribution
 def test_sampling_matches_target_distribution(temp, top_p, width, search):
     model = tiny_llama(seed=6, vocab=VOCAB, scale=1.5)
     bd = BeamDrafter(random_drafter(64, VOCAB, seed=7), model.model.embed_tokens)

@@ -192,6 +192,7 @@ def test_one_host_read_per_step_with_dflash(tmp_path, qwen3, monkeypatch):
     assert all(step.tree_size <= 1 + 6 for step in steps[1:])  # the best-first tree's nodes
 
 
+@pytest.mark.distribution
 def test_sampling_with_dflash_keeps_the_targets_distribution(tmp_path, qwen3):
     drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
     assert second_token_pvalue(qwen3, drafter, VOCAB, temp=1.0) > 1e-3

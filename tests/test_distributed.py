@@ -170,6 +170,7 @@ def test_two_ranks_train_what_one_process_trains(runs):
 
 @pytest.mark.slow  # two more launches: about 45 s here
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+@pytest.mark.soak
 def test_a_rank_killed_mid_training_resumes_to_the_uninterrupted_result(runs):
     """SIGKILL rank 1 right after the first checkpoint (mlx.launch then ends rank 0); the
     checkpoint stays whole and ``--resume`` ends where the uninterrupted run did, exactly."""

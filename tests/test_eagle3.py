@@ -261,6 +261,7 @@ def test_greedy_with_eagle3_equals_autoregressive(tmp_path, family, shape):
     assert greedy_equals_autoregressive(target, drafter, shape)
 
 
+@pytest.mark.distribution
 def test_sampling_with_eagle3_keeps_the_targets_distribution(tmp_path, qwen3):
     """The drafter's proposals are not the target's; the second emitted token must still
     follow the target's marginal (a chi-square test over 300 answers)."""

@@ -320,6 +320,7 @@ MIXED = [
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_soak_of_mixed_requests_keeps_memory_flat_and_health_good(server, reference):  # noqa: F811
     for run in MIXED:  # warm: the first answers allocate what every later one reuses
         run(server)

@@ -183,6 +183,7 @@ def test_a_cache_rewinds_only_to_states_it_holds():
     np.testing.assert_allclose(after_snapshot, want, atol=1e-5)
 
 
+@pytest.mark.distribution
 def test_sampling_on_a_hybrid_matches_the_target_distribution():
     """Chi-square: sampled ReDrafter tokens on a Gated DeltaNet hybrid follow the target's
     own distribution (the 1st, 2nd and 3rd token after the prompt)."""

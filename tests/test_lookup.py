@@ -239,6 +239,7 @@ def test_without_drafter_or_lookup_there_is_nothing_to_speculate_with(small):
 
 
 @pytest.mark.parametrize("temp,top_p,with_drafter", [(1.0, 0.0, True), (0.7, 0.8, False)])
+@pytest.mark.distribution
 def test_sampling_with_lookup_beams_matches_target_distribution(temp, top_p, with_drafter):
     """The chi-square test of test_decode, with lookup beams in the tree: the prompt holds
     "2 x y" for every token x (y: the target's likeliest token after "2 x"), so whatever

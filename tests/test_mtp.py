@@ -162,6 +162,7 @@ def test_a_second_turn_drafts_as_a_fresh_prompt_does(tmp_path, qwen3_5):
     assert again.pending == once.pending
 
 
+@pytest.mark.distribution
 def test_sampling_with_mtp_keeps_the_targets_distribution(tmp_path, qwen3_5):
     """As for EAGLE-3 and DFlash: 40 first drafts per step, chi-square against the target's
     marginal of the second emitted token, on the hybrid."""

@@ -505,6 +505,7 @@ PROMPTS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?",
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_eight_clients_at_once_get_their_serial_answers_and_a_full_queue_gets_503(server):
     import openai
 
@@ -855,6 +856,7 @@ def test_every_interface_warns_and_a_taken_port_fails_before_the_model_loads(ser
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_refused_setup_exits_1_in_one_line_every_time(tmp_path):
     """After the worker thread that loaded the model ended, the interpreter's exit aborted in
     MLX's teardown ("terminate called without an active exception", rc 134) in a third to

@@ -65,11 +65,13 @@ def assert_each_found_its_own(follow_ups: list[tuple]) -> None:
             assert 2 * cached >= prompt, (topic, number, prompt, cached)
 
 
+@pytest.mark.soak
 def test_six_conversations_one_after_another_each_reuse_their_own(chat_server):
     order = [(topic, number) for topic in TOPICS for number in range(3)]
     assert_each_found_its_own(converse(chat_server, order))
 
 
+@pytest.mark.soak
 def test_three_interleaved_conversations_each_reuse_their_own(chat_server):
     """a b c, c b a, a b c: another conversation always came between (the default cache
     keeps four)."""

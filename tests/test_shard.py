@@ -126,6 +126,7 @@ def test_generate_on_two_ranks_prints_one_answer_the_one_process_answer(
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+@pytest.mark.soak
 def test_chat_on_two_ranks_then_a_killed_rank_ends_the_run(folders, tmp_path, capsys, monkeypatch):
     """Rank 0 reads the lines and answers as one process does; SIGKILL rank 1 and the run
     ends (mlx.launch ends rank 0) with a line naming it, no traceback."""
@@ -199,6 +200,7 @@ def test_shard_outside_a_launched_group_says_it_runs_as_one_process(folders, cap
 
 @pytest.mark.slow  # a launch of two ranks and a chat: about 35 s here
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+@pytest.mark.soak
 def test_a_hung_rank_ends_every_rank_with_a_line_naming_it_and_a_failed_status(
     folders, tmp_path, capsys, monkeypatch
 ):
