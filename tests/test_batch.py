@@ -56,6 +56,67 @@ def test_a_batch_of_mixed_modes_answers_each_as_alone_with_one_read_per_step(
     assert all(step.syncs == 1 for steps in results for step in steps)
 
 
+@pytest.mark.parametrize(
+    ("shape", "rows", "fit"),
+    [
+        (BeamShape(1, 2, lookup=1), 8, BeamShape(1, 2, lookup=1)),  # fits: unchanged
+        (BeamShape(1, 2, lookup=1), 2, BeamShape(1, 2)),  # lookup beams go first
+        (BeamShape(2, 3, lookup=1), 5, BeamShape(2, 3)),
+        (BeamShape(2, 3, lookup=1), 4, BeamShape(1, 3)),  # then drafted beams
+        (BeamShape(2, 4, lookup=1), 3, BeamShape(1, 3)),  # then their length
+        (BeamShape(1, 3, lookup=2), 5, BeamShape(1, 3, lookup=1)),
+    ],
+)
+def test_a_tree_is_fitted_to_its_rows_by_lookup_width_then_length(
+    target, drafter, shape, rows, fit
+):
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    decoding = decoding_of(beams, shape)
+    assert batch.fitted(decoding, rows) == decoding_of(beams, fit)
+
+
+def test_a_tree_with_no_room_but_its_root_steps_plainly(target, drafter):
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    for decoding in (
+        decoding_of(beams, BeamShape(1, 2)),
+        decoding_of(None, BeamShape(1, 3, lookup=2)),
+    ):
+        root_alone = batch.fitted(decoding, 1)
+        assert not root_alone.mode.drafted and not root_alone.shape.lookup
+    chain = decoding_of(None, BeamShape(1, 2), autoregressive=True)
+    assert batch.fitted(chain, 1) is chain
+
+
+def test_a_bounded_batch_shares_its_rows_and_a_member_alone_gets_its_tree_back(target, drafter):
+    """On a plan bounding a batch to 4 rows: two members verify at most 2 nodes each (their
+    answers still the ones they get alone), a seeded one keeps its tree, and the member left
+    alone verifies its own shape's trees again."""
+    import dataclasses
+
+    import numpy as np
+
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    plan = dataclasses.replace(GENERIC_PLAN, batch_rows=4)
+    verifier = verifier_for(target, beams, plan)
+    decoding = decoding_of(beams, BeamShape(1, 3, lookup=1))  # up to 5 nodes
+    expected = [alone(verifier, decoding, p, 20) for p in PROMPTS[:2]]
+    answers, results = batched(verifier, [decoding] * 2, PROMPTS[:2], 20)
+    assert answers == expected
+    assert max(s.tree_size for steps in results for s in steps) <= 2
+    members = [
+        batch.Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0]) for p in PROMPTS[2:]
+    ]
+    members[1].key = batch.key_value(np.array(batch.current_key()))
+    sizes = [[], []]
+    for _ in range(8):
+        for size, step in zip(sizes, batch.batch_step(verifier, members), strict=True):
+            size.append(step.tree_size)
+    assert max(sizes[0]) <= 2 < max(sizes[1])  # the seeded member's trees are its own
+    alone_sizes = [batch.batch_step(verifier, members[:1])[0].tree_size for _ in range(8)]
+    assert max(alone_sizes) > 2
+    assert members[0].state.decoding == decoding
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
 def test_sliding_window_and_hybrid_targets_batch_exactly(family):
     model = build(family)

@@ -1,6 +1,7 @@
 """Four clients at once through the real server batching them (`serve --max-batch 4`): both
 APIs, streamed and whole, greedy and seeded; each answer equals the same request served
-alone, with its own usage and acceptance statistics."""
+alone, with its own usage and acceptance statistics (a seeded one's the same as alone; a
+greedy one's trees are fitted to the batch on the CPU plan, so its steps may differ)."""
 
 from __future__ import annotations
 
@@ -107,9 +108,14 @@ def test_four_clients_at_once_get_their_answers_served_alone(batching):
     for t in threads:
         t.join(timeout=300)
     assert not failures, failures
-    for (text, usage), (alone_text, alone_usage) in zip(together, alone, strict=True):
+    for i, ((text, usage), (alone_text, alone_usage)) in enumerate(
+        zip(together, alone, strict=True)
+    ):
         assert text == alone_text and text
         block, alone_block = usage["redrafter"], alone_usage["redrafter"]
-        assert block["steps"] == alone_block["steps"] > 0
-        assert block["accepted_tokens"] == alone_block["accepted_tokens"]
-        assert sum(int(k) * n for k, n in block["accept_histogram"].items()) > 0
+        histogram = {int(k): n for k, n in block["accept_histogram"].items()}
+        assert sum(histogram.values()) == block["steps"] > 0
+        assert sum((k - 1) * n for k, n in histogram.items()) == block["accepted_tokens"]
+        if "seed" in requests()[i][1]:  # its trees, and so its draws, are the ones alone
+            assert block["steps"] == alone_block["steps"]
+            assert block["accepted_tokens"] == alone_block["accepted_tokens"] > 0

@@ -28,6 +28,9 @@ from redrafter_mlx.core.shape import BeamShape
 # context that shape's 3-node tree costs 1.5-2x a one-token step while summaries got 1.5-1.9
 # tokens/step: it ran 0.74-1.28x plain decoding at 2K, 0.79-1.07x at 4K, 0.80-0.87x at 8K
 # (1.20-1.26x at 0.5K-1K; runs 82-84, 88), so without a profile answers there decode plainly.
+# A batch's joint forward past 8 rows leaves the small-row kernel for OpenBLAS, whose
+# products cost more per token than trees save: 4 members' 2-node trees (8 rows) emitted the
+# most tokens per second, 8 members the most as plain steps (run 95).
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -36,6 +39,7 @@ CPU_PLAN = Plan(
     async_layers=2,
     tree_sizes=(*range(1, 9), 16, 32),
     prefill_chunk=512,
+    batch_rows=8,
     draft_early_stop=True,
     drafter_float32=True,
     default_shape=BeamShape(width=1, length=2, lookup=1),

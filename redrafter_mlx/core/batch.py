@@ -12,6 +12,12 @@ members' beam searches of one shape run as one search, their rows stacked: the d
 weights read once too), and one host read brings back every member's result. A member whose
 context is full gets its ContextFull and leaves; the others step on.
 
+Where the plan bounds a batch's rows (``Plan.batch_rows``: a CPU, whose products turn
+compute-bound past a few rows), each member's tree is fitted to its share for the step
+(:func:`fitted`: fewer lookup beams, fewer drafted beams, down to its root alone): a large batch
+decodes plainly, a small one speculates, and a member alone runs its own shape. Greedy answers
+are the same at every fit (the target's own tokens); sampled ones keep their distribution.
+
 Seeded sampling: each member may keep its own random key (``Member.key``), set before its
 draws and read back with the batch's read, so its draws are the ones it would make alone
 (answers equal to the same seeded request served alone, whoever shares the batch).
@@ -19,7 +25,7 @@ draws and read back with the batch's read, so its draws are the ones it would ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -30,16 +36,23 @@ from redrafter_mlx.core.decode import State, Verifier
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.joint import Segment
-from redrafter_mlx.core.step import SpentState, Step, emitted_logprobs, host_read
+from redrafter_mlx.core.mode import Mode
+from redrafter_mlx.core.step import Decoding, SpentState, Step, emitted_logprobs, host_read
 
 
 @dataclass
 class Member:
-    """One sequence of a batch: its decode state (replaced by each batch step) and its own
-    random key (``(hi << 32) | lo`` of MLX's key; None: it draws from the global generator)."""
+    """One sequence of a batch: its decode state (replaced by each batch step), its own
+    random key (``(hi << 32) | lo`` of MLX's key; None: it draws from the global generator)
+    and its own decoding (the state's may be fitted to the batch: :func:`fitted`)."""
 
     state: State
     key: int | None = None
+    decoding: Decoding | None = None
+
+    def __post_init__(self):
+        if self.decoding is None:
+            self.decoding = self.state.decoding
 
     def seed(self) -> None:
         """Make MLX's generator this member's (before building its draws)."""
@@ -69,6 +82,7 @@ class _Planned:
 def batch_step(verifier: Verifier, members: list[Member]) -> list[Step | BaseException]:
     """Step every member once (its ``state`` replaced by the next) -> what each emitted, or
     the error that ended it (ContextFull, SpentState): that member is not stepped."""
+    _fit(verifier, members)
     results: dict[int, Step | BaseException] = {}
     planned: list[tuple[int, _Planned]] = []
     for i, member in enumerate(members):
@@ -84,6 +98,65 @@ def batch_step(verifier: Verifier, members: list[Member]) -> list[Step | BaseExc
     for (i, _), step in zip(planned, _step_planned(verifier, [p for _, p in planned]), strict=True):
         results[i] = step
     return [results[i] for i in range(len(members))]
+
+
+def fitted(decoding: Decoding, rows: int) -> Decoding:
+    """``decoding`` for a step whose tree may verify at most ``rows`` nodes: fewer lookup
+    beams, then fewer drafted beams, then shorter beams, then its root alone (no drafter
+    pass: a plain step)."""
+    if not decoding.mode.speculative:
+        return decoding
+    shape = decoding.shape
+    width = shape.width if decoding.mode.drafted else 0
+    lookup, length = shape.lookup, shape.length
+
+    def nodes() -> int:
+        return 1 + (width + lookup) * (length - 1)
+
+    while lookup and nodes() > rows:
+        lookup -= 1
+    while width > 1 and nodes() > rows:
+        width -= 1
+    while length > 2 and nodes() > rows:
+        length -= 1
+    if nodes() > rows or not (width or lookup):  # the root alone
+        return replace(decoding, mode=Mode.LOOKUP, shape=replace(shape, lookup=0))
+    return replace(
+        decoding, shape=replace(shape, width=max(width, 1), lookup=lookup, length=length)
+    )
+
+
+def _fit(verifier: Verifier, members: list[Member]) -> None:
+    """Give each tree member the decoding its share of the plan's ``batch_rows`` allows
+    (its own where there is no bound, or it is alone). Seeded members keep their trees: their
+    draws, and so their answers, are those they make alone. Drafters with their own drafting
+    (a part per sequence) are not fitted."""
+    budget, drafter = verifier.plan.batch_rows, verifier.drafter
+    fits = budget is not None and len(members) > 1
+    fits = fits and (drafter is None or isinstance(drafter, BeamDrafter))
+    for member in members:
+        state = member.state
+        if isinstance(state, speculative.TreeState) and member.key is None:
+            own = member.decoding
+            decoding = fitted(own, budget // len(members)) if fits else own
+            if decoding != state.decoding:
+                member.state = _refitted(state, decoding)
+
+
+def _refitted(state: speculative.TreeState, decoding: Decoding) -> speculative.TreeState:
+    """``state`` to step at ``decoding``: its drafted beams cut to the new shape (none when
+    they are shorter than its beams: drafted at a smaller fit)."""
+    drafted, floor = state.drafted, state.floor_logprobs
+    length = decoding.shape.length
+    width = decoding.shape.width if decoding.mode.drafted else 0
+    if drafted.shape[1] < length:
+        drafted, floor = np.empty((0, length), drafted.dtype), None
+    return replace(
+        state,
+        decoding=decoding,
+        drafted=drafted[:width, :length],
+        floor_logprobs=None if floor is None else floor[:width, : length - 1],
+    )
 
 
 def _plan(verifier: Verifier, member: Member) -> _Planned | Step:

@@ -36,6 +36,11 @@ class Plan:
     draft_early_stop: bool = False
     # The drafter (and the LM-head rows it scores) in float32 instead of the target's dtype.
     drafter_float32: bool = False
+    # A batch step's verified rows, shared by its members (None: no bound): where a joint
+    # forward over more rows costs more per token than the trees save (a CPU's products turn
+    # compute-bound), members whose trees would not fit verify smaller ones, down to their
+    # root alone (plain decoding), while the batch is that large (``batch.fitted``).
+    batch_rows: int | None = None
     # The beam shape when no autotune profile or flag gives one.
     default_shape: BeamShape = BeamShape(width=2, length=4)
     # With that default shape: the context length (tokens before the answer) from which an
