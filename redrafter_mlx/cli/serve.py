@@ -259,8 +259,11 @@ def main(args: argparse.Namespace) -> None:
     print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
     print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
-    server_app.serve(app, sock)  # until SIGINT or SIGTERM
-    print("stopped", file=sys.stderr)
+    try:
+        server_app.serve(app, sock)
+    except KeyboardInterrupt:  # uvicorn stops its server, then raises the signal it caught
+        pass
+    print("\nstopped", file=sys.stderr)
 
 
 def start_or_exit(service: GenerationService) -> Engine:

@@ -122,7 +122,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(app: App, sock: socket.socket) -> None:
-    """Answer on ``sock`` until SIGINT or SIGTERM."""
+    """Answer on ``sock`` until SIGINT or SIGTERM, which uvicorn raises again once it has
+    stopped (KeyboardInterrupt for SIGINT)."""
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         asgi(app),

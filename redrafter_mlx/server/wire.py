@@ -113,6 +113,14 @@ class Wire(H11Protocol):
         self.probed = None  # the request (its cycle) whose client was probed (client_gone)
         self.gone = False  # the client closed for good: seen by client_gone
 
+    def connection_made(self, transport) -> None:
+        """uvicorn arms its idle timer after a first answer only: a client that connects and
+        sends nothing would hold its connection for ever. Its first bytes disarm it."""
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is h11.CLOSED and self.idle():
