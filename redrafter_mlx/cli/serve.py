@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 import time
 import traceback
@@ -36,8 +37,9 @@ from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
 from redrafter_mlx.io.templates import apply_chat_template, reasoning_tags, tool_format
 from redrafter_mlx.server import anthropic, openai, responses
+from redrafter_mlx.server import app as server_app
 from redrafter_mlx.server import protocol as api
-from redrafter_mlx.server.app import MAX_BODY_BYTES, App, Server
+from redrafter_mlx.server.app import MAX_BODY_BYTES, App
 from redrafter_mlx.tuning.profiles import context_bands, resolve_shape
 
 MAX_BATCH = 8  # requests answered at once by default (only 8 measured: runs 88 and 92, #45)
@@ -208,9 +210,9 @@ def short_name(model: str) -> str:
     return Path(model.rstrip("/\\")).name or model
 
 
-def listen(host: str, port: int) -> Server:
+def listen(host: str, port: int) -> socket.socket:
     try:
-        return Server(host, port)
+        return server_app.listen(host, port)
     except OSError as e:
         raise ConfigError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
 
@@ -225,7 +227,7 @@ def main(args: argparse.Namespace) -> None:
             "who can reach it can use the model (there is no authentication)",
             file=sys.stderr,
         )
-    server = listen(args.host, args.port)  # first: a taken port fails before the model loads
+    sock = listen(args.host, args.port)  # first: a taken port fails before the model loads
     loaded = Loaded()
     service = GenerationService(
         engine_setup(args, loaded),
@@ -236,7 +238,7 @@ def main(args: argparse.Namespace) -> None:
     )
     engine = start_or_exit(service)
     checks = limits(args, loaded.runtime)
-    server.app = App(
+    app = App(
         service,
         checks,
         loaded.shape_sources,
@@ -251,18 +253,17 @@ def main(args: argparse.Namespace) -> None:
         tail=lambda prompt: loaded.runtime.tokenizer.decode(encoder(loaded.runtime)(prompt)[-16:]),
         decode=loaded.runtime.tokenizer.decode,
     )
-    host, port = server.server_address[:2]
+    host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"model {server.app.limits.model_id}, {mode(engine, loaded)}", file=sys.stderr)
+    print(f"model {checks.model_id}, {mode(engine, loaded)}", file=sys.stderr)
     print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
     print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("\nstopped", file=sys.stderr)
-    finally:
-        server.server_close()
+        server_app.serve(app, sock)
+    except KeyboardInterrupt:  # uvicorn stops its server, then raises the signal it caught
+        pass
+    print("\nstopped", file=sys.stderr)
 
 
 def start_or_exit(service: GenerationService) -> Engine:

@@ -1,24 +1,35 @@
-"""The HTTP layer of `redrafter-mlx serve`: Python's own ``http.server``
-(``ThreadingHTTPServer``: one thread per connection), the one mlx-lm's server is built on; its
-request handler is tied to mlx-lm's generator, so this module has its own. Each POST route
+"""The HTTP layer of `redrafter-mlx serve`: a Starlette app on uvicorn, over this server's own
+connection protocol (:mod:`~redrafter_mlx.server.wire`: half-closed clients answered,
+ambiguous framing refused in JSON, clients that left told to the worker). Each POST route
 parses its API's request (:mod:`~redrafter_mlx.server.openai`,
 :mod:`~redrafter_mlx.server.anthropic`, :mod:`~redrafter_mlx.server.responses`) into a
 :class:`~redrafter_mlx.server.protocol.Call`, submits it to the generation service and answers
 whole or streamed; every error is the JSON error object of the API the path belongs to.
+
+The event loop only moves bytes: parsing, waiting on the worker and building each answer run
+on threads (a prompt's template and tokenizer take milliseconds; the worker's queue blocks).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
-import select
+import logging
 import socket
 import sys
 import threading
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from redrafter_mlx.core.errors import ContextFull, ReDrafterError
 from redrafter_mlx.core.service import Engine, GenerationService, Job, QueueFull, Sampling, Started
@@ -27,16 +38,35 @@ from redrafter_mlx.server import anthropic as anthropic_api
 from redrafter_mlx.server import openai
 from redrafter_mlx.server import protocol as api
 from redrafter_mlx.server import responses as responses_api
+from redrafter_mlx.server.wire import Wire
 
 MAX_BODY_BYTES = 4 << 20  # a 128k-token conversation is about 0.5 MB of text
 DRAIN_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 arrives
 RETRY_AFTER_SECONDS = 1
+IDLE_SECONDS = 300  # how long a kept-alive connection may wait for its next request
+SHUTDOWN_SECONDS = 5  # on SIGINT / SIGTERM, answers still running get this long
+SSE_HEADERS = {  # no length: the stream ends with the connection (see wire.Framing.send)
+    "content-type": "text/event-stream",
+    "cache-control": "no-cache",
+    "connection": "close",
+}
+COUNT_TOKENS = "/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
+POST_ROUTES = {
+    "/v1/chat/completions": openai.parse_chat,
+    "/v1/completions": openai.parse_completion,
+    RESPONSES: responses_api.parse_responses,
+    "/v1/messages": anthropic_api.parse_messages,
+    COUNT_TOKENS: anthropic_api.parse_count,
+}
+
+log = logging.getLogger("redrafter_mlx.server")
 
 
 @dataclass
 class App:
     """What every request handler shares: the service, the limits requests are checked
-    against, the two APIs' formats, and ``count`` (a prompt -> its tokens, for
+    against, the three APIs' formats, and ``count`` (a prompt -> its tokens, for
     count_tokens)."""
 
     service: GenerationService
@@ -48,229 +78,308 @@ class App:
     count: Callable[[object], int] | None = None
     tail: Callable[[object], str] | None = None  # a prompt -> its last tokens' text
     decode: Callable[[list[int]], str] | None = None  # token ids -> text
+    left_out: set[str] = field(default_factory=set)  # hosted tool kinds said in the log
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[Engine.samples(sampling)]
 
+    def api(self, path: str | None) -> api.Api:
+        """The API a path belongs to, whose error shape its refusals take."""
+        path = path or ""
+        name = "openai"
+        if path.startswith("/v1/messages"):
+            name = "anthropic"
+        elif path.rstrip("/") == RESPONSES:
+            name = "responses"
+        return self.apis[name] if self.apis else api.Api()
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True  # a connection thread never keeps the process alive
-    request_queue_size = 64  # the listen backlog: many clients may connect at once
+    def error_bytes(self, path: str | None, status: int, message: str, code: str) -> bytes:
+        """A refusal of the wire's (:class:`~redrafter_mlx.server.wire.Wire`) as JSON."""
+        log.warning("%d %s", status, message)
+        return json.dumps(
+            self.api(path).error_body(api.ApiError(status, message, code=code))
+        ).encode()
 
-    def __init__(self, host: str, port: int):
-        family, _, _, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        self.address_family = family  # IPv6 hosts too
-        super().__init__(address, Handler)
-        self.app: App | None = None  # set once the model is ready
-        self.left_out: set[str] = set()  # hosted tool kinds said in the log
 
-    def handle_error(self, request, client_address) -> None:
-        """A client that hung up is no error to report: a health check that gave up during
-        start-up (its connection waited in the backlog) was a BrokenPipeError traceback."""
-        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+# ---------------------------------------------------------------- running it
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (IPv6 hosts too), bound before the model loads: a taken port fails
+    at once, and clients that connect during the loading wait in the backlog."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(64)  # many clients may connect at once
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(app: App, sock: socket.socket) -> None:
+    """Answer on ``sock`` until SIGINT or SIGTERM, which uvicorn raises again once it has
+    stopped (KeyboardInterrupt for SIGINT)."""
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        asgi(app),
+        host=host,
+        port=port,
+        http=partial(Wire, error_body=app.error_bytes),
+        lifespan="off",
+        timeout_keep_alive=IDLE_SECONDS,
+        timeout_graceful_shutdown=SHUTDOWN_SECONDS,
+        server_header=False,
+        headers=[("server", "redrafter-mlx")],
+        log_config=log_config(),
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def log_config() -> dict:
+    """uvicorn's, with the access log on stderr too (stdout is for answers elsewhere) and this
+    module's lines (generations, refusals, clients that left) in the same format."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    config["loggers"][log.name] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
+
+
+def asgi(app: App) -> Starlette:
+    handlers = Handlers(app)
+    routes = [
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", handlers.model, methods=["GET"]),
+    ]
+    for path, parse in POST_ROUTES.items():
+        routes.append(Route(path, partial(handlers.post, parse=parse), methods=["POST"]))
+    return Starlette(routes=routes, exception_handlers={HTTPException: handlers.refused})
+
+
+_DONE = object()
+
+
+async def in_thread(produce: Callable[[], Iterator]) -> AsyncIterator:
+    """The items of ``produce()``, made on a thread of its own (it may wait on the worker for
+    minutes, which would hold a place of the shared thread pool), each handed to the event
+    loop as it comes; what it raises is raised here."""
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue = asyncio.Queue()
+
+    def hand(item, error=None) -> None:
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, (item, error))
+        except RuntimeError:  # the loop has closed (shutdown): nobody waits for it
+            pass
+
+    def pump() -> None:
+        try:
+            for item in produce():
+                hand(item)
+        except BaseException as e:
+            hand(_DONE, e)
+        else:
+            hand(_DONE)
+
+    threading.Thread(target=pump, name="redrafter-answer", daemon=True).start()
+    while True:
+        item, error = await items.get()
+        if error is not None:
+            raise error
+        if item is _DONE:
             return
-        super().handle_error(request, client_address)
+        yield item
 
 
-class Handler(BaseHTTPRequestHandler):
-    """One connection's requests. Every error is the JSON error object of the API the path
-    belongs to (Anthropic's under ``/v1/messages``, OpenAI's elsewhere)."""
+async def on_thread(function: Callable, *args):
+    """``function(*args)`` on a thread of its own (see :func:`in_thread`)."""
+    async for result in in_thread(lambda: iter((function(*args),))):
+        return result
 
-    protocol_version = "HTTP/1.1"  # keep-alive for whole answers; a stream closes its connection
-    server_version = "redrafter-mlx"
-    default_request_version = "HTTP/1.1"  # so that a refused request line gets a status line
-    timeout = 300  # seconds a connection may idle, or a write block on a client not reading
-    server: Server
 
-    def setup(self) -> None:
-        super().setup()
-        self.wire = threading.Lock()  # the worker's probe (client_gone) against our writes
-        self.responding = False  # the current request's answer has begun
-        self.probed = False  # the current request's client was probed (client_gone)
-        self.api_name = "openai"  # whose error shape the current request gets
-        self.in_thought = False  # the current request's answer starts inside its reasoning
+def nobody() -> Response:
+    """The response of a request whose client has gone: never written."""
+    return Response(status_code=204, headers={"connection": "close"})
 
-    def parse_request(self) -> bool:
-        """http.server's, less HTTP/0.9: a two-word request line (as the rest of a body sent
-        past its Content-Length may be) would be answered with a bare body, no status line."""
-        if len(self.raw_requestline.split()) == 2:
-            self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-            self.request_version, self.command = "HTTP/1.1", None
-            self.send_error(400, "HTTP/0.9 requests are not served: send HTTP/1.1")
-            return False
-        return super().parse_request()
 
-    def send_response(self, code: int, message: str | None = None) -> None:
-        with self.wire:  # from here on client_gone sends no probe
-            self.responding = True
-        super().send_response(code, message)
+def json_response(status: int, body: dict, headers: dict | None = None) -> Response:
+    # json.dumps as before: ASCII, and -inf log-probs as -Infinity (Starlette's refuses them)
+    return Response(json.dumps(body), status, headers, media_type="application/json")
+
+
+class Handlers:
+    """The routes' endpoints. Every error is the JSON error object of the API the path
+    belongs to (Anthropic's under ``/v1/messages``, Responses' under ``/v1/responses``,
+    OpenAI's elsewhere)."""
+
+    def __init__(self, app: App):
+        self.app = app
 
     # -- routes
 
-    def route(self) -> str:
-        """The request's path, and whose API it belongs to (for its errors)."""
-        path = urlsplit(self.path).path.rstrip("/")
-        self.api_name = "openai"
-        if path.startswith("/v1/messages"):
-            self.api_name = "anthropic"
-        elif path == RESPONSES:
-            self.api_name = "responses"
-        return path
+    async def health(self, request: Request) -> Response:
+        service = self.app.service
+        status = "ok" if service.alive else "unavailable"
+        body = {"status": status, "busy": service.busy, "waiting": service.waiting}
+        return json_response(200 if service.alive else 503, body)
 
-    def do_GET(self) -> None:
-        path = self.route()
-        app = self.server.app
-        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
-            self.close_connection = True  # a body GET never reads: not to be the next request
-        if path == "/health":
-            service = app.service
-            status = "ok" if service.alive else "unavailable"
-            body = {"status": status, "busy": service.busy, "waiting": service.waiting}
-            self.send_json(200 if service.alive else 503, body)
-        elif path == "/v1/models":
-            self.send_json(200, openai.models(app.limits, app.created))
-        elif path.startswith("/v1/models/"):
-            self.send_model(unquote(path.removeprefix("/v1/models/")))
-        elif path in POST_ROUTES:
-            self.send_api_error(api.ApiError(405, f"{path} takes POST", code="method_not_allowed"))
+    async def models(self, request: Request) -> Response:
+        return json_response(200, openai.models(self.app.limits, self.app.created))
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``."""
+        name, app = request.path_params["name"], self.app
+        if name not in app.limits.model_ids:
+            return self.error(request.url.path, api.model_not_found(name, app.limits))
+        return json_response(200, openai.models(app.limits, app.created)["data"][0])
+
+    async def refused(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's 404 and 405 in the API's shape; a method other than GET and POST is
+        not implemented anywhere (501, as before on http.server)."""
+        path, method = request.url.path, request.method
+        if method not in ("GET", "POST"):
+            error = api.ApiError(501, f"method {method} is not served", code="not_implemented")
+        elif exc.status_code == 405:
+            takes = "POST" if path in POST_ROUTES else "GET"
+            error = api.ApiError(405, f"{path} takes {takes}", code="method_not_allowed")
         else:
-            self.send_api_error(api.ApiError(404, f"no endpoint {path}", code="not_found"))
+            error = api.ApiError(404, f"no endpoint {path}", code="not_found")
+        return self.error(path, error)
 
-    def do_POST(self) -> None:
-        self.responding = self.probed = False  # a new request on a kept-alive connection
-        path = self.route()
-        parse = POST_ROUTES.get(path)
-        app = self.server.app
+    async def post(self, request: Request, parse) -> Response:
+        path = request.url.path
         try:
-            raw = self.read_body()  # first: unread, it would be taken for the next request
-            if parse is None:
-                raise api.ApiError(404, f"no endpoint {path}", code="not_found")
-            if path == COUNT_TOKENS:
-                self.send_json(
-                    200, {"input_tokens": self.count(parse(api.parse_json(raw), app.limits))}
-                )
-                return
-            call = parse(api.parse_json(raw), app.limits)
-            self.note_left_out(call.options.get("left_out", ()))
-            self.in_thought = self.opens_thinking(call)
-            job = app.service.submit(call.request, client_gone=self.client_gone)
+            raw = await self.read_body(request)
         except api.ApiError as e:
-            self.send_api_error(e)
-            return
+            return self.error(path, e)
+        except ClientDisconnect:
+            return nobody()
+        gone = request.state.connection.client_gone
+        taken = await on_thread(self.submit, path, parse, raw, gone)
+        if isinstance(taken, Response):
+            return taken
+        return await self.answer(path, *taken)
+
+    def submit(self, path: str, parse, raw: bytes, client_gone) -> Response | tuple:
+        """Parse and queue the request (on a thread: the template and tokenizer run here):
+        ``(call, job, in_thought)``, or the response that refuses it (count_tokens' too)."""
+        app = self.app
+        try:
+            body = api.parse_json(raw)
+            if path == COUNT_TOKENS:
+                return json_response(200, {"input_tokens": self.count(parse(body, app.limits))})
+            call = parse(body, app.limits)
+            self.note_left_out(call.options.get("left_out", ()))
+            in_thought = self.opens_thinking(call)
+            return call, app.service.submit(call.request, client_gone=client_gone), in_thought
+        except api.ApiError as e:
+            return self.error(path, e)
         except QueueFull as e:
             error = api.ApiError(
                 503, f"the server is busy: {e}; retry later", None, "queue_full", "server_error"
             )
-            self.send_api_error(error, {"Retry-After": str(RETRY_AFTER_SECONDS)})
-            return
-        self.answer(call, job)
-
-    def send_model(self, name: str) -> None:
-        """``GET /v1/models/{model}``."""
-        app = self.server.app
-        if name not in app.limits.model_ids:
-            self.send_api_error(api.model_not_found(name, app.limits))
-            return
-        self.send_json(200, openai.models(app.limits, app.created)["data"][0])
+            return self.error(path, error, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except Exception as e:
+            return self.error(path, self.internal_error(e))
 
     # -- a request's answer
 
-    def answer(self, call: api.Call, job: Job) -> None:
+    async def answer(self, path: str, call: api.Call, job: Job, in_thought: bool) -> Response:
         """Wait for the worker to take ``job`` up, then answer whole or streamed."""
         try:
-            started = job.start()
+            started = await on_thread(job.start)
         except ReDrafterError as e:  # the prompt's fault: too long, or refused by the template
             code = "context_length_exceeded" if isinstance(e, ContextFull) else "invalid_value"
             param = {"text": "prompt", "responses": "input"}.get(call.kind, "messages")
-            self.send_api_error(api.ApiError(400, str(e), param, code))
-            return
+            return self.error(path, api.ApiError(400, str(e), param, code))
         except Exception as e:
-            self.send_api_error(self.internal_error(e))
-            return
+            return self.error(path, self.internal_error(e))
         if started is None:  # the client left while the request waited
-            self.close_connection = True
-            return
-        try:
-            (self.stream if call.stream else self.whole)(call, job, started)
-        except (ConnectionError, TimeoutError):  # a write failed: the client left
-            job.cancel()
-            self.left(call, None)
+            return nobody()
+        if call.stream:
+            events = self.stream(path, call, job, started, in_thought)
+            return StreamingResponse(events, headers=SSE_HEADERS)
+        return await on_thread(self.whole, path, call, job, started, in_thought)
 
-    def whole(self, call: api.Call, job: Job, started: Started) -> None:
-        """The answer in one JSON response (sent once generation ends)."""
-        answer = self.new_answer(call)
+    def whole(
+        self, path: str, call: api.Call, job: Job, started: Started, in_thought: bool
+    ) -> Response:
+        """The answer in one JSON response (made once generation ends)."""
+        answer = self.new_answer(call, in_thought)
         last: StepResponse | None = None
         try:
             for last in job.steps():
                 answer.add(last)
         except Exception as e:
-            self.send_api_error(self.internal_error(e))
-            return
+            return self.error(path, self.internal_error(e))
         if last is None or last.finish_reason is None:  # cancelled: nobody to answer
             self.left(call, last)
-            return
+            return nobody()
         outcome = self.outcome(call, started, last)
-        self.send_json(200, self.protocol.response(call, answer, outcome))
         self.log_generation(call, outcome, answer.finish_reason)
+        return json_response(200, self.app.api(path).response(call, answer, outcome))
 
-    def stream(self, call: api.Call, job: Job, started: Started) -> None:
-        """Server-sent events as the API streams them: its first events, those of each decode
-        step with new text or tool calls, its last ones. The connection closes after it (no
-        length known)."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        answer, events = self.new_answer(call), self.protocol.stream(call, started)
-        self.send_events(events.begin())
+    async def stream(
+        self, path: str, call: api.Call, job: Job, started: Started, in_thought: bool
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events, made on a thread as the worker's steps come."""
+        try:
+            async for data in in_thread(lambda: self.events(path, call, job, started, in_thought)):
+                yield data
+        finally:  # ended, or the client left (Starlette stops the stream): stop generating
+            job.cancel()
+
+    def events(
+        self, path: str, call: api.Call, job: Job, started: Started, in_thought: bool
+    ) -> Iterator[bytes]:
+        """The API's stream: its first events, those of each decode step with new text or
+        tool calls, its last ones."""
+        protocol = self.app.api(path)
+        answer, events = self.new_answer(call, in_thought), protocol.stream(call, started)
+        yield sse(events.begin())
         last: StepResponse | None = None
         try:
             for last in job.steps():
-                self.send_events(events.piece(answer.add(last)))
-        except (ConnectionError, TimeoutError):  # a write failed: the client left
-            job.cancel()
-            self.left(call, last)
-            return
+                if data := sse(events.piece(answer.add(last))):
+                    yield data
         except Exception as e:  # the stream has begun: the error goes in it
-            self.send_events([self.protocol.stream_error(self.internal_error(e))])
+            yield sse([protocol.stream_error(self.internal_error(e))])
             return
-        if last is None or last.finish_reason is None:  # cancelled
+        if last is None or last.finish_reason is None:  # cancelled: the client left
             self.left(call, last)
             return
         outcome = self.outcome(call, started, last)
-        self.send_events(events.end(answer, outcome))
+        yield sse(events.end(answer, outcome))
         self.log_generation(call, outcome, answer.finish_reason)
 
-    @property
-    def protocol(self) -> api.Api:
-        return self.server.app.apis[self.api_name]
-
-    def new_answer(self, call: api.Call) -> api.Answer:
-        app = self.server.app
+    def new_answer(self, call: api.Call, in_thought: bool) -> api.Answer:
+        app = self.app
         return api.Answer(
             app.limits.tools,
             call.tools,
             call.forced_call,
             app.decode,
             reasoning=app.limits.reasoning if call.kind != "text" else None,
-            thinking=self.in_thought,
+            thinking=in_thought,
         )
 
     def note_left_out(self, kinds) -> None:
         """Say once per kind which hosted tools (or their items) were left out of prompts."""
-        new = [kind for kind in kinds if kind not in self.server.left_out]
+        new = [kind for kind in kinds if kind not in self.app.left_out]
         if new:
-            self.server.left_out.update(new)
-            self.log_message("left out of the prompt (hosted tools): %s", ", ".join(new))
+            self.app.left_out.update(new)
+            log.info("left out of the prompt (hosted tools): %s", ", ".join(new))
 
     def opens_thinking(self, call: api.Call) -> bool:
         """Whether the answer starts inside the model's reasoning: its template's generation
         prompt ends with the opening tag (Qwen3.5's, thinking on). Encoded here as for
         count_tokens; a prompt that fails to encode is the worker's to refuse."""
-        tags, app = self.server.app.limits.reasoning, self.server.app
+        tags, app = self.app.limits.reasoning, self.app
         if tags is None or call.kind == "text" or app.tail is None:
             return False
         try:
@@ -282,7 +391,7 @@ class Handler(BaseHTTPRequestHandler):
     def count(self, prompt) -> int:
         """count_tokens: the prompt's tokens, encoded here (the tokenizer alone, no MLX)."""
         try:
-            return self.server.app.count(prompt)
+            return self.app.count(prompt)
         except ReDrafterError as e:
             raise api.ApiError(400, str(e), "messages", "invalid_value") from None
         except Exception as e:  # as the worker says it (a chat template that refuses a role)
@@ -291,158 +400,36 @@ class Handler(BaseHTTPRequestHandler):
 
     def left(self, call: api.Call, last: StepResponse | None) -> None:
         """The client went away mid-answer: its generation stopped (or stops at the next step)."""
-        self.close_connection = True
         tokens = "" if last is None else f" after {last.stats.generation_tokens} tokens"
-        self.log_message("%s: the client left%s; generation stopped", call.kind, tokens)
+        log.info("%s: the client left%s; generation stopped", call.kind, tokens)
 
     def outcome(self, call: api.Call, started: Started, last: StepResponse) -> api.Outcome:
-        source = self.server.app.shape_source(started, call.request.sampling)
+        source = self.app.shape_source(started, call.request.sampling)
         return api.Outcome(started, last.stats, source)
 
-    # -- the wire
+    # -- the body and errors
 
-    def read_body(self) -> bytes:
-        """The request body; ApiError when it has no length or is longer than the limit."""
-        self.check_framing()
-        length = self.body_length()
-        limit = self.server.app.max_body_bytes
-        if length > limit:
-            self.drop_body(length)
+    async def read_body(self, request: Request) -> bytes:
+        """The request body; ApiError when it has no length or is longer than the limit (a
+        chunked one never gets here: the wire refuses it)."""
+        length = request.headers.get("content-length")
+        if length is None:
+            raise api.ApiError(411, "a Content-Length header is required", code="length_required")
+        limit = self.app.max_body_bytes
+        if int(length) > limit:  # h11 let only digits through
+            await drop_body(request, int(length))
             raise api.ApiError(
                 413,
                 f"the request body is {length} bytes; this server reads at most {limit}",
                 code="request_too_large",
             )
-        return self.rfile.read(length)
+        return await request.body()
 
-    def check_framing(self) -> None:
-        """RFC 9112 section 6.3: a body this server cannot delimit with certainty is refused
-        and the connection closed, or its rest would be read as the next request (request
-        smuggling behind a proxy that framed it otherwise). Only Content-Length is served."""
-        codings = ", ".join(self.headers.get_all("Transfer-Encoding") or ())
-        lengths = self.headers.get_all("Content-Length") or ()
-        if codings:
-            self.close_connection = True
-            if "chunked" in codings.lower():
-                message = "send the body with a Content-Length, not chunked"
-                raise api.ApiError(411, message, code="length_required")
-            raise api.ApiError(
-                400, f"unsupported Transfer-Encoding {codings!r}", code="bad_framing"
-            )
-        values = [v.strip() for line in lengths for v in line.split(",")]
-        if len(values) > 1:
-            self.close_connection = True
-            message = f"Content-Length given {len(values)} times: send it once"
-            raise api.ApiError(400, message, code="bad_framing")
-
-    def body_length(self) -> int:
-        text = self.headers.get("Content-Length")
-        if text is None:
-            self.close_connection = True
-            raise api.ApiError(411, "a Content-Length header is required", code="length_required")
-        digits = text.strip()
-        if not (digits.isascii() and digits.isdigit()):  # int() takes "+5", "1_0", "٥"
-            self.close_connection = True
-            shown = text if len(text) <= 40 else text[:37] + "..."
-            raise api.ApiError(400, f"invalid Content-Length {shown!r}", code="invalid_header")
-        return int(digits) if len(digits) < 19 else 1 << 62  # past any limit, never parsed
-
-    def drop_body(self, length: int) -> None:
-        """Read an oversized body into nothing: a server that closes a connection with unread
-        bytes resets it, and the client may then never see the 413. Past DRAIN_BYTES: close."""
-        self.close_connection = True
-        if length > DRAIN_BYTES:
-            return
-        while length > 0:
-            read = len(self.rfile.read(min(length, 1 << 16)))
-            if not read:
-                return
-            length -= read
-
-    def handle_expect_100(self) -> bool:
-        """Refuse an oversized body before the client sends it (curl asks first)."""
-        app = self.server.app
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = 0
-        if app is not None and length > app.max_body_bytes:
-            self.close_connection = True
-            self.send_api_error(
-                api.ApiError(413, f"the request body may be at most {app.max_body_bytes} bytes")
-            )
-            return False
-        return super().handle_expect_100()
-
-    def client_gone(self) -> bool:
-        """True once the client has gone (the worker asks before each step). A client only
-        waits after its request, so anything readable is the end of its stream, or a next
-        request sent ahead on the same connection. An end of stream may be a half-close
-        (``shutdown(SHUT_WR)`` after the request): see :meth:`closed_for_good`."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable or self.connection.recv(1, socket.MSG_PEEK) != b"":
-                return False
-        except (OSError, ValueError):  # reset, or already closed here
-            return True
-        return self.closed_for_good()
-
-    def closed_for_good(self) -> bool:
-        """After the client's end of stream: probe once with an interim "100 Continue"
-        response (RFC 9110 section 15.2: a client must skip 1xx responses it did not ask for).
-        A client that closed answers it with a reset, which the next check reads as the
-        socket's error (a read still says end of stream); one that only half-closed reads it
-        and gets its answer. No probe once the answer has begun, nor to an HTTP/1.0 client
-        (no 1xx for them): writing the answer fails if the client is gone."""
-        with self.wire:
-            if self.probed:
-                return self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
-            if self.responding or self.request_version == "HTTP/1.0":
-                return False
-            self.probed = True
-            try:
-                self.connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-            except OSError:
-                return True
-        return False
-
-    def send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:  # said, so that a client does not send the next request
-            self.send_header("Connection", "close")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_events(self, events: list[tuple]) -> None:
-        """Server-sent events, each ``(name or None, JSON object or text)``."""
-        if not events:
-            return
-        lines = []
-        for name, body in events:
-            data = body if isinstance(body, str) else json.dumps(body)
-            lines.append(f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n")
-        self.wfile.write("".join(lines).encode())
-        self.wfile.flush()
-
-    def send_api_error(self, error: api.ApiError, headers: dict | None = None) -> None:
-        self.log_error("%d %s", error.status, error.message)
-        app = self.server.app
-        body = error.body() if app is None or app.apis is None else self.protocol.error_body(error)
-        try:
-            self.send_json(error.status, body, headers)
-        except (ConnectionError, TimeoutError):
-            self.close_connection = True
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
-        """http.server's own refusals (a malformed request line, an unknown method) as JSON."""
-        short, _ = self.responses.get(code, ("error", ""))
-        self.close_connection = True
-        self.send_api_error(api.ApiError(code, message or short, code="bad_request"))
+    def error(self, path: str, error: api.ApiError, headers: dict | None = None) -> Response:
+        log.warning("%d %s", error.status, error.message)
+        if error.status == 413:  # its body was dropped, or never sent (Expect: 100-continue)
+            headers = {**(headers or {}), "connection": "close"}
+        return json_response(error.status, self.app.api(path).error_body(error), headers)
 
     def internal_error(self, error: Exception) -> api.ApiError:
         """A bug: its traceback to the server's stderr, one line to the client."""
@@ -451,7 +438,7 @@ class Handler(BaseHTTPRequestHandler):
         return api.ApiError(500, message, code="internal_error", type="server_error")
 
     def log_generation(self, call: api.Call, outcome: api.Outcome, reason: str | None) -> None:
-        self.log_message(
+        log.info(
             "%s: %d prompt tokens (%d cached), %d tokens, %.1f tok/s, %.2f tokens/step, %s",
             call.kind,
             outcome.prompt_tokens,
@@ -463,12 +450,23 @@ class Handler(BaseHTTPRequestHandler):
         )
 
 
-COUNT_TOKENS = "/v1/messages/count_tokens"
-RESPONSES = "/v1/responses"
-POST_ROUTES = {
-    "/v1/chat/completions": openai.parse_chat,
-    "/v1/completions": openai.parse_completion,
-    RESPONSES: responses_api.parse_responses,
-    "/v1/messages": anthropic_api.parse_messages,
-    COUNT_TOKENS: anthropic_api.parse_count,
-}
+async def drop_body(request: Request, length: int) -> None:
+    """Read an oversized body into nothing: a server that closes a connection with unread
+    bytes resets it, and the client may then never see the 413. Not past DRAIN_BYTES, nor a
+    body the client waits to send (``Expect: 100-continue``: it is refused before)."""
+    if length > DRAIN_BYTES or "100-continue" in request.headers.get("expect", "").lower():
+        return
+    try:
+        async for _ in request.stream():
+            pass
+    except ClientDisconnect:
+        pass
+
+
+def sse(events: list[tuple]) -> bytes:
+    """Server-sent events, each ``(name or None, JSON object or text)``."""
+    lines = []
+    for name, body in events:
+        data = body if isinstance(body, str) else json.dumps(body)
+        lines.append(f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n")
+    return "".join(lines).encode()

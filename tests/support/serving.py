@@ -103,7 +103,7 @@ class Served:
         response = conn.getresponse()
         payload = response.read()
         conn.close()
-        return response.status, dict(response.getheaders()), json.loads(payload)
+        return response.status, response.headers, json.loads(payload)  # names in any case
 
     def health(self) -> dict:
         return self.request("/health", method="GET")[2]
