@@ -117,6 +117,34 @@ def test_a_bounded_batch_shares_its_rows_and_a_member_alone_gets_its_tree_back(t
     assert members[0].state.decoding == decoding
 
 
+def test_warm_up_traces_the_shapes_a_bounded_batch_fits_trees_to(target, drafter, monkeypatch):
+    """A W2 L3 tree (up to 5 nodes) in a batch of 2 with 4 rows is fitted to W1 L2: the
+    service's warm-up traces that search before an answer needs it (MLX would compile it
+    mid-answer: seconds of g++ on a CPU)."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from redrafter_mlx.core.scheduler import warm_up
+
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    plan = dataclasses.replace(GENERIC_PLAN, batch_rows=4)
+    verifier = verifier_for(target, beams, plan)
+    decoding = decoding_of(beams, BeamShape(2, 3))
+    assert batch.fitted(decoding, 2) == decoding_of(beams, BeamShape(1, 2))
+    verifier.warm_up(decoding)
+    warm_up(verifier, [decoding], max_batch=2)
+    members = [
+        batch.Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0]) for p in PROMPTS[:2]
+    ]
+    compiled = []
+    real = mx.compile
+    monkeypatch.setattr(mx, "compile", lambda *a, **k: compiled.append(a) or real(*a, **k))
+    for _ in range(3):
+        assert max(s.tree_size for s in batch.batch_step(verifier, members)) <= 2
+    assert not compiled
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
 def test_sliding_window_and_hybrid_targets_batch_exactly(family):
     model = build(family)

@@ -29,6 +29,7 @@ from redrafter_mlx.core.batch import (
     Member,
     batch_step,
     current_key,
+    fitted,
     key_value,
     search_group,
     search_size,
@@ -237,14 +238,23 @@ class Scheduler:
 def warm_up(verifier, decodings=(), max_batch: int = 2) -> None:
     """Trace what batch steps of ``decodings`` run that single steps do not, so that no batch
     stops mid-answer to compile: the joint forward's row counts (the plan's tree sizes it pads
-    to, up to its compiled limit; the generic plan verifies exact sizes eagerly) and the
-    drafter's joint searches (one per power of two up to ``max_batch`` members)."""
+    to, up to its compiled limit; the generic plan verifies exact sizes eagerly), the shapes
+    the decodings are fitted to in batches of up to ``max_batch`` (the plan's
+    ``batch_rows``), and the drafter's joint searches (one per power of two up to
+    ``max_batch`` members)."""
     plan = verifier.plan
     sequence = verifier.new_sequence()
     for size in plan.tree_sizes:
         if 1 < size <= plan.compiled_max_rows:
             tokens, positions = mx.zeros((size,), mx.int32), mx.arange(size)
             mx.eval(verifier.forward(tokens, positions, chain_mask(0, size), sequence))
+    decodings = list(decodings)
+    if plan.batch_rows is not None:
+        fits = {fitted(d, plan.batch_rows // b) for d in decodings for b in range(2, max_batch + 1)}
+        for decoding in fits - set(decodings):
+            if decoding.mode.drafted or decoding.shape.lookup:  # not the root alone: a tree
+                verifier.warm_up(decoding)
+                decodings.append(decoding)
     hidden, _ = target_dims(verifier.model)
     dtype = compute_dtype(verifier.model)
     for decoding in decodings:
