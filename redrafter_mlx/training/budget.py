@@ -29,15 +29,14 @@ class Budget:
     measured: str
 
 
-# Run 88 (#44), benchmarks/README.md: recipes run side by side from scratch on 2 shared cores
-# (load 6-15). Held-out agreement (mean of positions 1-5) chose today's recipe at both budgets:
-# 15 min, 0.139 against 0.061 with layers and own drafts (0.25), and 0.138 against 0.139 with
-# layers alone (within noise: a new recipe must gain 0.01 to be chosen); 30 min, 0.107 against
-# 0.097 and 0.107. The load left the 30-minute runs fewer extracted tokens than the 15-minute
-# ones, hence its lower figure.
+# Run 98 (#44), benchmarks/README.md: today's recipe and the layered one run side by side
+# from scratch on an otherwise idle machine (four runs on 2 cores). Held-out agreement (mean of
+# positions 1-5) chose today's recipe at both budgets: 15 min, 0.213 against 0.160 with three
+# more target layers; 30 min, 0.255 against 0.208 (run 88, on a loaded machine, had them level
+# and own drafts behind).
 TABLE: tuple[Budget, ...] = (
-    Budget(15, False, 0.0, 1.22, "run 88: 4,948 training tokens extracted, 209 steps"),
-    Budget(30, False, 0.0, 1.18, "run 88: 2,184 training tokens extracted, 172 steps"),
+    Budget(15, False, 0.0, 1.31, "run 98: 17,603 training tokens extracted, 396 steps"),
+    Budget(30, False, 0.0, 1.36, "run 98: 40,407 training tokens extracted, 674 steps"),
 )
 
 
