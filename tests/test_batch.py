@@ -263,6 +263,32 @@ def test_a_batching_service_over_a_hybrid_target_answers_as_the_serial_one():
     assert answers == expected
 
 
+@pytest.mark.parametrize(
+    ("bound", "most"), [(None, 2), (1 << 30, 2), (1, 1)], ids=["unbounded", "1 GB", "1 byte"]
+)
+def test_a_request_joins_only_while_the_batch_holds_less_than_its_byte_bound(
+    target, drafter, monkeypatch, bound, most
+):
+    """Two requests at once batch together, unless the first one's KV cache already holds
+    ``max_batch_bytes``: the second then waits until the first has ended."""
+    from redrafter_mlx.core import scheduler
+
+    sizes = []
+    real = scheduler.batch_step
+    monkeypatch.setattr(
+        scheduler, "batch_step", lambda v, members: sizes.append(len(members)) or real(v, members)
+    )
+    service = tiny_service(target, drafter, max_batch=4, max_batch_bytes=bound)
+    try:
+        jobs = [service.submit(Request(p, max_tokens=40)) for p in PROMPTS[:2]]
+        answers = [run(job) for job in jobs]
+    finally:
+        service.close()
+    assert max(sizes) == most
+    assert all(tokens for tokens, _ in answers)
+    assert all(job.outcome == "finished" for job in jobs)
+
+
 def test_a_cancelled_member_leaves_and_the_batch_goes_on(target, drafter):
     service = tiny_service(target, drafter, max_batch=4)
     try:

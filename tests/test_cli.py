@@ -64,6 +64,7 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
         ("bench", ["--search-width", "4,x"]),
         ("autotune", ["--search-width", "-2"]),
         ("eval_drafter", ["--search-width", ""]),
+        ("serve", ["--max-batch-bytes", "lots"]),
     ],
 )
 def test_bad_flag_values_stop_at_parsing(capsys, command, flags):

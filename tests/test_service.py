@@ -114,6 +114,8 @@ def test_each_request_runs_at_the_shape_its_temperature_picks_and_a_seed_repeats
         ({"queue_size": 0}, "queue size 0"),
         ({"prompt_cache_size": 0}, "prompt cache size 0"),
         ({"prompt_cache_bytes": -1}, "prompt cache bytes -1"),
+        ({"max_batch": 0}, "max batch 0"),
+        ({"max_batch_bytes": -1}, "max batch bytes -1"),
     ],
 )
 def test_bad_bounds_are_refused_on_the_callers_thread_before_any_setup(bounds, message):

@@ -90,6 +90,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         f"answers one at a time (default: {MAX_BATCH})",
     )
     parser.add_argument(
+        "--max-batch-bytes",
+        type=flags.byte_size,
+        default=None,
+        help="a request joins the batch only while the KV caches of the requests being "
+        "answered hold less than this, e.g. 4GB (default: no bound; one request is always "
+        "answered)",
+    )
+    parser.add_argument(
         "--prompt-cache-size",
         type=flags.at_least(1),
         default=4,
@@ -235,6 +243,7 @@ def main(args: argparse.Namespace) -> None:
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_batch=args.max_batch,
+        max_batch_bytes=args.max_batch_bytes,
     )
     engine = start_or_exit(service)
     checks = limits(args, loaded.runtime)

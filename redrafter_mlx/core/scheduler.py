@@ -6,8 +6,9 @@ cache never hands it a session another request is using), and it becomes a
 :class:`~redrafter_mlx.core.batch.Member` of the batch. Each turn steps every member once
 (:func:`~redrafter_mlx.core.batch.batch_step`: one forward, one host read) and hands each
 job its response; a member leaves when its answer ends, its caller cancels or goes, or its
-context is full. At most ``max_batch`` requests are joining or answering; the rest wait in
-the service's queue (whose bound still refuses overload).
+context is full. At most ``max_batch`` requests are joining or answering, and one joins only
+while their KV caches hold less than ``max_bytes``; the rest wait in the service's queue
+(whose bound still refuses overload).
 
 A seeded request keeps its own random key (it draws what it would draw alone); unseeded ones
 share MLX's generator.
@@ -36,6 +37,7 @@ from redrafter_mlx.core.batch import (
 )
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.core.llm import chain_mask, compute_dtype, target_dims
+from redrafter_mlx.core.prompt_cache import session_bytes
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.step import Step
 from redrafter_mlx.core.stream import StepResponse, responses
@@ -85,9 +87,10 @@ class Scheduler:
     """The service's worker loop with continuous batching (``service``: a
     :class:`~redrafter_mlx.core.service.GenerationService` whose engine is ready)."""
 
-    def __init__(self, service, max_batch: int):
+    def __init__(self, service, max_batch: int, max_bytes: int | None = None):
         self.service = service
         self.max_batch = max_batch
+        self.max_bytes = max_bytes  # KV bytes the answering requests may hold when one joins
         self.joining: list[Entry] = []
         self.active: list[Entry] = []
         self.closing = False
@@ -108,8 +111,10 @@ class Scheduler:
     # -- joining
 
     def _admit(self) -> None:
-        """Take queued requests while there is room (waiting for one when idle)."""
-        while not self.closing and len(self.entries) < self.max_batch:
+        """Take queued requests while there is room (waiting for one when idle): fewer than
+        ``max_batch`` requests joining or answering, whose KV caches hold less than
+        ``max_bytes`` (a request alone is always taken)."""
+        while not self.closing and len(self.entries) < self.max_batch and not self._full():
             try:
                 job = self.service._queue.get(block=not self.entries)
             except queue.Empty:
@@ -121,6 +126,15 @@ class Scheduler:
             entry = self._join(job)
             if entry is not None:
                 self.joining.append(entry)
+
+    def _full(self) -> bool:
+        """Whether the byte bound keeps requests waiting: the answering ones' caches hold
+        ``max_bytes``, or one is still reading its prompt (its size is known once it is in)."""
+        if self.max_bytes is None or not self.entries:
+            return False
+        if self.joining:
+            return True
+        return sum(session_bytes(e.session) for e in self.active) >= self.max_bytes
 
     def _join(self, job) -> Entry | None:
         if job.cancelled():  # its caller left while it waited

@@ -221,7 +221,8 @@ class Job:
 class GenerationService:
     """Serves :class:`Request`\\ s in arrival order on one worker thread: one at a time
     (``max_batch`` 1), or up to ``max_batch`` at once, stepped together
-    (:mod:`~redrafter_mlx.core.scheduler`: continuous batching).
+    (:mod:`~redrafter_mlx.core.scheduler`: continuous batching), a request joining only while
+    the answering ones' KV caches hold less than ``max_batch_bytes`` (None: no bound).
 
     ``setup`` builds the :class:`Engine` on the worker (load the model there); at most
     ``queue_size`` requests wait behind the running ones, more raise :class:`QueueFull`; the
@@ -237,12 +238,15 @@ class GenerationService:
         prompt_cache_size: int = 4,
         prompt_cache_bytes: int | None = None,
         max_batch: int = 1,
+        max_batch_bytes: int | None = None,
     ):
         if queue_size < 1:
             raise ValueError(f"queue size {queue_size}: need at least 1")
         if max_batch < 1:
             raise ValueError(f"max batch {max_batch}: need at least 1")
-        self.max_batch = max_batch
+        if max_batch_bytes is not None and max_batch_bytes < 0:
+            raise ValueError(f"max batch bytes {max_batch_bytes}: need at least 0")
+        self.max_batch, self.max_batch_bytes = max_batch, max_batch_bytes
         self._cache_bounds = {"max_sessions": prompt_cache_size, "max_bytes": prompt_cache_bytes}
         check_bounds(prompt_cache_size, prompt_cache_bytes)  # here, not on the worker
         self._setup = setup
@@ -315,7 +319,9 @@ class GenerationService:
         finally:
             self._ready.set()
         if self.max_batch > 1 and not isinstance(self.engine.verifier, LeadVerifier):
-            Scheduler(self, self.max_batch).run()  # a sharded target answers one at a time
+            Scheduler(
+                self, self.max_batch, self.max_batch_bytes
+            ).run()  # a sharded target answers one at a time
             return
         while (job := self._queue.get()) is not None:
             self._running = job
