@@ -170,10 +170,7 @@ def _plan(verifier: Verifier, member: Member) -> _Planned | Step:
     if isinstance(state, speculative.TreeState):
         state.timer.start()
         tree = speculative.plan_tree(verifier, state)
-        segment = Segment(
-            sequence, tree.tokens, tree.positions, tree.mask, tree.tree, _taps(verifier)
-        )
-        return _Planned(member, segment, tree)
+        return _Planned(member, tree.segment(sequence, _taps(verifier)), tree)
     if not verifier.has_room(sequence, 1) or state.pending is None:
         member.seed()
         member.state, step = verifier.step(state)

@@ -207,6 +207,14 @@ class Forward:
             taps.update(view.hidden)
         return hidden
 
+    def segment(self, segment: Segment, *, compiled: bool = True) -> mx.array:
+        """:meth:`__call__` over one sequence's :class:`~redrafter_mlx.core.joint.Segment`
+        (its taps filled in) -> its final-norm hidden ``(T, H)``."""
+        s = segment
+        return self(
+            s.tokens, s.positions, s.mask, s.sequence, compiled=compiled, tree=s.tree, taps=s.taps
+        )
+
     def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
         """The forward itself, through ``view`` (what a device's plan replaces). The generic
         forward runs eagerly whatever ``compiled`` says: its shapes vary per call."""
@@ -227,18 +235,7 @@ class Forward:
         written as its own forward would."""
         # one sequence, or recurrent layers (their state is per sequence): each its own forward
         if len(segments) == 1 or slot_counts(self.layout)[1]:
-            return [
-                self(
-                    s.tokens,
-                    s.positions,
-                    s.mask,
-                    s.sequence,
-                    compiled=compiled,
-                    tree=s.tree,
-                    taps=s.taps,
-                )
-                for s in segments
-            ]
+            return [self.segment(s, compiled=compiled) for s in segments]
         joint = JointView(segments)
         hidden = self.run_joint(mx.concatenate([s.tokens for s in segments]), joint, compiled)
         joint.finish()

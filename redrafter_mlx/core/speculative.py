@@ -21,6 +21,7 @@ import numpy as np
 from redrafter_mlx.core import drafting
 from redrafter_mlx.core.accept import accept
 from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.joint import Segment
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.step import Decoding, Emitted, PhaseTimer, Step, emitted_logprobs, host_read
 from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask, verified_size
@@ -90,6 +91,10 @@ class PlannedTree:
     positions: mx.array
     mask: mx.array
 
+    def segment(self, sequence: Sequence, taps: dict | None = None) -> Segment:
+        """This tree as ``sequence``'s part of a forward (``taps``: the layers it keeps)."""
+        return Segment(sequence, self.tokens, self.positions, self.mask, self.tree, taps)
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -119,15 +124,7 @@ def verify_forward(verifier, state: TreeState, planned: PlannedTree):
     the drafter reads."""
     compiled = verifier.compiles(planned.tree.size, state.decoding)
     taps = dict.fromkeys(drafting.taps_of(verifier.drafter))
-    hidden = verifier.forward(
-        planned.tokens,
-        planned.positions,
-        planned.mask,
-        state.sequence,
-        compiled=compiled,
-        tree=planned.tree,
-        taps=taps,
-    )
+    hidden = verifier.forward.segment(planned.segment(state.sequence, taps), compiled=compiled)
     logits = verifier.forward.lm_head(hidden)
     state.timer.mark("verify", logits)
     return hidden, taps, logits
