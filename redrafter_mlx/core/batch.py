@@ -14,9 +14,10 @@ context is full gets its ContextFull and leaves; the others step on.
 
 Where the plan bounds a batch's rows (``Plan.batch_rows``: a CPU, whose products turn
 compute-bound past a few rows), each member's tree is fitted to its share for the step
-(:func:`fitted`: fewer lookup beams, fewer drafted beams, down to its root alone): a large batch
-decodes plainly, a small one speculates, and a member alone runs its own shape. Greedy answers
-are the same at every fit (the target's own tokens); sampled ones keep their distribution.
+(:func:`fitted`: fewer lookup beams, fewer drafted beams, shorter beams, down to its root
+alone): a large batch decodes plainly, a small one speculates, and a member alone runs its
+own shape. Greedy answers are the same at every fit (the target's own tokens); sampled ones
+keep their distribution.
 
 Seeded sampling: each member may keep its own random key (``Member.key``), set before its
 draws and read back with the batch's read, so its draws are the ones it would make alone
