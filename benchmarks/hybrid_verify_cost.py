@@ -32,7 +32,7 @@ from redrafter_mlx.core.tree import Tree, tree_mask
 from redrafter_mlx.tuning.device import backend, cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from families import build_config  # noqa: E402 (mlx-lm's classes, random weights)
+from support.families import build_config  # noqa: E402 (mlx-lm's classes, random weights)
 
 SIZE = {
     "hidden_size": 1024,

@@ -54,7 +54,7 @@ def parse() -> argparse.Namespace:
 
 def make_model(folder: Path, hidden: int, layers: int) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
-    import families  # the tests' tiny mlx-lm folders
+    from support import families  # the tests' tiny mlx-lm folders
 
     families.BASE.update(
         hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden,

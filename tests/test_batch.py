@@ -8,7 +8,7 @@ import threading
 import pytest
 from support import decoding_of, verifier_for
 from support.batching import alone, batched
-from support.families import build
+from support.families import HYBRIDS, build
 from support.serving import run, tiny_service
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
@@ -143,6 +143,31 @@ def test_warm_up_traces_the_shapes_a_bounded_batch_fits_trees_to(target, drafter
     for _ in range(3):
         assert max(s.tree_size for s in batch.batch_step(verifier, members)) <= 2
     assert not compiled
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_hybrid_members_run_their_recurrent_layers_as_one_batch_exactly(family, monkeypatch):
+    """Each recurrent layer runs the members' trees (and a chain's token) depth by depth as
+    one batch: every answer is the one it gets alone, and no member's layer runs alone."""
+    from redrafter_mlx.core import joint
+
+    model = build(family)
+    verifier = verifier_for(model)
+    decodings = [
+        decoding_of(None, BeamShape(1, 3, lookup=2)),
+        decoding_of(None, BeamShape(1, 2), autoregressive=True),
+        decoding_of(None, BeamShape(1, 4, lookup=2)),
+    ]
+    prompts = [[3, 14, 15, 9, 26, 5, 35, 3, 14, 15], [1, 2, 3], [4, 5, 6, 4, 5, 6, 4]]
+    expected = [alone(verifier, d, p, 12) for d, p in zip(decodings, prompts, strict=True)]
+    runs = {"_alone": [], "_by_depth": []}
+    for name, calls in runs.items():
+        real = getattr(joint.JointStateSlot, name)
+        monkeypatch.setattr(
+            joint.JointStateSlot, name, lambda *a, f=real, c=calls: c.append(1) or f(*a)
+        )
+    assert batched(verifier, decodings, prompts, 12)[0] == expected
+    assert runs["_by_depth"] and not runs["_alone"]
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])

@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from redrafter_mlx.core.recurrent import Levels, States, StateSlot
 from redrafter_mlx.core.sequence import Sequence, View
 
 
@@ -146,3 +148,74 @@ class JointLayerCache:
             seen = seen | mx.concatenate(firsts)[None]
             return seen & self.mask
         return seen & self.mask
+
+
+class JointStateSlot(StateSlot):
+    """One recurrent layer's cache over a :class:`JointView`: every segment's tree (a single
+    token is a 1-node tree) depth by depth, the nodes of depth ``d`` of all segments as one
+    batch of one-token sequences through the layer's own module, each from its parent's state
+    (its sequence's committed state at depth 0): the single forward's tree
+    (:class:`~redrafter_mlx.core.recurrent.StateSlot`), with the sequences side by side in the
+    batch. A segment that is a chain of several tokens (not a decode step) runs alone."""
+
+    def __init__(self, joint: JointView, index: int, size: int):
+        self.joint, self.index, self.size = joint, index, size
+
+    def __getitem__(self, i: int):
+        raise TypeError("a joint forward's recurrent states are per sequence")
+
+    def run(self, mixer, call: dict, input_name: str) -> mx.array:
+        """``mixer`` over the joint forward's ``(1, N, H)`` input -> its output ``(1, N, H')``."""
+        joint = self.joint
+        x = call[input_name][0]  # (N, H)
+        starts = [view.committed_states(self.index) for view in joint.views]
+        if any(s is None for s in starts) or any(
+            view.levels is None and stop - start > 1
+            for view, (start, stop) in zip(joint.views, joint.bounds, strict=True)
+        ):  # a chain (or no state yet): each segment as its own forward runs it
+            return self._alone(mixer, call, input_name, x)
+        levels = [v.levels or Levels.of(np.array([-1]), np.array([0])) for v in joint.views]
+        outs, states = self._by_depth(mixer, call, input_name, x, levels, starts)
+        results = []
+        for view, level, out, held in zip(joint.views, levels, outs, states, strict=True):
+            if view.levels is None:  # one token: the state after it, committed with it
+                view.stage_states(self.index, held[0])
+            else:  # depth order, as the single forward holds them
+                view.node_states(self.index, [mx.concatenate(p) for p in zip(*held, strict=True)])
+            results.append(mx.concatenate(out)[level.node_rows])
+        return mx.concatenate(results).swapaxes(0, 1)  # (1, N, H') segment after segment
+
+    def _by_depth(self, mixer, call, input_name, x, levels, previous: list[States]):
+        """Each depth of every segment's tree as one batch -> per segment, its outputs and
+        its nodes' states, depth by depth."""
+        outs: list[list] = [[] for _ in levels]
+        states: list[list] = [[] for _ in levels]
+        for depth in range(max(len(level.nodes) for level in levels)):
+            inputs, begins, counts = [], [], []
+            for i, (level, (start, _)) in enumerate(zip(levels, self.joint.bounds, strict=True)):
+                if depth >= len(level.nodes):
+                    counts.append(0)
+                    continue
+                nodes, parents = level.nodes[depth], level.parents[depth]
+                if parents is None:  # depth 0: the committed state, once per node
+                    parents = mx.zeros(nodes.shape, mx.int32)
+                inputs.append(x[nodes + start])
+                begins.append([s[parents] for s in previous[i]])
+                counts.append(nodes.shape[0])
+            cache = self._arrays_cache([mx.concatenate(p) for p in zip(*begins, strict=True)])
+            out = mixer(**{**call, input_name: mx.concatenate(inputs)[:, None], "cache": cache})
+            row = 0
+            for i, n in enumerate(counts):
+                if n:
+                    previous[i] = [s[row : row + n] for s in cache.cache]
+                    outs[i].append(out[row : row + n])
+                    states[i].append(previous[i])
+                    row += n
+        return outs, states
+
+    def _alone(self, mixer, call, input_name, x) -> mx.array:
+        outs = []
+        for view, part in zip(self.joint.views, self.joint.split(x), strict=True):
+            slot = StateSlot(view, self.index, self.size)
+            outs.append(slot.run(mixer, {**call, input_name: part[None]}, input_name))
+        return mx.concatenate(outs, axis=1)

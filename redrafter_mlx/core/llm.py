@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 from mlx_lm.models.cache import KVCache as MlxKVCache
 
-from redrafter_mlx.core.joint import JointLayerCache, JointView, Segment
+from redrafter_mlx.core.joint import JointLayerCache, JointStateSlot, JointView, Segment
 from redrafter_mlx.core.recurrent import StateSlot, wrap_mixers
 from redrafter_mlx.core.sequence import Sequence, View
 from redrafter_mlx.core.tree import Tree
@@ -233,9 +233,8 @@ class Forward:
         """One forward over several sequences' new tokens (:mod:`~redrafter_mlx.core.joint`)
         -> each segment's final-norm hidden ``(T_i, H)``; each sequence's K/V (and taps)
         written as its own forward would."""
-        # one sequence, or recurrent layers (their state is per sequence): each its own forward
-        if len(segments) == 1 or slot_counts(self.layout)[1]:
-            return [self.segment(s, compiled=compiled) for s in segments]
+        if len(segments) == 1:
+            return [self.segment(segments[0], compiled=compiled)]
         joint = JointView(segments)
         hidden = self.run_joint(mx.concatenate([s.tokens for s in segments]), joint, compiled)
         joint.finish()
@@ -250,6 +249,8 @@ class Forward:
         def layer_cache(slot):
             if isinstance(slot, list):
                 return CacheList(*(layer_cache(s) for s in slot))
+            if isinstance(slot, RecurrentSlot):
+                return JointStateSlot(joint, slot.index, slot.size)
             return JointLayerCache(joint, slot.index, slot.window, mask)
 
         return self._layers(tokens, [layer_cache(slot) for slot in self.layout], joint)
