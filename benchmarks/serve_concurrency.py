@@ -106,11 +106,10 @@ def ask(port: int, prompt: str, max_tokens: int) -> dict:
     }
 
 
-def round_of(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
-    """All ``prompts`` through ``clients`` concurrent clients -> the round's figures."""
-    results: dict[int, dict] = {}
-    lock = threading.Lock()
-    todo = list(range(len(prompts)))
+def run_clients(count: int, clients: int, answer) -> float:
+    """``answer(i)`` for every ``i < count``, from ``clients`` threads that each take the next
+    ``i`` when their answer ends -> wall seconds until the last has ended."""
+    lock, todo = threading.Lock(), list(range(count))
 
     def client() -> None:
         while True:
@@ -118,7 +117,7 @@ def round_of(port: int, prompts: list[str], clients: int, max_tokens: int) -> di
                 if not todo:
                     return
                 i = todo.pop(0)
-            results[i] = ask(port, prompts[i], max_tokens)
+            answer(i)
 
     tic = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -126,7 +125,17 @@ def round_of(port: int, prompts: list[str], clients: int, max_tokens: int) -> di
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - tic
+    return time.perf_counter() - tic
+
+
+def round_of(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """All ``prompts`` through ``clients`` concurrent clients -> the round's figures."""
+    results: dict[int, dict] = {}
+
+    def answer(i: int) -> None:
+        results[i] = ask(port, prompts[i], max_tokens)
+
+    wall = run_clients(len(prompts), clients, answer)
     rows = [results[i] for i in range(len(prompts))]
     return {
         "wall_s": wall,

@@ -19,6 +19,7 @@ one call. The CPU plan's forward runs attention per segment instead
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -62,6 +63,18 @@ class JointView:
         self.bounds = list(zip(starts[:-1], starts[1:], strict=True))
         self.positions = mx.concatenate([v.positions for v in self.views])
         self.taps = frozenset().union(*(v.taps for v in self.views))
+
+    @functools.cached_property
+    def tree_levels(self) -> list[Levels] | None:
+        """Each segment's tree by depth (a single token's: one node), what the recurrent
+        layers run; None when a segment is a chain of several tokens (it runs alone)."""
+        chains = (
+            v.levels is None and b - a > 1
+            for v, (a, b) in zip(self.views, self.bounds, strict=True)
+        )
+        if any(chains):
+            return None
+        return [v.levels or Levels.of(np.array([-1]), np.array([0])) for v in self.views]
 
     @property
     def rows(self) -> int:
@@ -166,15 +179,11 @@ class JointStateSlot(StateSlot):
 
     def run(self, mixer, call: dict, input_name: str) -> mx.array:
         """``mixer`` over the joint forward's ``(1, N, H)`` input -> its output ``(1, N, H')``."""
-        joint = self.joint
+        joint, levels = self.joint, self.joint.tree_levels
         x = call[input_name][0]  # (N, H)
         starts = [view.committed_states(self.index) for view in joint.views]
-        if any(s is None for s in starts) or any(
-            view.levels is None and stop - start > 1
-            for view, (start, stop) in zip(joint.views, joint.bounds, strict=True)
-        ):  # a chain (or no state yet): each segment as its own forward runs it
+        if levels is None or any(s is None for s in starts):  # each as its own forward
             return self._alone(mixer, call, input_name, x)
-        levels = [v.levels or Levels.of(np.array([-1]), np.array([0])) for v in joint.views]
         outs, states = self._by_depth(mixer, call, input_name, x, levels, starts)
         results = []
         for view, level, out, held in zip(joint.views, levels, outs, states, strict=True):

@@ -1,5 +1,5 @@
-"""What the tests of the field's drafters (EAGLE-3, DFlash, MTP) share: the answer's first
-tokens, the marginal test of sampling through drafted steps, a second turn against a fresh
+"""What the tests of the field's drafters (EAGLE-3, DFlash, MTP) share: greedy answers against
+the target's own, the marginal test of sampling through drafted steps, a second turn against a fresh
 prompt, and `generate` with a drafter folder against the autoregressive answer."""
 
 from __future__ import annotations
@@ -12,25 +12,16 @@ import numpy as np
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.shape import BeamShape
 from support import decoding_of, run_steps, shared_data, verifier_for
+from support.decoding import take
 from support.families import model_folder
-
-
-def tokens_of(steps, n: int) -> list[int]:
-    """The first ``n`` tokens the decode loop's ``steps`` emit."""
-    out: list[int] = []
-    for step in steps:
-        out += step.tokens
-        if len(out) >= n:
-            return out[:n]
-    return out
 
 
 def greedy_equals_autoregressive(target, drafter, shape: BeamShape, n: int = 40) -> bool:
     """Whether the first ``n`` greedy tokens with ``drafter`` at ``shape`` are the target's
     own (a fixed prompt)."""
     prompt = [5, 17, 33, 2, 41, 8]
-    expected = tokens_of(run_steps(target, prompt), n)
-    return tokens_of(run_steps(target, prompt, drafter, shape), n) == expected
+    expected = take(run_steps(target, prompt), n)[0]
+    return take(run_steps(target, prompt, drafter, shape), n)[0] == expected
 
 
 def second_token_pvalue(target, drafter, vocab: int, temp: float, runs: int = 300) -> float:

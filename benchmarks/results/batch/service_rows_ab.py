@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 import threading
-import time
+from pathlib import Path
 
 from redrafter_mlx.backend.blas import reexec_with_blas
 
@@ -21,6 +21,9 @@ from redrafter_mlx.backend import plan  # noqa: E402
 from redrafter_mlx.cli import serve  # noqa: E402
 from redrafter_mlx.core.service import GenerationService, Request  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from serve_concurrency import run_clients  # noqa: E402
 
 REQUESTS, MAX_BATCH, MAX_TOKENS = 16, 8, 64
 
@@ -36,28 +39,17 @@ def main() -> None:
     service = GenerationService(setup, max_batch=MAX_BATCH, queue_size=REQUESTS)
     service.start()
     prompts = [turns[0] for turns in load_prompts(None, REQUESTS, 1)]
-    todo, lock, tokens = list(range(REQUESTS)), threading.Lock(), [0]
+    lock, tokens = threading.Lock(), [0]
 
-    def client() -> None:
-        while True:
+    def answer(i: int) -> None:
+        messages = [{"role": "user", "content": prompts[i]}]
+        job = service.submit(Request(messages, max_tokens=MAX_TOKENS))
+        job.start(timeout=600)
+        for step in job.steps(timeout=600):
             with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            messages = [{"role": "user", "content": prompts[i]}]
-            job = service.submit(Request(messages, max_tokens=MAX_TOKENS))
-            job.start(timeout=600)
-            for step in job.steps(timeout=600):
-                with lock:
-                    tokens[0] += len(step.tokens)
+                tokens[0] += len(step.tokens)
 
-    tic = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
+    wall = run_clients(REQUESTS, clients, answer)
     print(
         f"rows {rows} clients {clients} max_batch {MAX_BATCH}: {tokens[0]} tokens "
         f"{wall:.1f}s {tokens[0] / wall:.1f} tok/s"
