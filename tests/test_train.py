@@ -171,6 +171,7 @@ def parse(*flags: str):
         (["--skip-prompts", "-1"], "--skip-prompts must be a finite number >= 0"),
         (["--exit-dim", "-8"], "--exit-dim must be a finite number >= 0"),
         (["--soft-weight", "nan"], "--soft-weight must be a finite number >= 0"),
+        (["--soft-weight", "3"], "--soft-weight must be a share from 0 to 1"),
         (["--hidden-weight", "inf"], "--hidden-weight must be a finite number >= 0"),
         (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
         (["--init", "nowhere"], "not a drafter folder"),
@@ -1050,7 +1051,7 @@ def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reache
     below all), fills the flags the user left out with its recipe, and says its figure."""
     rows = (
         budget.Budget(15, False, 0.0, 1.2, "run A"),
-        budget.Budget(30, True, 0.25, 1.4, "run B"),
+        budget.Budget(30, True, 0.25, 1.4, "run B", soft_weight=1.0, hidden_weight=0.5),
     )
     monkeypatch.setattr(budget, "TABLE", rows)
     assert budget.budget_for(10) is rows[0] and budget.budget_for(29.9) is rows[0]
@@ -1060,11 +1061,42 @@ def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reache
     args = parse("--minutes", "45")
     assert T.with_budget_recipe(args, 30) is rows[1]
     assert (args.context_layers, args.own_drafts) == ((2, 15, 27), 0.25)
+    assert (args.soft_weight, args.hidden_weight) == (1.0, 0.5)
+    assert T.train_options(args).soft_weight == 1.0
     T.say_expected(rows[1])
-    assert "expected: about 1.40 tokens/step (a 30-minute run" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "expected: about 1.40 tokens/step (a 30-minute run" in said
+    assert "soft targets 1, hidden-state regression 0.5, extraction 40% of the minutes" in said
     given = parse("--minutes", "45", "--context-layers", "3", "--own-drafts", "0")
     T.with_budget_recipe(given, 30)
     assert (given.context_layers, given.own_drafts) == ((3,), 0.0)  # what the user gave wins
     plain = parse()
     assert T.with_budget_recipe(plain, 30) is None
     assert (plain.context_layers, plain.own_drafts) == ((), 0.0)  # today's recipe
+    assert (plain.soft_weight, plain.hidden_weight) == (0.0, 0.0)
+
+
+def test_minutes_give_extraction_the_share_their_measured_row_chose(monkeypatch):
+    """--minutes N: extraction's share of N is the budget row's (--extract-share wins), the
+    default share without a row; a share outside (0, 1) or without --minutes is refused."""
+    import time
+
+    rows = (budget.Budget(15, False, 0.0, 1.2, "run A", extract_share=0.6),)
+    monkeypatch.setattr(budget, "TABLE", rows)
+    started = time.time()
+    args = parse("--minutes", "20")
+    T.with_budget_share(args)
+    assert args.extract_share == 0.6
+    assert T.extract_deadline(args, started) == pytest.approx(started + 20 * 60 * 0.6)
+    given = parse("--minutes", "20", "--extract-share", "0.3")
+    T.with_budget_share(given)
+    assert T.extract_deadline(given, started) == pytest.approx(started + 20 * 60 * 0.3)
+    monkeypatch.setattr(budget, "TABLE", ())
+    unmeasured = parse("--minutes", "20")
+    T.with_budget_share(unmeasured)
+    assert unmeasured.extract_share == budget.EXTRACT_SHARE
+    for bad in ("0", "1", "nan", "-0.2"):
+        with pytest.raises(TrainError, match="--extract-share must be a share"):
+            T.check_args(parse("--minutes", "20", "--extract-share", bad))
+    with pytest.raises(TrainError, match="give --minutes too"):
+        T.check_args(parse("--extract-share", "0.5"))

@@ -47,7 +47,7 @@ from redrafter_mlx.core.errors import LoadError, ReDrafterError, TrainError
 from redrafter_mlx.core.llm import inner_model
 from redrafter_mlx.io.embedded import default_model_path
 from redrafter_mlx.io.load import load_target
-from redrafter_mlx.training.budget import Budget, budget_for, fused_layers
+from redrafter_mlx.training.budget import EXTRACT_SHARE, Budget, budget_for, fused_layers
 from redrafter_mlx.training.cache import Cache, read_json
 from redrafter_mlx.training.checkpoint import check_out_is_free, finished
 from redrafter_mlx.training.data import default_data_path
@@ -233,23 +233,34 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=flags.minutes,
         default=0.0,
         help="the whole run's time, e.g. 30 (> 0, at most a year; default: no limit): "
-        "extraction may use 40%% of it (fewer tokens than --max-tokens if time runs out), "
-        "training the rest with its schedule fitted to end in time, then the evaluation "
-        "(instead of --max-minutes); progress and ETAs are fitted to it from the start",
+        "extraction may use --extract-share of it (fewer tokens than --max-tokens if time "
+        "runs out), training the rest with its schedule fitted to end in time, then the "
+        "evaluation (instead of --max-minutes); progress and ETAs are fitted to it from the "
+        "start",
+    )
+    p.add_argument(
+        "--extract-share",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="with --minutes: the share of them (between 0 and 1) extraction may use "
+        f"(default: what the measured table chose for the budget, else {EXTRACT_SHARE:g})",
     )
     p.add_argument(
         "--soft-weight",
         type=float,
-        default=0.0,
-        help="weight of the soft-target loss: the target's distribution over the "
-        "draft vocab, recomputed from the cached hidden states (0: argmax only)",
+        default=None,
+        help="share (0-1) of the soft-target loss: the target's distribution over the "
+        "draft vocab, recomputed from the cached hidden states (0: argmax only, 1: soft "
+        "only; default 0, or under --minutes what its measured table chose)",
     )
     p.add_argument(
         "--hidden-weight",
         type=float,
-        default=0.0,
+        default=None,
         help="head target: weight of the Huber loss pulling the predicted hidden "
-        "state onto the target's own next hidden state",
+        "state onto the target's own next hidden state (default 0, or under --minutes what "
+        "its measured table chose)",
     )
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evals")
     p.add_argument("--patience", type=int, default=5, help="evals without improvement to stop")
@@ -292,6 +303,7 @@ def main(args: argparse.Namespace) -> None:
         check_args(args)
         if args.minutes:
             check_minutes(args, ranks)
+            with_budget_share(args)
             say_time_plan(args, started)
         if not args.extract_only:
             check_split(args.batch_size, ranks)
@@ -469,16 +481,18 @@ def extract_options(args: argparse.Namespace, *, stop_at: float = 0.0) -> Extrac
     return ExtractOptions(**values, stop_at=stop_at)
 
 
-# --minutes N: extraction may use this share of N (it stops early, with fewer tokens than
-# --max-tokens, when the time is up); training gets what is left less FINISH_MINUTES for the
-# final evaluation, and fits its learning-rate schedule to end then (as --max-minutes does).
-EXTRACT_SHARE = 0.4
+# --minutes N: extraction may use --extract-share of N (it stops early, with fewer tokens
+# than --max-tokens, when the time is up); training gets what is left less FINISH_MINUTES for
+# the final evaluation, and fits its learning-rate schedule to end then (as --max-minutes
+# does). Without a measured row for the budget the share is EXTRACT_SHARE.
 FINISH_MINUTES = 0.5
 
 
 def extract_deadline(args: argparse.Namespace, started: float) -> float:
     """The ``time.time()`` by which extraction stops under --minutes (0: none)."""
-    return started + args.minutes * 60 * EXTRACT_SHARE if args.minutes else 0.0
+    if not args.minutes:
+        return 0.0
+    return started + args.minutes * 60 * (args.extract_share or EXTRACT_SHARE)
 
 
 DEFAULT_EPOCHS = 2.0
@@ -531,15 +545,30 @@ def say_time_plan(args: argparse.Namespace, started: float) -> None:
     )
 
 
+def budget_row(args: argparse.Namespace) -> Budget | None:
+    """The measured row (``training/budget.py``) a --minutes run of a new drafter follows."""
+    return budget_for(args.minutes) if args.minutes and not args.init else None
+
+
+def with_budget_share(args: argparse.Namespace) -> None:
+    """Fill --extract-share where it was not given: the budget's measured row's, else
+    :data:`EXTRACT_SHARE`."""
+    if args.extract_share is None:
+        row = budget_row(args)
+        args.extract_share = row.extract_share if row else EXTRACT_SHARE
+
+
 def with_budget_recipe(args: argparse.Namespace, num_layers: int) -> Budget | None:
-    """Fill --context-layers and --own-drafts where they were not given: under --minutes (a
-    new drafter) with the recipe of the budget's measured row (``training/budget.py``), else
-    today's (last layer only, teacher forcing). Returns that row (None: none applies)."""
-    row = budget_for(args.minutes) if args.minutes and not args.init else None
+    """Fill --context-layers, --own-drafts, --soft-weight and --hidden-weight where they were
+    not given: under --minutes (a new drafter) with the recipe of the budget's measured row
+    (``training/budget.py``), else today's defaults (last layer only, teacher forcing on the
+    target's argmax). Returns that row (None: none applies)."""
+    row = budget_row(args)
     if args.context_layers is None:
         args.context_layers = fused_layers(num_layers) if row and row.layered else ()
-    if args.own_drafts is None:
-        args.own_drafts = row.own_drafts if row else 0.0
+    for name in ("own_drafts", "soft_weight", "hidden_weight"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(row, name) if row else 0.0)
     return row
 
 
@@ -548,6 +577,11 @@ def say_expected(row: Budget) -> None:
     recipe = "several target layers" if row.layered else "the last target layer"
     if row.own_drafts:
         recipe += f", {row.own_drafts:g} of the examples on its own drafts"
+    if row.soft_weight:
+        recipe += f", soft targets {row.soft_weight:g}"
+    if row.hidden_weight:
+        recipe += f", hidden-state regression {row.hidden_weight:g}"
+    recipe += f", extraction {row.extract_share:.0%} of the minutes"
     print(
         f"expected: about {row.tokens_per_step:.2f} tokens/step (a {row.minutes:g}-minute run "
         f"measured here with the embedded model, {row.measured}; recipe: {recipe}); another "
@@ -563,6 +597,8 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     values |= {
         "context_layers": tuple(args.context_layers or ()),
         "own_drafts": args.own_drafts or 0.0,
+        "soft_weight": args.soft_weight or 0.0,
+        "hidden_weight": args.hidden_weight or 0.0,
     }
     return TrainOptions(**values)
 
@@ -570,7 +606,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 # Flags that do not change what a run computes: a resumed run may differ in these.
 RESUMABLE_CHANGES = {
     *("resume", "quiet", "extract_only", "gen_batch", "cache_max_gb", "total_steps"),
-    *("eval_prompts", "license", "json", "minutes"),
+    *("eval_prompts", "license", "json", "minutes", "extract_share"),
 }
 
 
@@ -616,12 +652,20 @@ def check_args(args: argparse.Namespace) -> None:
         "--skip-prompts": args.skip_prompts,
         "--exit-dim": args.exit_dim,
         "--weight-decay": args.weight_decay,
-        "--soft-weight": args.soft_weight,
-        "--hidden-weight": args.hidden_weight,
+        "--soft-weight": args.soft_weight or 0.0,
+        "--hidden-weight": args.hidden_weight or 0.0,
     }
     for flag, value in non_negative.items():
         if not 0 <= value < math.inf:  # nan too
             raise TrainError(f"{flag} must be a finite number >= 0 (got {value})")
+    if not (args.soft_weight or 0.0) <= 1:  # (1 - w) hard + w soft: above 1 hard turns negative
+        raise TrainError(f"--soft-weight must be a share from 0 to 1 (got {args.soft_weight})")
+    if args.extract_share is not None and not 0 < args.extract_share < 1:  # nan too
+        raise TrainError(
+            f"--extract-share must be a share between 0 and 1 (got {args.extract_share})"
+        )
+    if args.extract_share is not None and not args.minutes:
+        raise TrainError("--extract-share divides --minutes: give --minutes too")
     if args.own_drafts is not None and not 0 <= args.own_drafts <= 1:  # nan too
         raise TrainError(f"--own-drafts must be a share from 0 to 1 (got {args.own_drafts})")
     if args.init and args.context_layers:

@@ -15,18 +15,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# --minutes N without a measured row: the share of N extraction may use.
+EXTRACT_SHARE = 0.4
+
 
 @dataclass(frozen=True)
 class Budget:
     """One measured budget: ``minutes``, the recipe (``layered``: read the target's low,
     middle and high layers, :func:`fused_layers`; ``own_drafts``: the share of examples fed
-    the drafter's own drafts), what it reached and where that was measured."""
+    the drafter's own drafts; ``extract_share``: the share of the minutes extraction may
+    use, training taking the rest), what it reached and where that was measured."""
 
     minutes: float
     layered: bool
     own_drafts: float
     tokens_per_step: float
     measured: str
+    extract_share: float = EXTRACT_SHARE
+    soft_weight: float = 0.0
+    hidden_weight: float = 0.0
 
 
 # Run 98 (#44), benchmarks/README.md: today's recipe and the layered one run side by side
