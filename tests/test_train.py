@@ -1063,13 +1063,17 @@ def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reache
     assert (args.context_layers, args.own_drafts) == ((2, 15, 27), 0.25)
     assert (args.soft_weight, args.hidden_weight) == (1.0, 0.5)
     assert T.train_options(args).soft_weight == 1.0
+    T.with_budget_share(args)
+    assert T.follows(args, rows[1], 30)  # the row's figure is said only for the row's recipe
     T.say_expected(rows[1])
     said = capsys.readouterr().err
     assert "expected: about 1.40 tokens/step (a 30-minute run" in said
     assert "soft targets 1, hidden-state regression 0.5, extraction 40% of the minutes" in said
     given = parse("--minutes", "45", "--context-layers", "3", "--own-drafts", "0")
     T.with_budget_recipe(given, 30)
+    T.with_budget_share(given)
     assert (given.context_layers, given.own_drafts) == ((3,), 0.0)  # what the user gave wins
+    assert not T.follows(given, rows[1], 30)
     plain = parse()
     assert T.with_budget_recipe(plain, 30) is None
     assert (plain.context_layers, plain.own_drafts) == ((), 0.0)  # today's recipe

@@ -310,8 +310,9 @@ def main(args: argparse.Namespace) -> None:
         if ranks.lead and not args.quiet:
             flags.say_loading(args.model)
         target = _load(args.model)
-        row = with_budget_recipe(args, len(inner_model(target.model).layers))
-        if row is not None and ranks.lead and not args.quiet:
+        num_layers = len(inner_model(target.model).layers)
+        row = with_budget_recipe(args, num_layers)
+        if row is not None and follows(args, row, num_layers) and ranks.lead and not args.quiet:
             say_expected(row)
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(target.name).name}")
@@ -570,6 +571,15 @@ def with_budget_recipe(args: argparse.Namespace, num_layers: int) -> Budget | No
         if getattr(args, name) is None:
             setattr(args, name, getattr(row, name) if row else 0.0)
     return row
+
+
+def follows(args: argparse.Namespace, row: Budget, num_layers: int) -> bool:
+    """Whether the run's recipe (flags filled in) is the measured row's: only then is the
+    row's figure what the run may expect."""
+    layers = fused_layers(num_layers) if row.layered else ()
+    mine = (tuple(args.context_layers), args.own_drafts, args.soft_weight, args.hidden_weight)
+    theirs = (layers, row.own_drafts, row.soft_weight, row.hidden_weight)
+    return mine == theirs and args.extract_share == row.extract_share
 
 
 def say_expected(row: Budget) -> None:
