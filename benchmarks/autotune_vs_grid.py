@@ -49,7 +49,7 @@ class SyntheticDrafter:
         return int(wrong[0]) if len(wrong) else length - 1
 
     def search(self, context, pending, *, width: int, length: int, **options):
-        """The real search (its cost and host reads), its beams replaced (the verifier's
+        """The real search (its cost and host reads), its beams replaced (the decoder's
         drafter call: ``BeamDrafter.search``)."""
         beams, logprobs, syncs = self.real.search(
             context, pending, width=width, length=length, **options
@@ -80,8 +80,8 @@ def synthetic_measure(runtime, prompts, references, p: float, max_tokens: int):
 
     def measure(shape, prompt):
         drafter = SyntheticDrafter(runtime.drafter, references[prompt], p, vocab)
-        verifier = dataclasses.replace(runtime.verifier, drafter=drafter)  # the same forward
-        fresh = dataclasses.replace(runtime, drafter=drafter, verifier=verifier)
+        decoder = dataclasses.replace(runtime.decoder, drafter=drafter)  # the same forward
+        fresh = dataclasses.replace(runtime, drafter=drafter, decoder=decoder)
         return search.make_measure(fresh, prompts, max_tokens=max_tokens)(shape, prompt)
 
     return measure

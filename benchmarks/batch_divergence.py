@@ -24,7 +24,7 @@ reexec_with_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_verifier  # noqa: E402
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
 from redrafter_mlx.core.scheduler import answer_together  # noqa: E402
@@ -37,8 +37,8 @@ DTYPES = {"float16": mx.float16, "float32": mx.float32}
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench_dev.jsonl"
 
 
-def answers(verifier, tokenizer, decoding, prompts: list[list[int]], n: int) -> list[list[int]]:
-    done = answer_together(verifier, tokenizer, prompts, decoding, max_tokens=[n] * len(prompts))
+def answers(decoder, tokenizer, decoding, prompts: list[list[int]], n: int) -> list[list[int]]:
+    done = answer_together(decoder, tokenizer, prompts, decoding, max_tokens=[n] * len(prompts))
     return [[t for r in answer for t in r.tokens] for answer in done]
 
 
@@ -59,19 +59,19 @@ def main() -> None:
     plan = CPU_PLAN if args.plan == "cpu" else GENERIC_PLAN
     shape = CPU_PLAN.default_shape  # W1 L2 + one lookup beam: serve's default here
     runtime.drafter.drafter.bind_target(runtime.model)
-    verifier = build_verifier(runtime.model, runtime.drafter, plan=plan)
+    decoder = build_decoder(runtime.model, runtime.drafter, plan=plan)
     decoding = Decoding(Mode.REDRAFTER, shape, greedy)
-    verifier.warm_up(decoding)
+    decoder.warm_up(decoding)
     texts = []
     for source in (MT_BENCH, args.specbench):
         texts += [turns[0] for turns in load_prompts(source, args.num_prompts, 1)]
     prompts = [rt.encode_chat(runtime, [{"role": "user", "content": t}]) for t in texts]
     tokenizer = runtime.tokenizer
-    alone = [answers(verifier, tokenizer, decoding, [ids], args.max_tokens)[0] for ids in prompts]
+    alone = [answers(decoder, tokenizer, decoding, [ids], args.max_tokens)[0] for ids in prompts]
     together = []
     for start in range(0, len(prompts), args.batch):
         group = prompts[start : start + args.batch]
-        together += answers(verifier, tokenizer, decoding, group, args.max_tokens)
+        together += answers(decoder, tokenizer, decoding, group, args.max_tokens)
     rows = []
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         first = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)

@@ -34,12 +34,12 @@ from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 
 
-def filled_cache(verifier, context: int):
+def filled_cache(decoder, context: int):
     """A sequence holding ``context`` committed tokens: one token's K/V computed (each layer's
     buffers allocated), the rest zeros, which the next forward's room covers (as autotune's
     band timing fills it)."""
-    sequence = verifier.new_sequence()
-    mx.eval(verifier.forward(mx.zeros((1,), mx.int32), mx.zeros((1,), mx.int32), None, sequence))
+    sequence = decoder.new_sequence()
+    mx.eval(decoder.forward(mx.zeros((1,), mx.int32), mx.zeros((1,), mx.int32), None, sequence))
     sequence.commit([0] * context)
     return sequence
 
@@ -48,13 +48,13 @@ def chain_tree(size: int):
     return pack_beams(np.arange(size)[None])
 
 
-def forward_seconds(verifier, cache, size: int) -> float:
+def forward_seconds(decoder, cache, size: int) -> float:
     tree = chain_tree(size)
     mask = tree_mask(tree, cache.offset) if size > 1 else None
     positions = mx.array(cache.offset + tree.depths)
     tic = time.perf_counter()
-    hidden = verifier.forward(mx.array(tree.tokens), positions, mask, cache, tree=tree)
-    mx.eval(verifier.forward.lm_head(hidden))
+    hidden = decoder.forward(mx.array(tree.tokens), positions, mask, cache, tree=tree)
+    mx.eval(decoder.forward.lm_head(hidden))
     return time.perf_counter() - tic
 
 
@@ -102,13 +102,13 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
     plans = {"cpu": CPU_PLAN, "cpu-before": CPU_PLAN, "generic": GENERIC_PLAN}
-    verifiers = {}
+    decoders = {}
     for name in {plans[v].llama_layers: v for v in variants}.values():  # one per plan
         runtime = rt.load_runtime(None, None, need_drafter=False, plan=plans[name])
-        verifiers[plans[name]] = runtime.verifier
+        decoders[plans[name]] = runtime.decoder
     report = {"environment": environment(runtime), "forward_ms": {}, "attention_ms": {}}
     for context in contexts:
-        caches = {plan: filled_cache(v, context) for plan, v in verifiers.items()}
+        caches = {plan: filled_cache(v, context) for plan, v in decoders.items()}
         times = {(v, s): [] for v in variants for s in sizes}
         attn = {(v, s): [] for v in variants for s in sizes}
         for rep in range(args.repetitions + 1):  # round 0 warms up (traces each size once)
@@ -116,7 +116,7 @@ def main() -> None:
                 fused.attention = ATTENTION[variant]  # what FusedForward.run calls
                 plan = plans[variant]
                 for size in sizes:
-                    seconds = forward_seconds(verifiers[plan], caches[plan], size)
+                    seconds = forward_seconds(decoders[plan], caches[plan], size)
                     one_layer = attention_seconds(variant, context, size)
                     if rep:
                         times[variant, size].append(seconds)

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
-from redrafter_mlx.backend.plan import build_verifier
+from redrafter_mlx.backend.plan import build_decoder
 from redrafter_mlx.core.accept import greedy, log_softmax
 from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter, best_first
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
@@ -100,25 +100,25 @@ def random_drafters(target) -> dict:
     }
 
 
-def step_cost(verifier, prompt: list[int], shape: BeamShape, reps: int) -> dict:
+def step_cost(decoder, prompt: list[int], shape: BeamShape, reps: int) -> dict:
     """Median seconds of a speculative step and of a one-token step after ``prompt``."""
     decoding = Decoding(Mode.REDRAFTER, shape, greedy)
-    verifier.warm_up(decoding)
-    sequence = verifier.new_sequence()
-    state, _ = verifier.prefill(sequence, prompt, decoding)
+    decoder.warm_up(decoding)
+    sequence = decoder.new_sequence()
+    state, _ = decoder.prefill(sequence, prompt, decoding)
     mark = sequence.mark()
     token = mx.array([sequence.last_id])
     times: dict[str, list[float]] = {"step": [], "one": []}
     size = 0
     for rep in range(reps + 1):
         tic = time.perf_counter()
-        _, step = verifier.step(state)
+        _, step = decoder.step(state)
         sequence.restore(mark)
         if rep:
             times["step"].append(time.perf_counter() - tic)
         size = step.tree_size
         tic = time.perf_counter()
-        choice, _, _ = verifier.next_token(sequence, token, greedy)
+        choice, _, _ = decoder.next_token(sequence, token, greedy)
         np.array(choice)  # host read: a step ends with its token on the host
         if rep:
             times["one"].append(time.perf_counter() - tic)
@@ -128,17 +128,17 @@ def step_cost(verifier, prompt: list[int], shape: BeamShape, reps: int) -> dict:
 
 def cost(args) -> dict:
     runtime = rt.load_runtime(None, None, need_drafter=True)
-    target, plan = runtime.model, runtime.verifier.plan
+    target, plan = runtime.model, runtime.decoder.plan
     drafters = {"rnn": runtime.drafter, **random_drafters(target)}
     prompt = runtime.tokenizer.encode(load_prompts(None, 1, 1)[0][0])[:128]
     rows = []
     for kind, drafter in drafters.items():
         if args.kinds and kind not in args.kinds:
             continue
-        verifier = build_verifier(target, drafter, plan=plan, max_context=4096)
+        decoder = build_decoder(target, drafter, plan=plan, max_context=4096)
         for width, length in SHAPES[kind]:
             row = {"drafter": kind, "W": width, "L": length}
-            row |= step_cost(verifier, prompt, BeamShape(width, length), args.repetitions)
+            row |= step_cost(decoder, prompt, BeamShape(width, length), args.repetitions)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return {"environment": environment(runtime), "prompt_tokens": len(prompt), "rows": rows}

@@ -38,8 +38,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/forward_ab.json")
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, None, need_drafter=False)
-    forward = runtime.verifier.forward  # the device plan's forward (compiled halves on the CPU)
-    cache = runtime.verifier.new_sequence()
+    forward = runtime.decoder.forward  # the device plan's forward (compiled halves on the CPU)
+    cache = runtime.decoder.new_sequence()
     tokens = mx.arange(args.context) % 100 + 10
     prefix = llm.chain_mask(0, args.context)
     mx.eval(llm.forward(runtime.model, tokens, mx.arange(args.context), prefix, cache))

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_verifier
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder
 from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
@@ -38,8 +38,8 @@ from redrafter_mlx.tuning.measure import environment
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
-def tokens(verifier: Verifier, decoding: Decoding, prompt: list[int], n: int) -> list[int]:
-    steps = decode_steps(verifier, verifier.new_sequence(), prompt, decoding)
+def tokens(decoder: Decoder, decoding: Decoding, prompt: list[int], n: int) -> list[int]:
+    steps = decode_steps(decoder, decoder.new_sequence(), prompt, decoding)
     out: list[int] = []
     for step in steps:
         out += step.tokens
@@ -77,15 +77,15 @@ def main() -> None:
     plan = CPU_PLAN if args.plan == "cpu" else GENERIC_PLAN
     shape = BeamShape(args.beam_width, args.beam_length)
     # built after the cast: a forward's compiled layers hold the weights they were built with
-    verifier = build_verifier(runtime.model, runtime.drafter, plan=plan)
+    decoder = build_decoder(runtime.model, runtime.drafter, plan=plan)
     plain = Decoding(Mode.AUTOREGRESSIVE, shape, greedy)
     fast = Decoding(Mode.REDRAFTER, shape, greedy)
     rows = []
     prompts = [turns[0] for turns in load_prompts(args.prompts, args.num_prompts, 1)]
     for i, text in enumerate(prompts):
         ids = rt.encode_chat(runtime, [{"role": "user", "content": text}])
-        want = tokens(verifier, plain, ids, args.max_tokens)
-        got = tokens(verifier, fast, ids, args.max_tokens)
+        want = tokens(decoder, plain, ids, args.max_tokens)
+        got = tokens(decoder, fast, ids, args.max_tokens)
         first = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
         row = {"prompt": i, "tokens": len(want), "first_divergence": first}
         if first is not None:

@@ -56,7 +56,7 @@ def main() -> None:
     model = runtime.model
     # each path's forward, built once (the runtime's own is the CPU plan's: no second copy)
     forwards = {
-        name: runtime.verifier.forward if plan is runtime.plan else make_forward(model, plan)
+        name: runtime.decoder.forward if plan is runtime.plan else make_forward(model, plan)
         for name, plan in PATHS.items()
     }
     rows = []

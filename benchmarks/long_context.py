@@ -56,7 +56,7 @@ class Ours:
     ones reuse all of it but the last token."""
 
     def __init__(self, runtime, decoding):
-        self.session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+        self.session = Session(runtime.decoder, runtime.tokenizer, decoding, warm=False)
 
     def answer(self, prompt: list[int], decoding, max_tokens: int) -> dict:
         times, tokens, last = [], [], None
@@ -205,7 +205,7 @@ def main() -> None:
         rt.decoding(runtime, shape),
         rt.decoding(runtime, shape, mode=Mode.AUTOREGRESSIVE),
     ):
-        runtime.verifier.warm_up(decoding)
+        runtime.decoder.warm_up(decoding)
     print(f"shape {shape.describe()} ({source})", file=sys.stderr)
     rows = {}
     for length in (int(x) for x in args.lengths.split(",")):

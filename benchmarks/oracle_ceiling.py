@@ -51,7 +51,7 @@ class OracleDrafter:
         return self.reference[i] if i < len(self.reference) else 0
 
     def search(self, context, pending, *, width: int, length: int, **options):
-        """The real search (its cost and host reads), its beams replaced (the verifier's
+        """The real search (its cost and host reads), its beams replaced (the decoder's
         drafter call: ``BeamDrafter.search``)."""
         beams, logprobs, syncs = self.real.search(
             context, pending, width=width, length=length, **options
@@ -88,8 +88,8 @@ def run_case(runtime, prompt, case, rep, reference, args) -> list[Record]:
         length, correct = job
         vocab = runtime.model.args.vocab_size
         oracle = OracleDrafter(runtime.drafter, reference, correct, vocab)
-        verifier = dataclasses.replace(runtime.verifier, drafter=oracle)  # the same forward
-        rt_oracle = dataclasses.replace(runtime, drafter=oracle, verifier=verifier)
+        decoder = dataclasses.replace(runtime.decoder, drafter=oracle)  # the same forward
+        rt_oracle = dataclasses.replace(runtime, drafter=oracle, decoder=decoder)
         method = Method(REDRAFTER, BeamShape(1, length))
         run = measure(rt_oracle, method, prompt, max_tokens=args.max_tokens)
         records.append(Record(name(length, correct), case, rep, run))

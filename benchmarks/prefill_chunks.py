@@ -1,5 +1,5 @@
 """Prefill tokens/s against the prompt chunk size, at a long prompt, on the CPU plan (and the
-generic plan with ``--plans cpu,generic``): each chunk size's verifier feeds the same prompt
+generic plan with ``--plans cpu,generic``): each chunk size's decoder feeds the same prompt
 into a fresh cache, interleaved rounds, medians:
 
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_chunks.py --tokens 4096 \\
@@ -22,7 +22,7 @@ if __name__ == "__main__":
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_verifier  # noqa: E402
+from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
 from redrafter_mlx.core.decode import Decoding  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
@@ -41,18 +41,18 @@ def main() -> None:
     runtime = rt.load_runtime(None, None, need_drafter=False)
     prompt = [10 + i % 5000 for i in range(args.tokens)]
     plans = {"cpu": CPU_PLAN, "generic": GENERIC_PLAN}
-    verifiers = {}
+    decoders = {}
     for name in args.plans.split(","):
-        base = build_verifier(runtime.model, plan=plans[name])  # one forward per plan
+        base = build_decoder(runtime.model, plan=plans[name])  # one forward per plan
         for chunk in (int(c) for c in args.chunks.split(",")):
-            verifiers[name, chunk] = replace(base, plan=replace(plans[name], prefill_chunk=chunk))
+            decoders[name, chunk] = replace(base, plan=replace(plans[name], prefill_chunk=chunk))
     decoding = Decoding(Mode.AUTOREGRESSIVE, CPU_PLAN.default_shape, greedy)
-    seconds = {key: [] for key in verifiers}
+    seconds = {key: [] for key in decoders}
     for _ in range(args.repetitions):
-        for key, verifier in verifiers.items():
-            cache = verifier.new_cache()
+        for key, decoder in decoders.items():
+            cache = decoder.new_cache()
             tic = time.perf_counter()
-            state, _ = verifier.prefill(cache, prompt, decoding)
+            state, _ = decoder.prefill(cache, prompt, decoding)
             mx.eval(state.pending)
             seconds[key].append(time.perf_counter() - tic)
             print(f"{key}: {args.tokens / seconds[key][-1]:.1f} tok/s", flush=True)

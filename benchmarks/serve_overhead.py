@@ -178,7 +178,7 @@ def main() -> None:
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     shape, source = resolve_shape(runtime)  # the server gets it as flags: the very same shape
-    session = Session(runtime.verifier, runtime.tokenizer, rt.decoding(runtime, shape))  # warmed
+    session = Session(runtime.decoder, runtime.tokenizer, rt.decoding(runtime, shape))  # warmed
     conversations = load_prompts(args.prompts, args.num_prompts, 1)
     process, port, log = start_server(args, shape)
     pairs = []

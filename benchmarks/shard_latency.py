@@ -119,13 +119,13 @@ def rank_run(model: str, shard: str, delay: float, args: argparse.Namespace) -> 
         runtime, orders = load_runtime(model, "none", shard, need_drafter=False)
     delay_exchanges(delay)
     if orders is not None and not orders.lead:
-        follow(runtime.verifier, runtime.tokenizer, orders)
+        follow(runtime.decoder, runtime.tokenizer, orders)
         return
     result = {"shard": shard, "ranks": 1 if orders is None else orders.size, "delay_ms": delay}
     for mode in (Mode.AUTOREGRESSIVE, Mode.LOOKUP):
         decoding = Decoding(mode, shape)
-        runtime.verifier.warm_up(decoding)
-        session = session_for(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+        runtime.decoder.warm_up(decoding)
+        session = session_for(runtime.decoder, runtime.tokenizer, decoding, warm=False)
         result[mode.value] = timed(session, decoding, args.tokens, args.answers)
     result["gain"] = result["lookup"]["tokens_per_s"] / result["autoregressive"]["tokens_per_s"]
     if orders is not None:

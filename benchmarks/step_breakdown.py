@@ -106,8 +106,8 @@ def main() -> None:
     args = p.parse_args()
     runtime = rt.load_runtime(args.model, args.drafter, need_drafter=True)
     model, drafter = runtime.model, runtime.drafter
-    forward = runtime.verifier.forward  # the device plan's decode forward
-    cache = runtime.verifier.new_sequence()
+    forward = runtime.decoder.forward  # the device plan's decode forward
+    cache = runtime.decoder.new_sequence()
     tokens = mx.arange(args.context) % 100 + 10
     prefix = llm.chain_mask(0, args.context)
     mx.eval(forward(tokens, mx.arange(args.context), prefix, cache, compiled=False))

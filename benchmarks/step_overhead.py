@@ -8,8 +8,8 @@ verifies a full W x L tree and accepts about nothing (the cost side only)::
     REDRAFTER_CPU_TUNING=0 .venv/bin/python benchmarks/step_overhead.py \\
         --out benchmarks/results/step_overhead.json
 
-It runs on the decode core before issue #31 (``Decoder.time_steps``), after it and after issue
-#41 (``tuning.measure.time_steps`` over a ``Session``), so checkouts can be compared on one
+It runs on the decode core before issue #31 (its own ``Decoder.time_steps``), after it and after
+issue #41 (``tuning.measure.time_steps`` over a ``Session``), so checkouts can be compared on one
 machine (``results/sequence/step_overhead_ab.sh BEFORE AFTER`` interleaves two).
 """
 
@@ -55,7 +55,10 @@ def timer(model, drafter, shape: BeamShape):
     """A function timing (one-token step, ReDrafter step) seconds at the prompt's length, and
     which decode core it runs."""
     try:
-        from redrafter_mlx.backend.plan import build_verifier
+        try:
+            from redrafter_mlx.backend.plan import build_decoder
+        except ImportError:  # before the Verifier was named Decoder
+            from redrafter_mlx.backend.plan import build_verifier as build_decoder
 
         try:
             from redrafter_mlx.core.step import Decoding
@@ -74,9 +77,9 @@ def timer(model, drafter, shape: BeamShape):
         cache = decoder.new_cache()
         decoder.prefill(cache, PROMPT)
         return (lambda reps: decoder.time_steps(cache, reps)), "Decoder"
-    session = Session(build_verifier(model, drafter), None, Decoding(Mode.REDRAFTER, shape))
+    session = Session(build_decoder(model, drafter), None, Decoding(Mode.REDRAFTER, shape))
     next(session.steps(PROMPT))  # the prefill: the prompt is in the cache
-    return (lambda reps: time_steps(session, reps)), "Verifier"
+    return (lambda reps: time_steps(session, reps)), "Session"
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def main() -> None:
     ratios = {}
     for size in (int(s) for s in args.sizes.split(",")):
         ratios[size] = forward_cost_ratio(
-            runtime.verifier, size, context=args.context, repetitions=args.repetitions
+            runtime.decoder, size, context=args.context, repetitions=args.repetitions
         )
         print(f"T={size:3d}: {ratios[size]:.2f}x a one-token forward", flush=True)
     report = {

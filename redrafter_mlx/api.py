@@ -6,7 +6,7 @@ generate, stream_generate`` switches by changing the import.
     text = generate(model, tokenizer, "Hello", max_tokens=32, verbose=True)
 
 ``load`` returns a :class:`Model`: the target, its drafter (found as chat finds it, or given)
-and the verifier built once from them. ``stream_generate`` and ``generate`` also take a plain
+and the decoder built once from them. ``stream_generate`` and ``generate`` also take a plain
 mlx-lm model (no drafter: prompt-lookup beams where the shape has them, else plain decoding).
 The beam shape comes from keywords, else this chip's autotune profile, else the device plan's
 default: the same rule as the command line's.
@@ -34,9 +34,9 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
-from redrafter_mlx.backend.plan import build_verifier, plan_for  # noqa: E402
+from redrafter_mlx.backend.plan import build_decoder, plan_for  # noqa: E402
 from redrafter_mlx.core.accept import Sampler, greedy, temperature  # noqa: E402
-from redrafter_mlx.core.decode import Verifier  # noqa: E402
+from redrafter_mlx.core.decode import Decoder  # noqa: E402
 from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
 from redrafter_mlx.core.scheduler import answer_together  # noqa: E402
@@ -61,7 +61,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Model:
     """What :func:`load` returns as its model: the loaded :class:`~redrafter_mlx.io.runtime.
-    Runtime` (target, drafter, config, ids) and its verifier. Calling it runs the target as
+    Runtime` (target, drafter, config, ids) and its decoder. Calling it runs the target as
     an mlx-lm model (``model(inputs, cache=...)``)."""
 
     runtime: rt.Runtime
@@ -71,8 +71,8 @@ class Model:
         return self.runtime.model
 
     @property
-    def verifier(self) -> Verifier:
-        return self.runtime.verifier
+    def decoder(self) -> Decoder:
+        return self.runtime.decoder
 
     def __call__(self, *args, **kwargs):
         return self.target(*args, **kwargs)
@@ -88,20 +88,20 @@ def load(
     return Model(runtime), runtime.tokenizer
 
 
-_PLAIN: dict[tuple[int, int], Verifier] = {}  # plain models' verifiers, while each lives
+_PLAIN: dict[tuple[int, int], Decoder] = {}  # plain models' decoders, while each lives
 
 
-def _verifier(model: Model | nn.Module, drafter: BeamDrafter | None) -> Verifier:
-    """The verifier of ``model``: a loaded one's, or built on a plain model's first call with
+def _decoder(model: Model | nn.Module, drafter: BeamDrafter | None) -> Decoder:
+    """The decoder of ``model``: a loaded one's, or built on a plain model's first call with
     ``drafter`` (or none)."""
     if isinstance(model, Model):
         if drafter is not None:
             raise ValueError("drafter=: a loaded model has its drafter (load(..., drafter=DIR))")
-        return model.verifier
+        return model.decoder
     key = (id(model), id(drafter))
     if key not in _PLAIN:
         context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        _PLAIN[key] = build_verifier(model, drafter, max_context=context)
+        _PLAIN[key] = build_decoder(model, drafter, max_context=context)
         weakref.finalize(model, _PLAIN.pop, key, None)  # the copy holds arrays, not the model
     return _PLAIN[key]
 
@@ -127,12 +127,12 @@ def _overrides(width, length, min_prob, search_width, lookup) -> dict:
     }
 
 
-def _decoding(model, verifier: Verifier, overrides: dict, sampler, autoregressive, logprobs):
+def _decoding(model, decoder: Decoder, overrides: dict, sampler, autoregressive, logprobs):
     """The decoding of a call's keywords (the shape: :func:`_shape`, the mode, the sampler)
     and where its shape came from."""
     shape, source = _shape(model, overrides, temperature(sampler))
     mode = Mode.choose(
-        drafter=verifier.drafter is not None,
+        drafter=decoder.drafter is not None,
         shape=shape,
         autoregressive=autoregressive,
         plain_fallback=True,
@@ -180,10 +180,10 @@ def stream_generate(
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    verifier = _verifier(model, drafter)
+    decoder = _decoder(model, drafter)
     overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
-    decoding, source = _decoding(model, verifier, overrides, sampler, autoregressive, logprobs)
-    session = Session(verifier, tokenizer, decoding, seed=seed)
+    decoding, source = _decoding(model, decoder, overrides, sampler, autoregressive, logprobs)
+    session = Session(decoder, tokenizer, decoding, seed=seed)
     if isinstance(model, Model):  # a shape no keyword chose follows the context, as in chat
         follow_context(session, model.runtime, source, temp=temperature(sampler))
     steps = session.generate(
@@ -281,17 +281,17 @@ def batch_generate(
     :class:`BatchResponse`. ``max_tokens``: one budget, or one per prompt."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    verifier = _verifier(model, drafter)
+    decoder = _decoder(model, drafter)
     overrides = _overrides(beam_width, beam_length, min_prob, search_width, lookup)
-    decoding, _ = _decoding(model, verifier, overrides, sampler, autoregressive, False)
-    verifier.warm_up(decoding)
+    decoding, _ = _decoding(model, decoder, overrides, sampler, autoregressive, False)
+    decoder.warm_up(decoding)
     if seed is not None:
         mx.random.seed(seed)
     ids = [_prompt_ids(tokenizer, p) for p in prompts]
     budgets = [max_tokens] * len(ids) if isinstance(max_tokens, int) else list(max_tokens)
     tic = time.perf_counter()
     answers = answer_together(
-        verifier, tokenizer, ids, decoding, max_tokens=budgets, stop_strings=stop_strings
+        decoder, tokenizer, ids, decoding, max_tokens=budgets, stop_strings=stop_strings
     )
     wall = time.perf_counter() - tic
     texts = ["".join(r.text for r in answer) for answer in answers]

@@ -104,7 +104,7 @@ def reference(runtime):
             ids = runtime.tokenizer.encode(prompt)
         else:
             ids = rt.encode_chat(runtime, prompt)
-        session = Session(runtime.verifier, runtime.tokenizer, plain, warm=False)
+        session = Session(runtime.decoder, runtime.tokenizer, plain, warm=False)
         steps = list(session.generate(ids, max_tokens=max_tokens))
         return "".join(s.text for s in steps), steps[-1].finish_reason
 

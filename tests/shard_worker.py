@@ -51,8 +51,8 @@ def lead(runtime) -> dict[str, list[int]]:
     after it (the ranks still in step)."""
     out = {}
     for name, decoding in cases():
-        runtime.verifier.warm_up(decoding)
-        session = session_for(runtime.verifier, runtime.tokenizer, decoding, seed=7, warm=False)
+        runtime.decoder.warm_up(decoding)
+        session = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=7, warm=False)
         if name == "sampled":
             import mlx.core as mx
 
@@ -61,7 +61,7 @@ def lead(runtime) -> dict[str, list[int]]:
         out[name] = first
         if name in ("drafter", "sampled"):
             out[f"{name}+turn"] = answer(session, PROMPT + first + MORE, decoding)
-    session = session_for(runtime.verifier, runtime.tokenizer, cases()[0][1], warm=False)
+    session = session_for(runtime.decoder, runtime.tokenizer, cases()[0][1], warm=False)
     out["stopped"] = answer(session, PROMPT, cases()[0][1], limit=3)
     out["after-stopped"] = answer(session, PROMPT + MORE, cases()[0][1])
     return out
@@ -82,7 +82,7 @@ def run(model: str, drafter: str, shard: str, out: Path) -> None:
         if orders is not None:
             orders.stop()
     else:
-        result = follow(runtime.verifier, runtime.tokenizer, orders)
+        result = follow(runtime.decoder, runtime.tokenizer, orders)
     (out / f"rank{rank}-{shard}.json").write_text(json.dumps(result))
 
 

@@ -88,7 +88,7 @@ def runtime(target, drafter, tmp_path, monkeypatch):
 
 def test_a_session_answers_with_its_bands_decoding_and_an_explicit_choice_ends_them(runtime):
     base = Decoding(Mode.REDRAFTER, W1L2, greedy)
-    session = Session(runtime.verifier, runtime.tokenizer, base, warm=False)
+    session = Session(runtime.decoder, runtime.tokenizer, base, warm=False)
     warmed = []
     bands = ContextBands(((0, W1L2), (100, W2L4), (300, None)))
     session.by_context = profiles.decoding_by_context(bands, base, warmed.append)
@@ -110,7 +110,7 @@ def test_follow_context_installs_a_profiles_bands_only_for_a_profiles_shape(runt
     profiles.save_profile(key, entry)
     decoding = Decoding(Mode.REDRAFTER, W1L2, greedy)
     for source, follows in (("autotune profile", True), ("flags", False)):
-        session = Session(runtime.verifier, None, decoding, warm=False)
+        session = Session(runtime.decoder, None, decoding, warm=False)
         assert (profiles.follow_context(session, runtime, source) == bands) is follows
         assert (session.by_context is not None) is follows
 
@@ -120,9 +120,9 @@ def test_the_default_shape_decodes_plainly_from_the_plans_plain_from(runtime):
     a plan without one keeps the shape at every length, and flags are never overridden."""
     decoding = Decoding(Mode.REDRAFTER, W1L2, greedy)
     warmed = []
-    verifier = SimpleNamespace(warm_up=warmed.append)
-    with_cut = SimpleNamespace(plan=replace(runtime.plan, plain_from=300), verifier=verifier)
-    session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+    decoder = SimpleNamespace(warm_up=warmed.append)
+    with_cut = SimpleNamespace(plan=replace(runtime.plan, plain_from=300), decoder=decoder)
+    session = Session(runtime.decoder, runtime.tokenizer, decoding, warm=False)
     bands = profiles.follow_context(session, with_cut, "default")
     assert bands == ContextBands(((0, W1L2), (300, None)))
     assert session.decoding_at(299) is decoding
@@ -131,8 +131,8 @@ def test_the_default_shape_decodes_plainly_from_the_plans_plain_from(runtime):
     responses = list(session.generate(list(range(5, 40)) * 10, max_tokens=4))  # 350 tokens
     assert set(responses[-1].stats.tree_sizes) <= {1}
     for plan, source in ((replace(runtime.plan, plain_from=None), "default"), (None, "flags")):
-        plain = SimpleNamespace(plan=plan or with_cut.plan, verifier=verifier)
-        session = Session(runtime.verifier, None, decoding, warm=False)
+        plain = SimpleNamespace(plan=plan or with_cut.plan, decoder=decoder)
+        session = Session(runtime.decoder, None, decoding, warm=False)
         assert profiles.follow_context(session, plain, source) is None
         assert session.by_context is None
 
@@ -146,15 +146,15 @@ def test_context_costs_time_each_shape_and_a_token_at_each_length(runtime):
 def test_generate_answers_past_plain_from_plainly_and_says_so(target, drafter, monkeypatch, capsys):
     """`generate` with the default shape: a prompt shorter than the plan's plain_from
     speculates, a longer one decodes plainly (the same tokens), and its header says why."""
-    from redrafter_mlx.backend.plan import build_verifier, plan_for
+    from redrafter_mlx.backend.plan import build_decoder, plan_for
     from redrafter_mlx.cli import generate
     from redrafter_mlx.io import runtime as rt
 
     plan = replace(plan_for(), plain_from=100)
     beam = BeamDrafter(drafter, target.model.embed_tokens)
-    verifier = build_verifier(target, beam, plan=plan, max_context=600)
+    decoder = build_decoder(target, beam, plan=plan, max_context=600)
     config = {"max_position_embeddings": 600}
-    runtime = rt.Runtime(verifier.model, toy_tokenizer(), config, beam, "tiny", None, verifier)
+    runtime = rt.Runtime(decoder.model, toy_tokenizer(), config, beam, "tiny", None, decoder)
     monkeypatch.setattr(rt, "load_runtime", lambda *a, **k: runtime)
     got = {}
     for length in (50, 150):
@@ -173,5 +173,5 @@ def test_generate_answers_past_plain_from_plainly_and_says_so(target, drafter, m
 
 def generate_plainly(runtime, prompt: list[int], max_tokens: int) -> list[int]:
     decoding = Decoding(Mode.AUTOREGRESSIVE, W1L2, greedy)
-    session = Session(runtime.verifier, runtime.tokenizer, decoding, warm=False)
+    session = Session(runtime.decoder, runtime.tokenizer, decoding, warm=False)
     return [t for r in session.generate(prompt, max_tokens=max_tokens) for t in r.tokens]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from support import decoding_of, verifier_for
+from support import decoder_for, decoding_of
 from support.batching import alone, batched
 from support.families import HYBRIDS, build
 from support.serving import run, tiny_service
@@ -44,13 +44,13 @@ def test_a_batch_of_mixed_modes_answers_each_as_alone_with_one_read_per_step(
     target, drafter, plan, make, monkeypatch
 ):
     beams = BeamDrafter(drafter, target.model.embed_tokens)
-    verifier = verifier_for(target, beams, plan)
+    decoder = decoder_for(target, beams, plan)
     decodings = make(beams)
-    expected = [alone(verifier, d, p, 24) for d, p in zip(decodings, PROMPTS, strict=True)]
+    expected = [alone(decoder, d, p, 24) for d, p in zip(decodings, PROMPTS, strict=True)]
     reads = []
     real = batch.host_read
     monkeypatch.setattr(batch, "host_read", lambda *a, **k: reads.append(1) or real(*a, **k))
-    answers, results = batched(verifier, decodings, PROMPTS, 24)
+    answers, results = batched(decoder, decodings, PROMPTS, 24)
     assert answers == expected
     assert len(reads) == len(results)  # one host read per batch step, whatever B
     assert all(step.syncs == 1 for steps in results for step in steps)
@@ -97,22 +97,22 @@ def test_a_bounded_batch_shares_its_rows_and_a_member_alone_gets_its_tree_back(t
 
     beams = BeamDrafter(drafter, target.model.embed_tokens)
     plan = dataclasses.replace(GENERIC_PLAN, batch_rows=4)
-    verifier = verifier_for(target, beams, plan)
+    decoder = decoder_for(target, beams, plan)
     decoding = decoding_of(beams, BeamShape(1, 3, lookup=1))  # up to 5 nodes
-    expected = [alone(verifier, decoding, p, 20) for p in PROMPTS[:2]]
-    answers, results = batched(verifier, [decoding] * 2, PROMPTS[:2], 20)
+    expected = [alone(decoder, decoding, p, 20) for p in PROMPTS[:2]]
+    answers, results = batched(decoder, [decoding] * 2, PROMPTS[:2], 20)
     assert answers == expected
     assert max(s.tree_size for steps in results for s in steps) <= 2
     members = [
-        batch.Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0]) for p in PROMPTS[2:]
+        batch.Member(decoder.prefill(decoder.new_sequence(), p, decoding)[0]) for p in PROMPTS[2:]
     ]
     members[1].key = batch.key_value(np.array(batch.current_key()))
     sizes = [[], []]
     for _ in range(8):
-        for size, step in zip(sizes, batch.batch_step(verifier, members), strict=True):
+        for size, step in zip(sizes, batch.batch_step(decoder, members), strict=True):
             size.append(step.tree_size)
     assert max(sizes[0]) <= 2 < max(sizes[1])  # the seeded member's trees are its own
-    alone_sizes = [batch.batch_step(verifier, members[:1])[0].tree_size for _ in range(8)]
+    alone_sizes = [batch.batch_step(decoder, members[:1])[0].tree_size for _ in range(8)]
     assert max(alone_sizes) > 2
     assert members[0].state.decoding == decoding
 
@@ -129,19 +129,19 @@ def test_warm_up_traces_the_shapes_a_bounded_batch_fits_trees_to(target, drafter
 
     beams = BeamDrafter(drafter, target.model.embed_tokens)
     plan = dataclasses.replace(GENERIC_PLAN, batch_rows=4)
-    verifier = verifier_for(target, beams, plan)
+    decoder = decoder_for(target, beams, plan)
     decoding = decoding_of(beams, BeamShape(2, 3))
     assert batch.fitted(decoding, 2) == decoding_of(beams, BeamShape(1, 2))
-    verifier.warm_up(decoding)
-    warm_up(verifier, [decoding], max_batch=2)
+    decoder.warm_up(decoding)
+    warm_up(decoder, [decoding], max_batch=2)
     members = [
-        batch.Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0]) for p in PROMPTS[:2]
+        batch.Member(decoder.prefill(decoder.new_sequence(), p, decoding)[0]) for p in PROMPTS[:2]
     ]
     compiled = []
     real = mx.compile
     monkeypatch.setattr(mx, "compile", lambda *a, **k: compiled.append(a) or real(*a, **k))
     for _ in range(3):
-        assert max(s.tree_size for s in batch.batch_step(verifier, members)) <= 2
+        assert max(s.tree_size for s in batch.batch_step(decoder, members)) <= 2
     assert not compiled
 
 
@@ -152,49 +152,49 @@ def test_hybrid_members_run_their_recurrent_layers_as_one_batch_exactly(family, 
     from redrafter_mlx.core import joint
 
     model = build(family)
-    verifier = verifier_for(model)
+    decoder = decoder_for(model)
     decodings = [
         decoding_of(None, BeamShape(1, 3, lookup=2)),
         decoding_of(None, BeamShape(1, 2), autoregressive=True),
         decoding_of(None, BeamShape(1, 4, lookup=2)),
     ]
     prompts = [[3, 14, 15, 9, 26, 5, 35, 3, 14, 15], [1, 2, 3], [4, 5, 6, 4, 5, 6, 4]]
-    expected = [alone(verifier, d, p, 12) for d, p in zip(decodings, prompts, strict=True)]
+    expected = [alone(decoder, d, p, 12) for d, p in zip(decodings, prompts, strict=True)]
     runs = {"_alone": [], "_by_depth": []}
     for name, calls in runs.items():
         real = getattr(joint.JointStateSlot, name)
         monkeypatch.setattr(
             joint.JointStateSlot, name, lambda *a, f=real, c=calls: c.append(1) or f(*a)
         )
-    assert batched(verifier, decodings, prompts, 12)[0] == expected
+    assert batched(decoder, decodings, prompts, 12)[0] == expected
     assert runs["_by_depth"] and not runs["_alone"]
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
 def test_sliding_window_and_hybrid_targets_batch_exactly(family):
     model = build(family)
-    verifier = verifier_for(model)
+    decoder = decoder_for(model)
     decodings = [
         decoding_of(None, BeamShape(1, 3, lookup=2)),
         decoding_of(None, BeamShape(1, 2), autoregressive=True),
     ] * 2
     prompts = [[3, 14, 15, 9, 26, 5, 35], [1, 2, 3], [4, 5, 6, 7], [9, 9]]
-    expected = [alone(verifier, d, p, 16) for d, p in zip(decodings, prompts, strict=True)]
-    assert batched(verifier, decodings, prompts, 16)[0] == expected
+    expected = [alone(decoder, d, p, 16) for d, p in zip(decodings, prompts, strict=True)]
+    assert batched(decoder, decodings, prompts, 16)[0] == expected
 
 
 def test_a_full_context_ends_its_member_and_the_others_step_on(target, drafter):
     beams = BeamDrafter(drafter, target.model.embed_tokens)
-    verifier = verifier_for(target, beams, CPU_PLAN, max_context=24)
+    decoder = decoder_for(target, beams, CPU_PLAN, max_context=24)
     decodings = mixed_decodings(beams)[:2]
     long, short = list(range(1, 20)), [5, 6]
     members = [
-        batch.Member(verifier.prefill(verifier.new_sequence(), p, d)[0])
+        batch.Member(decoder.prefill(decoder.new_sequence(), p, d)[0])
         for d, p in zip(decodings, [long, short], strict=True)
     ]
     ended = None
     for _ in range(30):
-        steps = batch.batch_step(verifier, members if ended is None else members[1:])
+        steps = batch.batch_step(decoder, members if ended is None else members[1:])
         if ended is None and isinstance(steps[0], ContextFull):
             ended = steps[0]
         if ended is not None and any(isinstance(s, ContextFull) for s in steps):
@@ -209,7 +209,7 @@ def test_seeded_members_draw_what_they_draw_alone(target, drafter):
     from redrafter_mlx.core.accept import make_sampler
 
     beams = BeamDrafter(drafter, target.model.embed_tokens)
-    verifier = verifier_for(target, beams, CPU_PLAN)
+    decoder = decoder_for(target, beams, CPU_PLAN)
     sampler = make_sampler(0.9)
     decodings = [
         decoding_of(beams, BeamShape(2, 3), sampler),
@@ -218,13 +218,13 @@ def test_seeded_members_draw_what_they_draw_alone(target, drafter):
     expected = []
     for seed, d, p in zip((5, 6), decodings, PROMPTS[:2], strict=True):
         mx.random.seed(seed)
-        expected.append(alone(verifier, d, p, 20))
+        expected.append(alone(decoder, d, p, 20))
     mx.random.seed(123)  # another request's draws: a member's key is its own
     mx.random.uniform(shape=(7,))
-    assert _keyed_answers(verifier, decodings, PROMPTS[:2], (5, 6), 20) == expected
+    assert _keyed_answers(decoder, decodings, PROMPTS[:2], (5, 6), 20) == expected
 
 
-def _keyed_answers(verifier, decodings, prompts, seeds, n):
+def _keyed_answers(decoder, decodings, prompts, seeds, n):
     """Each member prefilled from its own seed, then stepped together with its own key."""
     import mlx.core as mx
     import numpy as np
@@ -232,11 +232,11 @@ def _keyed_answers(verifier, decodings, prompts, seeds, n):
     members, tokens = [], []
     for seed, decoding, prompt in zip(seeds, decodings, prompts, strict=True):
         mx.random.seed(seed)
-        state, first = verifier.prefill(verifier.new_sequence(), prompt, decoding)
+        state, first = decoder.prefill(decoder.new_sequence(), prompt, decoding)
         members.append(batch.Member(state, batch.key_value(np.array(batch.current_key()))))
         tokens.append([] if first is None else list(first.tokens))
     while min(len(t) for t in tokens) < n:
-        for answer, step in zip(tokens, batch.batch_step(verifier, members), strict=True):
+        for answer, step in zip(tokens, batch.batch_step(decoder, members), strict=True):
             answer += step.tokens
     return [t[:n] for t in tokens]
 
@@ -368,7 +368,7 @@ def test_a_request_joining_the_batch_starts_from_its_conversation_s_cache(target
     finally:
         service.close()
     assert started.cached_tokens >= len(LONG[0]) + len(first_tokens) - 1
-    assert tokens == alone(verifier_for(target), decoding_of(), follow_up, 8)
+    assert tokens == alone(decoder_for(target), decoding_of(), follow_up, 8)
 
 
 def test_a_prompt_past_the_context_fails_alone_and_the_batch_goes_on(target):

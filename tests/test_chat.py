@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import chat_session, decoding_of, make_runtime, tiny_llama, verifier_for
+from support import chat_session, decoder_for, decoding_of, make_runtime, tiny_llama
 from support.chat import EOS, ToyTokenizer, ask, encode_text, session, toy_template
 
 from redrafter_mlx.backend import blas
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def fresh_answer(target, messages: list[dict], max_tokens: int) -> str:
     """The autoregressive answer for ``messages`` from an empty cache (no reuse)."""
     ids = toy_template(messages)
-    chat = Session(verifier_for(target), ToyTokenizer(), decoding_of(), warm=False)
+    chat = Session(decoder_for(target), ToyTokenizer(), decoding_of(), warm=False)
     return "".join(r.text for r in chat.generate(ids, max_tokens=max_tokens))
 
 
@@ -267,7 +267,7 @@ encode, messages, out = encoder(runtime), record["messages"], []
 for i, m in enumerate(messages):
     if m["role"] == "assistant":
         ids = encode(messages[:i])
-        answer = Session(runtime.verifier, runtime.tokenizer, plain, warm=False)
+        answer = Session(runtime.decoder, runtime.tokenizer, plain, warm=False)
         out.append("".join(r.text for r in answer.generate(ids, max_tokens=int(sys.argv[2]))))
 print(json.dumps(out))
 """
@@ -762,7 +762,7 @@ def test_an_answer_its_context_band_decodes_plainly_says_so_in_its_stats_line(lo
     chat = small_session(model, beam, max_tokens=5)
     inner = chat.session
     bands = ContextBands(((0, inner.decoding.shape), (12, None)))
-    inner.by_context = decoding_by_context(bands, inner.decoding, inner.verifier.warm_up)
+    inner.by_context = decoding_by_context(bands, inner.decoding, inner.decoder.warm_up)
     ui = chat_ui(chat)
     ui.answer("abc")  # a short first prompt: the shape
     assert not chat.last.plain_here and "plain decoding" not in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p, make_sampler
-from support import decoding_of, run_steps, tiny_llama, verifier_for
+from support import decoder_for, decoding_of, run_steps, tiny_llama
 from support.decoding import (
     PADDED,
     VOCAB,
@@ -364,33 +364,33 @@ def test_sampling_matches_target_distribution(temp, top_p, width, search):
 
 
 @pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
-def test_a_verifier_leaves_the_callers_model_as_it_was(plan):
-    """The verifier runs a copy (RoPE wrapped, weights fused on the CPU plan) sharing the
+def test_a_decoder_leaves_the_callers_model_as_it_was(plan):
+    """The decoder runs a copy (RoPE wrapped, weights fused on the CPU plan) sharing the
     arrays: the model passed in keeps its modules, its weights and its plain attributes."""
     from mlx.utils import tree_flatten
 
-    from redrafter_mlx.backend.plan import build_verifier
+    from redrafter_mlx.backend.plan import build_decoder
 
     model = tiny_llama(seed=5)
     before = {k: id(v) for k, v in tree_flatten(model.parameters())}
     modules = [id(m) for _, m in model.named_modules()]
     attributes = dict(vars(model))
-    verifier = build_verifier(model, plan=plan)
+    decoder = build_decoder(model, plan=plan)
     take(run_steps(model, [3, 5, 7], plan=plan), 8)
     assert {k: id(v) for k, v in tree_flatten(model.parameters())} == before
     assert [id(m) for _, m in model.named_modules()] == modules
     assert vars(model) == attributes
-    assert verifier.model is not model
+    assert decoder.model is not model
 
 
 def test_prompts_run_uncompiled_and_only_decode_steps_compile(traces):
     model = tiny_llama(seed=5)
-    verifier = verifier_for(model, plan=CPU_PLAN)
+    decoder = decoder_for(model, plan=CPU_PLAN)
     decoding = decoding_of()
-    cache = verifier.new_sequence()
-    state, _ = verifier.prefill(cache, [3, 5, 7, 11, 13], decoding)  # any prompt length
+    cache = decoder.new_sequence()
+    state, _ = decoder.prefill(cache, [3, 5, 7, 11, 13], decoding)  # any prompt length
     assert not traces  # no kernels built for the prompt
-    verifier.step(state)  # a one-token decode step runs the compiled halves
+    decoder.step(state)  # a one-token decode step runs the compiled halves
     assert traces
 
 
@@ -400,8 +400,8 @@ def test_warm_up_traces_every_tree_size_before_the_answer(traces, shape):
     compile mid-answer runs g++ on the CPU backend, which loses Ctrl-C)."""
     model = tiny_llama(seed=11, vocab=16)  # small vocab: drafts often merge and get accepted
     drafter = BeamDrafter(random_drafter(64, 16, seed=12), model.model.embed_tokens)
-    verifier = verifier_for(model, drafter, CPU_PLAN)
-    verifier.warm_up(decoding_of(drafter, shape))
+    decoder = decoder_for(model, drafter, CPU_PLAN)
+    decoder.warm_up(decoding_of(drafter, shape))
     warmed = len(traces)
     sizes = set()
     for seed in range(4):
@@ -438,13 +438,13 @@ def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
     model = tiny_llama(seed=11)
     drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
     shape = BeamShape(16, 4)  # up to 49 nodes: trees beyond the compiled 32 rows
-    verifier = verifier_for(model, drafter)
-    verifier.warm_up(decoding_of(drafter, shape, our_sampler(0.8)))
+    decoder = decoder_for(model, drafter)
+    decoder.warm_up(decoding_of(drafter, shape, our_sampler(0.8)))
     warmed, seen[:] = set(seen), []
     for seed in range(3):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=5)]
         take(run_steps(model, prompt, drafter, shape, our_sampler(0.8)), 24)
-    assert max(seen) > verifier.plan.compiled_max_rows and set(seen) <= warmed
+    assert max(seen) > decoder.plan.compiled_max_rows and set(seen) <= warmed
 
 
 def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():
@@ -453,7 +453,7 @@ def test_warm_up_keeps_a_seeded_stream_where_the_seed_put_it():
 
     def answer(warm: bool) -> list[int]:
         decoding = decoding_of(drafter, BeamShape(2, 3), our_sampler(1.0))
-        session = Session(verifier_for(model, drafter), None, decoding, seed=7, warm=warm)
+        session = Session(decoder_for(model, drafter), None, decoding, seed=7, warm=warm)
         return take(session.steps(PROMPT), 32)[0]
 
     assert answer(warm=True) == answer(warm=False)
@@ -468,7 +468,7 @@ def test_timing_steps_mid_answer_changes_nothing(temp):
 
     def answer(timed: bool) -> tuple[list[int], list[int]]:
         decoding = decoding_of(drafter, BeamShape(3, 4), our_sampler(temp))
-        session = Session(verifier_for(model, drafter), None, decoding, seed=7, warm=False)
+        session = Session(decoder_for(model, drafter), None, decoding, seed=7, warm=False)
         cache = session.sequence
         steps = session.steps(PROMPT)
         first, _ = take(steps, 12)

@@ -233,13 +233,13 @@ def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
 
 
 def test_beams_longer_than_the_block_are_refused_before_decoding(tmp_path, qwen3):
-    from support import decoding_of, verifier_for
+    from support import decoder_for, decoding_of
 
     drafter = load_dflash(dflash_folder(tmp_path / "d", block=6), qwen3)
-    verifier = verifier_for(qwen3, drafter)
-    verifier.check(decoding_of(drafter, BeamShape(4, 6)))
+    decoder = decoder_for(qwen3, drafter)
+    decoder.check(decoding_of(drafter, BeamShape(4, 6)))
     with pytest.raises(ValueError, match="beam length 7 exceeds the DFlash drafter's block size 6"):
-        verifier.check(decoding_of(drafter, BeamShape(4, 7)))
+        decoder.check(decoding_of(drafter, BeamShape(4, 7)))
 
 
 def test_a_reused_prefix_leaves_the_context_as_a_fresh_prompt_does(tmp_path, qwen3):

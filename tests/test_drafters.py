@@ -12,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from support import (
+    decoder_for,
     decoding_of,
     run_steps,
     tiny_llama,
     tiny_model_folder,
     toy_tokenizer,
-    verifier_for,
 )
 from support.decoding import take
 
@@ -549,8 +549,8 @@ def test_a_layered_drafter_drafts_from_the_taps_training_extracts(deep_target, p
     (``training/taps.py``): decoding reads what training learnt from, at no extra forward."""
 
     drafter = layered_drafter(deep_target, layers=(1, 2))
-    verifier = verifier_for(deep_target, drafter, getattr(plans, plan_name))
-    sequence = verifier.new_sequence()
+    decoder = decoder_for(deep_target, drafter, getattr(plans, plan_name))
+    sequence = decoder.new_sequence()
 
     def expected_beams(ids):
         with tapped(deep_target, (1, 2)) as got:
@@ -560,14 +560,14 @@ def test_a_layered_drafter_drafts_from_the_taps_training_extracts(deep_target, p
         context = drafter.drafter.fuse(hidden[-1:], features[-1:])[0]
         return int(pending), np.array(drafter(context, pending, width=3, length=4)[0])
 
-    state, _ = verifier.prefill(
+    state, _ = decoder.prefill(
         sequence, [5, 17, 33, 2, 41, 8, 9], decoding_of(drafter, BeamShape(3, 4))
     )
     for _ in range(4):  # after the prompt, then after steps (the last accepted path row's taps)
         pending, beams = expected_beams(list(sequence.ids))
         assert state.pending == pending
         np.testing.assert_array_equal(state.drafted, beams)
-        state, _ = verifier.step(state)
+        state, _ = decoder.step(state)
 
 
 def test_a_layered_drafter_round_trips_and_old_drafters_keep_loading(tmp_path, deep_target):

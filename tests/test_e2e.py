@@ -10,7 +10,7 @@ import sys
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from support import decoding_of, verifier_for
+from support import decoder_for, decoding_of
 
 from redrafter_mlx.core.accept import greedy
 from redrafter_mlx.core.draft import BeamDrafter
@@ -44,7 +44,7 @@ def chat_ids(tokenizer, text):
 
 def generate_tokens(model, tokenizer, ids, n, drafter=None, shape=None):
     decoding = decoding_of(drafter, shape or BeamShape(1, 2), autoregressive=not drafter)
-    session = Session(verifier_for(model, drafter), tokenizer, decoding, warm=False)
+    session = Session(decoder_for(model, drafter), tokenizer, decoding, warm=False)
     out = []
     for r in session.generate(ids, max_tokens=n):
         out += r.tokens

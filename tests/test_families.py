@@ -130,7 +130,7 @@ def conversations(tmp_path_factory):
 
 def generated(runtime, prompt: str, shape: BeamShape, *, autoregressive: bool) -> list[int]:
     mode = runtime.mode(shape, autoregressive=autoregressive)
-    session = Session(runtime.verifier, runtime.tokenizer, decoding(runtime, shape, mode=mode))
+    session = Session(runtime.decoder, runtime.tokenizer, decoding(runtime, shape, mode=mode))
     ids = encode_chat(runtime, [{"role": "user", "content": prompt}])
     return [t for step in session.generate(ids, max_tokens=32) for t in step.tokens]
 

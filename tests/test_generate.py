@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import decoding_of, run_steps, tiny_llama, toy_tokenizer, verifier_for
+from support import decoder_for, decoding_of, run_steps, tiny_llama, toy_tokenizer
 
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
@@ -47,7 +47,7 @@ class Oracle:
 def answer(model, stop_strings, drafter=None, shape=None):
     """The answer to PROMPT (autoregressive without a drafter) in a fresh session."""
     decoding = decoding_of(drafter, shape)
-    session = Session(verifier_for(model, drafter), toy_tokenizer(), decoding, warm=False)
+    session = Session(decoder_for(model, drafter), toy_tokenizer(), decoding, warm=False)
     text, tokens = "", []
     for response in session.generate(PROMPT, max_tokens=40, stop_strings=stop_strings):
         text += response.text
@@ -186,6 +186,6 @@ def test_a_temperature_too_small_to_scale_logits_by_decodes_greedily(model, refe
     drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
     for beams, shape in ((None, None), (drafter, BeamShape(2, 3))):
         decoding = decoding_of(beams, shape, make_sampler(temp))
-        session = Session(verifier_for(model, beams), toy_tokenizer(), decoding, warm=False)
+        session = Session(decoder_for(model, beams), toy_tokenizer(), decoding, warm=False)
         tokens = [t for r in session.generate(PROMPT, max_tokens=40) for t in r.tokens]
         assert tokens == reference[:40]

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache
-from support import decoding_of, run_steps, verifier_for
+from support import decoder_for, decoding_of, run_steps
 from support.chat import ask, session, toy_template
 from support.decoding import assert_drawn_from, first_three_token_probs
 from support.families import (
@@ -284,8 +284,8 @@ def test_timing_steps_leaves_a_hybrid_conversation_as_it_was():
     model = build("nemotron_h")
     hidden, vocab = llm.target_dims(model)
     drafter = BeamDrafter(random_drafter(hidden, vocab, seed=2), llm.embedding(model))
-    verifier = verifier_for(model, drafter)
-    session = Session(verifier, None, decoding_of(drafter, BeamShape(2, 3)), warm=False)
+    decoder = decoder_for(model, drafter)
+    session = Session(decoder, None, decoding_of(drafter, BeamShape(2, 3)), warm=False)
     next(session.steps(PREFIX))  # the prompt, and the first drafts from it
     ids = list(session.sequence.ids)
     time_steps(session, reps=1)

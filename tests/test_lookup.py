@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_sampler
-from support import decoding_of, run_steps, tiny_llama, verifier_for
+from support import decoder_for, decoding_of, run_steps, tiny_llama
 from support.decoding import (
     PADDED,
     VOCAB,
@@ -199,7 +199,7 @@ def test_warm_up_traces_every_tree_size_lookup_beams_make(traces, with_drafter):
     drafter = BeamDrafter(random_drafter(64, 8, seed=4), model.model.embed_tokens)
     shape = BeamShape(2, 3, lookup=3)
     drafter = drafter if with_drafter else None
-    verifier_for(model, drafter, CPU_PLAN).warm_up(decoding_of(drafter, shape))
+    decoder_for(model, drafter, CPU_PLAN).warm_up(decoding_of(drafter, shape))
     warmed, sizes = len(traces), set()
     for seed in range(4):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 8, size=5)]
@@ -220,7 +220,7 @@ def test_timing_a_lookup_step_leaves_the_index_and_cache_as_they_were(small):
     model, drafter = small
     for beams in (drafter, None):
         decoding = decoding_of(beams, BeamShape(2, 4, lookup=3))
-        session = Session(verifier_for(model, beams), None, decoding, warm=False)
+        session = Session(decoder_for(model, beams), None, decoding, warm=False)
         cache, steps = session.sequence, session.steps([1, 2, 3])
         first, _ = take(steps, 12)
         before = (cache.offset, cache.ids)
@@ -231,9 +231,9 @@ def test_timing_a_lookup_step_leaves_the_index_and_cache_as_they_were(small):
 
 def test_without_drafter_or_lookup_there_is_nothing_to_speculate_with(small):
     model, _ = small
-    verifier = verifier_for(model)
+    decoder = decoder_for(model)
     with pytest.raises(ValueError, match="drafter or lookup"):
-        verifier.prefill(verifier.new_sequence(), [1, 2], Decoding(Mode.LOOKUP, BeamShape(2, 4)))
+        decoder.prefill(decoder.new_sequence(), [1, 2], Decoding(Mode.LOOKUP, BeamShape(2, 4)))
     with pytest.raises(ValueError, match="no drafter"):
         Mode.choose(drafter=False, shape=BeamShape(2, 4))
 

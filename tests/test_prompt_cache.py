@@ -5,7 +5,7 @@ room, else the least recently used one; byte bounds drop the least recently used
 from __future__ import annotations
 
 import pytest
-from support import decoding_of, toy_tokenizer, verifier_for
+from support import decoder_for, decoding_of, toy_tokenizer
 
 from redrafter_mlx.core.prompt_cache import TAIL, PromptCache, session_bytes
 from redrafter_mlx.core.session import Session
@@ -17,7 +17,7 @@ B = [40, 41, 42, 43, 44, 45]
 @pytest.fixture
 def new_session(target):
     def new() -> Session:
-        return Session(verifier_for(target), toy_tokenizer(), decoding_of(), warm=False)
+        return Session(decoder_for(target), toy_tokenizer(), decoding_of(), warm=False)
 
     return new
 
@@ -98,7 +98,7 @@ def test_without_room_the_least_recently_used_session_answers_from_what_it_share
     assert got is b and cache.sessions == [a, b]
     answer = [t for r in got.generate(c, max_tokens=6) for t in r.tokens]
     assert got.reused == 3
-    fresh = Session(verifier_for(target), toy_tokenizer(), decoding_of(), warm=False)
+    fresh = Session(decoder_for(target), toy_tokenizer(), decoding_of(), warm=False)
     assert answer == [t for r in fresh.generate(c, max_tokens=6) for t in r.tokens]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import decoding_of, tiny_llama, verifier_for
+from support import decoder_for, decoding_of, tiny_llama
 
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.draft import BeamDrafter
@@ -70,29 +70,29 @@ def test_reuse_prefix_keeps_one_token_to_feed():
 def test_a_spent_state_cannot_step_and_a_restored_one_can():
     model = tiny_llama(seed=2)
     drafter = BeamDrafter(random_drafter(64, 64, seed=3), model.model.embed_tokens)
-    verifier = verifier_for(model, drafter)
-    sequence = verifier.new_sequence()
-    state, _ = verifier.prefill(sequence, PROMPT, decoding_of(drafter, BeamShape(2, 3)))
+    decoder = decoder_for(model, drafter)
+    sequence = decoder.new_sequence()
+    state, _ = decoder.prefill(sequence, PROMPT, decoding_of(drafter, BeamShape(2, 3)))
     mark = sequence.mark()
-    following, step = verifier.step(state)
+    following, step = decoder.step(state)
     with pytest.raises(SpentState):
-        verifier.step(state)
+        decoder.step(state)
     sequence.restore(mark)
-    _, again = verifier.step(state)
+    _, again = decoder.step(state)
     assert again.tokens == step.tokens
     with pytest.raises(SpentState):  # the sequence went back past it
-        verifier.step(following)
+        decoder.step(following)
 
 
 def test_an_autoregressive_state_is_spent_once_stepped():
     model = tiny_llama(seed=2)
-    verifier = verifier_for(model)
-    sequence = verifier.new_sequence()
-    state, first = verifier.prefill(sequence, PROMPT, decoding_of(autoregressive=True))
+    decoder = decoder_for(model)
+    sequence = decoder.new_sequence()
+    state, first = decoder.prefill(sequence, PROMPT, decoding_of(autoregressive=True))
     assert first is None
-    verifier.step(state)
+    decoder.step(state)
     with pytest.raises(SpentState):
-        verifier.step(state)
+        decoder.step(state)
 
 
 @pytest.mark.parametrize("layer", [0, 2])
@@ -100,7 +100,7 @@ def test_taps_equal_the_model_run_to_that_layer(layer):
     """A forward's tap of layer i is the residual stream after layer i, as mlx-lm's own layers
     compute it; the final hidden state is unchanged by tapping."""
     model = tiny_llama(seed=4, layers=3)
-    forward = verifier_for(model).forward
+    forward = decoder_for(model).forward
     tokens = mx.array(PROMPT)
     positions = mx.arange(len(PROMPT))
     plain = forward(tokens, positions, llm.CAUSAL, llm.new_sequence(model), compiled=False)
@@ -120,7 +120,7 @@ def test_taps_of_a_verified_tree_step():
     """Tapping a compiled one-token step (what a drafter reading several layers asks of
     each verify forward) gives the same as tapping the prompt's last position."""
     model = tiny_llama(seed=4, layers=3)
-    forward = verifier_for(model).forward
+    forward = decoder_for(model).forward
     whole, taps, last = llm.new_sequence(model), {1: None}, {1: None}
     forward(mx.array(PROMPT), mx.arange(len(PROMPT)), llm.CAUSAL, whole, compiled=False, taps=taps)
     sequence = fed(model, PROMPT[:-1])

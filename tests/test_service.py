@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from support import toy_tokenizer, verifier_for
+from support import decoder_for, toy_tokenizer
 from support.serving import reference_tokens, run, tiny_service
 
 from redrafter_mlx.core.draft import BeamDrafter
@@ -52,7 +52,7 @@ def test_a_prompt_that_cannot_be_encoded_fails_alone(target):
     def setup() -> Engine:
         shape = BeamShape(2, 3)
         return Engine(
-            verifier_for(target), toy_tokenizer(), encode, Mode.AUTOREGRESSIVE, shape, shape
+            decoder_for(target), toy_tokenizer(), encode, Mode.AUTOREGRESSIVE, shape, shape
         )
 
     service = GenerationService(setup)
@@ -90,8 +90,8 @@ def test_each_request_runs_at_the_shape_its_temperature_picks_and_a_seed_repeats
     beams = BeamDrafter(drafter, target.model.embed_tokens)
 
     def setup() -> Engine:
-        verifier = verifier_for(target, beams)
-        return Engine(verifier, toy_tokenizer(), list, Mode.REDRAFTER, greedy_shape, sampling_shape)
+        decoder = decoder_for(target, beams)
+        return Engine(decoder, toy_tokenizer(), list, Mode.REDRAFTER, greedy_shape, sampling_shape)
 
     service = GenerationService(setup)
     service.start()
@@ -145,7 +145,7 @@ def test_a_prompt_past_its_band_decodes_plainly_and_says_so(target, drafter, max
     def setup() -> Engine:
         bands = {False: Bands(shape, 8)}
         return Engine(
-            verifier_for(target, beams), toy_tokenizer(), list, Mode.REDRAFTER, shape, shape, bands
+            decoder_for(target, beams), toy_tokenizer(), list, Mode.REDRAFTER, shape, shape, bands
         )
 
     service = GenerationService(setup, max_batch=max_batch)

@@ -1,11 +1,11 @@
-"""core/session.py: a conversation over one verifier. Each turn reuses the longest cached prefix
+"""core/session.py: a conversation over one decoder. Each turn reuses the longest cached prefix
 and answers as a fresh cache would; a decoding change is checked, then warmed up; an answer
 stopped early (closed, or cancelled during its prompt) leaves the conversation usable."""
 
 from __future__ import annotations
 
 import pytest
-from support import decoding_of, toy_tokenizer, verifier_for
+from support import decoder_for, decoding_of, toy_tokenizer
 
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.draft import BeamDrafter
@@ -19,8 +19,8 @@ FIRST = [5, 6, 7, 8, 9]
 
 def new_session(target, drafter=None, shape=None, **kwargs) -> Session:
     """A session over the tiny target, autoregressive without a drafter."""
-    verifier = verifier_for(target, drafter, kwargs.pop("plan", None))
-    return Session(verifier, toy_tokenizer(), decoding_of(drafter, shape), warm=False, **kwargs)
+    decoder = decoder_for(target, drafter, kwargs.pop("plan", None))
+    return Session(decoder, toy_tokenizer(), decoding_of(drafter, shape), warm=False, **kwargs)
 
 
 def answer(session: Session, ids: list[int], max_tokens: int = 8, **kwargs) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models import llama
 from support import shared_data, write_conversations
 
-from redrafter_mlx.backend.plan import build_verifier
+from redrafter_mlx.backend.plan import build_decoder
 from redrafter_mlx.cli import train as T
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
@@ -532,7 +532,7 @@ def test_paths_cache_is_per_target_and_refuses_a_foreign_file(trained, tmp_path,
         assert len(decoded) - before == fresh
     cache.write_text('{"prompt": "not a cache"}\n{"x": 1}\n')
     with pytest.raises(E.PathsCacheError, match="not a paths cache"):
-        E.load_paths(build_verifier(model), CharTokenizer(), ["ab"], 8, cache)
+        E.load_paths(build_decoder(model), CharTokenizer(), ["ab"], 8, cache)
 
 
 def test_self_distillation_records_are_the_targets_greedy_path():

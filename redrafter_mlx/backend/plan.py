@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from redrafter_mlx.backend.fused import FusedForward, has_llama_layers
 from redrafter_mlx.backend.switches import cpu_tuning_enabled
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.llm import Forward
 from redrafter_mlx.core.plan import Plan
@@ -65,14 +65,14 @@ def make_forward(model: nn.Module, plan: Plan = GENERIC_PLAN) -> Forward:
     return Forward(model)
 
 
-def build_verifier(
+def build_decoder(
     model: nn.Module,
     drafter: BeamDrafter | None = None,
     *,
     plan: Plan | None = None,
     max_context: int | None = None,
-) -> Verifier:
-    """The :class:`Verifier` of ``model`` (and ``drafter``) with ``plan`` (default: the plan
+) -> Decoder:
+    """The :class:`Decoder` of ``model`` (and ``drafter``) with ``plan`` (default: the plan
     for where MLX runs now), built once: its forward is prepared and compiled here."""
     plan = plan_for() if plan is None else plan
-    return Verifier(make_forward(model, plan), drafter, plan, max_context)
+    return Decoder(make_forward(model, plan), drafter, plan, max_context)

@@ -288,7 +288,7 @@ class ChatSession:
 
     def room(self) -> int | None:
         """Most tokens a templated conversation may have so that an answer still fits."""
-        context = self.session.verifier.max_context
+        context = self.session.decoder.max_context
         if context is None:
             return None
         # an answer's last steps verify shorter beams: it needs no more room than plain decoding
@@ -762,7 +762,7 @@ def main(args: argparse.Namespace) -> None:
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
-    inner = session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
+    inner = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=args.seed)
     follow_context(inner, runtime, source, temp=args.temp)
     session = ChatSession(
         inner,

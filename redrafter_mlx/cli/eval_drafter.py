@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> None:
     if not any(c is not None for c in categories):
         categories = None
     job = ev.Evaluation(
-        model, tokenizer, drafter, prompts, shapes, args.max_tokens, categories, runtime.verifier
+        model, tokenizer, drafter, prompts, shapes, args.max_tokens, categories, runtime.decoder
     )
     # the target's greedy paths depend on its weights (folder + files) and dtype
     target_id = f"{args.model} {fingerprint(args.model)} {llm.compute_dtype(model)}"

@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> None:
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
-    session = session_for(runtime.verifier, runtime.tokenizer, decoding, seed=args.seed)
+    session = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=args.seed)
     follow_context(session, runtime, source, temp=args.temp)
     if args.raw:
         ids = runtime.tokenizer.encode(prompt)

@@ -168,7 +168,7 @@ def engine_setup(args: argparse.Namespace, loaded: Loaded):
                 if (found := context_bands(runtime, shape, source, temp=temp)) is not None:
                     bands[samples] = found
         return Engine(
-            runtime.verifier, runtime.tokenizer, encoder(runtime), mode, greedy, sampled, bands
+            runtime.decoder, runtime.tokenizer, encoder(runtime), mode, greedy, sampled, bands
         )
 
     return setup

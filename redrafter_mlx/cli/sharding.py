@@ -96,7 +96,7 @@ def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
         return runtime
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the run ends
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (rank 0 alone prints answers)
-    follow(runtime.verifier, runtime.tokenizer, orders)
+    follow(runtime.decoder, runtime.tokenizer, orders)
     raise SystemExit(0)
 
 

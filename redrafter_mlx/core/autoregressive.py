@@ -36,19 +36,19 @@ def first_state(sequence: Sequence, decoding: Decoding, token: mx.array, logits)
     return ChainState(sequence, decoding, token[None], emitted, sequence.version)
 
 
-def chain_step(verifier, state: ChainState) -> tuple[ChainState, Step]:
+def chain_step(decoder, state: ChainState) -> tuple[ChainState, Step]:
     """Emit ``state``'s pending token and start the next one's forward.
 
     Each emitted token is in the sequence (its K/V written, committed) when the step returns,
     but for the last one a full context has no room for.
     """
     sequence, token = state.sequence, state.pending
-    if not verifier.has_room(sequence, 1):
+    if not decoder.has_room(sequence, 1):
         if token is None:  # the context's last token was emitted by the previous step
-            verifier.check_room(sequence, 1)  # raises ContextFull
+            decoder.check_room(sequence, 1)  # raises ContextFull
         value = token.item()  # the context's last token: no K/V needed
         return replace(state, pending=None, steps=state.steps + 1), state.emitted.read([value])
-    choice, _, logits = verifier.next_token(sequence, token, state.decoding.sampler)  # its K/V
+    choice, _, logits = decoder.next_token(sequence, token, state.decoding.sampler)  # its K/V
     emitted = emitted_logprobs(state.decoding, logits, choice)
     mx.async_eval(choice, *emitted.arrays())
     value = token.item()  # host read: this token (the next one is computing)

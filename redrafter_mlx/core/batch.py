@@ -33,7 +33,7 @@ import numpy as np
 
 from redrafter_mlx.core import autoregressive, drafting, speculative
 from redrafter_mlx.core.accept import choose
-from redrafter_mlx.core.decode import State, Verifier
+from redrafter_mlx.core.decode import Decoder, State
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.joint import Segment
@@ -80,15 +80,15 @@ class _Planned:
     tree: speculative.PlannedTree | None  # None: an autoregressive member's one token
 
 
-def batch_step(verifier: Verifier, members: list[Member]) -> list[Step | BaseException]:
+def batch_step(decoder: Decoder, members: list[Member]) -> list[Step | BaseException]:
     """Step every member once (its ``state`` replaced by the next) -> what each emitted, or
     the error that ended it (ContextFull, SpentState): that member is not stepped."""
-    _fit(verifier, members)
+    _fit(decoder, members)
     results: dict[int, Step | BaseException] = {}
     planned: list[tuple[int, _Planned]] = []
     for i, member in enumerate(members):
         try:
-            alone = _plan(verifier, member)
+            alone = _plan(decoder, member)
         except (ContextFull, SpentState) as e:
             results[i] = e
             continue
@@ -96,7 +96,7 @@ def batch_step(verifier: Verifier, members: list[Member]) -> list[Step | BaseExc
             results[i] = alone
         else:
             planned.append((i, alone))
-    for (i, _), step in zip(planned, _step_planned(verifier, [p for _, p in planned]), strict=True):
+    for (i, _), step in zip(planned, _step_planned(decoder, [p for _, p in planned]), strict=True):
         results[i] = step
     return [results[i] for i in range(len(members))]
 
@@ -127,12 +127,12 @@ def fitted(decoding: Decoding, rows: int) -> Decoding:
     )
 
 
-def _fit(verifier: Verifier, members: list[Member]) -> None:
+def _fit(decoder: Decoder, members: list[Member]) -> None:
     """Give each tree member the decoding its share of the plan's ``batch_rows`` allows
     (its own where there is no bound, or it is alone). Seeded members keep their trees: their
     draws, and so their answers, are those they make alone. Drafters with their own drafting
     (a part per sequence) are not fitted."""
-    budget, drafter = verifier.plan.batch_rows, verifier.drafter
+    budget, drafter = decoder.plan.batch_rows, decoder.drafter
     fits = budget is not None and len(members) > 1
     fits = fits and (drafter is None or isinstance(drafter, BeamDrafter))
     for member in members:
@@ -160,7 +160,7 @@ def _refitted(state: speculative.TreeState, decoding: Decoding) -> speculative.T
     )
 
 
-def _plan(verifier: Verifier, member: Member) -> _Planned | Step:
+def _plan(decoder: Decoder, member: Member) -> _Planned | Step:
     """A member's segment, or the step it took alone: an unseeded member alone in the batch
     (the single-sequence step, pipelined where autoregressive), or an autoregressive one at
     the context's end (the single step's rule for its last token)."""
@@ -170,11 +170,11 @@ def _plan(verifier: Verifier, member: Member) -> _Planned | Step:
     sequence = state.sequence
     if isinstance(state, speculative.TreeState):
         state.timer.start()
-        tree = speculative.plan_tree(verifier, state)
-        return _Planned(member, tree.segment(sequence, _taps(verifier)), tree)
-    if not verifier.has_room(sequence, 1) or state.pending is None:
+        tree = speculative.plan_tree(decoder, state)
+        return _Planned(member, tree.segment(sequence, _taps(decoder)), tree)
+    if not decoder.has_room(sequence, 1) or state.pending is None:
         member.seed()
-        member.state, step = verifier.step(state)
+        member.state, step = decoder.step(state)
         if member.key is not None:
             member.key = key_value(np.array(current_key()))  # the context's end: once
         return step
@@ -182,23 +182,23 @@ def _plan(verifier: Verifier, member: Member) -> _Planned | Step:
     return _Planned(member, Segment(sequence, state.pending, positions, None), None)
 
 
-def _taps(verifier: Verifier) -> dict:
-    return dict.fromkeys(drafting.taps_of(verifier.drafter))
+def _taps(decoder: Decoder) -> dict:
+    return dict.fromkeys(drafting.taps_of(decoder.drafter))
 
 
-def _step_planned(verifier: Verifier, planned: list[_Planned]) -> list[Step]:
+def _step_planned(decoder: Decoder, planned: list[_Planned]) -> list[Step]:
     """The joint forward, each member's lazy conclusion, the one read, each member's commit."""
     if not planned:
         return []
     if len(planned) == 1 and planned[0].member.key is None:  # alone: the single step
         member = planned[0].member
         if planned[0].tree is None:
-            member.state, step = verifier.step(member.state)
+            member.state, step = decoder.step(member.state)
             return [step]
-        return [_conclude_alone(verifier, planned[0])]
-    compiled = all(verifier.compiles(p.segment.count, p.member.state.decoding) for p in planned)
-    hidden = verifier.forward.joint([p.segment for p in planned], compiled=compiled)
-    logits = _split(verifier.forward.lm_head(mx.concatenate(hidden)), hidden)
+        return [_conclude_alone(decoder, planned[0])]
+    compiled = all(decoder.compiles(p.segment.count, p.member.state.decoding) for p in planned)
+    hidden = decoder.forward.joint([p.segment for p in planned], compiled=compiled)
+    logits = _split(decoder.forward.lm_head(mx.concatenate(hidden)), hidden)
     parts: list = [None] * len(planned)  # per member: (values, evaluated, finish)
     keys: list = [None] * len(planned)  # a seeded member's key after its draws
     grouped: dict[tuple, list] = {}  # members whose searches run as one
@@ -210,11 +210,11 @@ def _step_planned(verifier: Verifier, planned: list[_Planned]) -> list[Step]:
             state = p.member.state
             state.timer.mark("verify", rows)
             taps = p.segment.taps or {}
-            accepted = speculative.accept_and_stage(verifier, state, p.tree, h, taps, rows)
-            group = search_group(verifier, state.decoding)
+            accepted = speculative.accept_and_stage(decoder, state, p.tree, h, taps, rows)
+            group = search_group(decoder, state.decoding)
             if group is None:  # drafted now, in its own random key's turn
                 drafted = speculative.draft(
-                    verifier, state.decoding, state.sequence, accepted.reading
+                    decoder, state.decoding, state.sequence, accepted.reading
                 )
                 parts[i] = _tree_part(p, accepted.outcome(*drafted))
             else:
@@ -223,7 +223,7 @@ def _step_planned(verifier: Verifier, planned: list[_Planned]) -> list[Step]:
             keys[i] = current_key()
     for group, members in grouped.items():
         for (i, p, accepted), drafted in zip(
-            members, _search(verifier, group, members), strict=True
+            members, _search(decoder, group, members), strict=True
         ):
             parts[i] = _tree_part(p, accepted.outcome(drafted, 0))
     values = [
@@ -241,38 +241,38 @@ def _step_planned(verifier: Verifier, planned: list[_Planned]) -> list[Step]:
     return steps
 
 
-def search_group(verifier: Verifier, decoding) -> tuple | None:
+def search_group(decoder: Decoder, decoding) -> tuple | None:
     """What members whose drafter searches can run as one search share (the search's
     options), or None where a member drafts alone: no drafter pass (lookup beams alone), a
     drafter with per-sequence state or its own drafting, or a search that reads its scores
     per depth (an early stop)."""
-    drafter = verifier.drafter
+    drafter = decoder.drafter
     if not decoding.mode.drafted or getattr(drafter, "draft", None) is not None:
         return None
     if not isinstance(drafter, BeamDrafter):
         return None
-    options = verifier.search_options(decoding.shape)
+    options = decoder.search_options(decoding.shape)
     return None if options.get("min_prob", 0) > 0 else tuple(sorted(options.items()))
 
 
-def _search(verifier: Verifier, group: tuple, members: list) -> list[tuple]:
+def _search(decoder: Decoder, group: tuple, members: list) -> list[tuple]:
     """One beam search for several members (their contexts and pending tokens stacked, padded
     to a power of two: a compiled search is traced once per size) -> each member's drafted
     ``(beams (W, L), log-probs or None)``; a member alone searches as alone."""
     if len(members) == 1:
         _, p, accepted = members[0]
         state = p.member.state
-        return [speculative.draft(verifier, state.decoding, state.sequence, accepted.reading)[0]]
+        return [speculative.draft(decoder, state.decoding, state.sequence, accepted.reading)[0]]
     contexts = mx.stack([accepted.reading.context for _, _, accepted in members])
     pending = mx.stack([accepted.reading.pending for _, _, accepted in members])
     size = search_size(len(members))
     if size > len(members):  # rows of the first member's: searched, never read
         contexts = mx.concatenate([contexts, mx.repeat(contexts[:1], size - len(members), 0)])
         pending = mx.concatenate([pending, mx.repeat(pending[:1], size - len(members), 0)])
-    beams, logprobs, _ = verifier.drafter.search(contexts, pending, **dict(group))
+    beams, logprobs, _ = decoder.drafter.search(contexts, pending, **dict(group))
     drafted = []
     for j, (_, p, _) in enumerate(members):
-        floor = speculative.pruning_logprobs(verifier, p.member.state.decoding, logprobs[j])
+        floor = speculative.pruning_logprobs(decoder, p.member.state.decoding, logprobs[j])
         drafted.append((beams[j], floor))
     return drafted
 
@@ -294,11 +294,11 @@ def _tree_part(p: _Planned, outcome: speculative.Outcome):
     return outcome.values, outcome.evaluated, finish_tree
 
 
-def _conclude_alone(verifier: Verifier, p: _Planned) -> Step:
+def _conclude_alone(decoder: Decoder, p: _Planned) -> Step:
     """A speculative member alone: :func:`speculative.speculative_step` from its planned tree."""
     state = p.member.state
-    hidden, taps, logits = speculative.verify_forward(verifier, state, p.tree)
-    outcome = speculative.conclude(verifier, state, p.tree, hidden, taps, logits)
+    hidden, taps, logits = speculative.verify_forward(decoder, state, p.tree)
+    outcome = speculative.conclude(decoder, state, p.tree, hidden, taps, logits)
     read = host_read(*outcome.values, evaluated=outcome.evaluated)
     state.timer.mark("draft")
     p.member.state, step = speculative.finish(state, p.tree, outcome, read)

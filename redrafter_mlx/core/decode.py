@@ -1,14 +1,14 @@
-"""The decoder: a :class:`Verifier` built once per (target, drafter, plan), a prefill, and a
+"""The decoder: a :class:`Decoder` built once per (target, drafter, plan), a prefill, and a
 step per mode over one :class:`~redrafter_mlx.core.sequence.Sequence`.
 
 Legend: W beam width, L beam length, T tree nodes, S cached tokens, H hidden, V vocab.
 
 ::
 
-    verifier = backend.plan.build_verifier(model, drafter)
-    sequence = verifier.new_sequence()
-    state, first = verifier.prefill(sequence, prompt, Decoding(mode, shape, sampler))
-    state, step = verifier.step(state)          # again and again
+    decoder = backend.plan.build_decoder(model, drafter)
+    sequence = decoder.new_sequence()
+    state, first = decoder.prefill(sequence, prompt, Decoding(mode, shape, sampler))
+    state, step = decoder.step(state)          # again and again
 
 A speculative mode steps a :class:`~redrafter_mlx.core.speculative.TreeState`
 (:mod:`~redrafter_mlx.core.speculative`), the autoregressive mode a
@@ -40,7 +40,7 @@ State = speculative.TreeState | autoregressive.ChainState
 
 
 @dataclass(frozen=True)
-class Verifier:
+class Decoder:
     """A target, its drafter (or None) and the device plan, built once, never changed.
 
     ``forward`` is the target's verify forward (``llm.Forward`` or a plan's own, over a copy of
@@ -222,7 +222,7 @@ class Verifier:
 
         Call it when the shape or sampler is chosen, not mid-answer: on the CPU backend MLX
         runs g++ while compiling, which swallows Ctrl-C. Costs one small forward per compiled
-        size (each is traced once per verifier). Draws from MLX's random stream: re-seed
+        size (each is traced once per decoder). Draws from MLX's random stream: re-seed
         after it where answers must be reproducible.
         """
         self.check(decoding)

@@ -14,7 +14,7 @@ From the marginals the tree is DDTree's (Algorithm 1, best-first): the ``N`` mos
 prefixes under the factorised distribution ``q(u) = prod_i q_i(u_i)``. Every prefix of a top-N
 prefix is in the top N (its score is no lower), and the top ``N`` of depth ``d + 1`` extend the
 top ``N`` of depth ``d``, so a beam search of width ``N`` per depth followed by one top-``N``
-over all depths finds them on the device, without the heap's host loop. They go to the verifier
+over all depths finds them on the device, without the heap's host loop. They go to the decoder
 as ``N`` beams (each the path to one node, continued by token -1 at log-prob -inf, which the
 step prunes away), so the verified tree is exactly those nodes (plus the root).
 """

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.core.accept import greedy, make_sampler
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Answer, Session
@@ -172,14 +172,14 @@ def random_state() -> int:
 
 
 @dataclass(frozen=True)
-class LeadVerifier(Verifier):
-    """Rank 0's :class:`Verifier`: a warm-up (which runs the target) is an order first."""
+class LeadDecoder(Decoder):
+    """Rank 0's :class:`Decoder`: a warm-up (which runs the target) is an order first."""
 
     orders: Orders | None = None
 
     @classmethod
-    def over(cls, verifier: Verifier, orders: Orders) -> LeadVerifier:
-        values = {f.name: getattr(verifier, f.name) for f in fields(verifier)}
+    def over(cls, decoder: Decoder, orders: Orders) -> LeadDecoder:
+        values = {f.name: getattr(decoder, f.name) for f in fields(decoder)}
         return cls(**values, orders=orders)
 
     def warm_up(self, decoding: Decoding) -> None:
@@ -193,10 +193,10 @@ class MirroredSession(Session):
     ranks run the same in their copy of this session. An answer the caller stops reading is
     run to its end (the others do not know it was stopped)."""
 
-    def __init__(self, verifier: LeadVerifier, tokenizer, decoding: Decoding, **options):
-        self.orders = verifier.orders
+    def __init__(self, decoder: LeadDecoder, tokenizer, decoding: Decoding, **options):
+        self.orders = decoder.orders
         self.key = self.orders.register(self)
-        super().__init__(verifier, tokenizer, decoding, **options)
+        super().__init__(decoder, tokenizer, decoding, **options)
 
     def reset(self) -> None:
         self.orders.send({"op": "reset", "session": self.key})
@@ -235,38 +235,38 @@ class MirroredSession(Session):
         raise NotImplementedError("a sharded session answers with generate() only")
 
 
-def session_for(verifier: Verifier, tokenizer, decoding: Decoding, **options) -> Session:
-    """A :class:`MirroredSession` over a lead's verifier, else a plain :class:`Session`."""
-    if isinstance(verifier, LeadVerifier):
-        return MirroredSession(verifier, tokenizer, decoding, **options)
-    return Session(verifier, tokenizer, decoding, **options)
+def session_for(decoder: Decoder, tokenizer, decoding: Decoding, **options) -> Session:
+    """A :class:`MirroredSession` over a lead's decoder, else a plain :class:`Session`."""
+    if isinstance(decoder, LeadDecoder):
+        return MirroredSession(decoder, tokenizer, decoding, **options)
+    return Session(decoder, tokenizer, decoding, **options)
 
 
 # -- the followers
 
 
-def follow(verifier: Verifier, tokenizer, orders: Orders) -> list[list[int]]:
+def follow(decoder: Decoder, tokenizer, orders: Orders) -> list[list[int]]:
     """Run rank 0's orders until it says stop: the tokens of each answer, in order."""
     sessions: dict[int, Session] = {}
     answers = []
     while (order := orders.receive())["op"] != "stop":
         if order["op"] == "warm":
-            verifier.warm_up(decoding_from(order["decoding"]))
+            decoder.warm_up(decoding_from(order["decoding"]))
         elif order["op"] == "reset" and order["session"] in sessions:
             sessions[order["session"]].reset()
         elif order["op"] == "generate":
             for key in set(sessions) - set(order["live"]):
                 del sessions[key]  # the lead dropped it
-            answers.append(_answer(verifier, tokenizer, sessions, order))
+            answers.append(_answer(decoder, tokenizer, sessions, order))
     return answers
 
 
-def _answer(verifier: Verifier, tokenizer, sessions: dict[int, Session], order: dict) -> list:
+def _answer(decoder: Decoder, tokenizer, sessions: dict[int, Session], order: dict) -> list:
     """Run one ``generate`` order in its session (made on first use): the tokens emitted."""
     decoding = decoding_from(order["decoding"])
     key = order["session"]
     if key not in sessions:
-        sessions[key] = Session(verifier, tokenizer, decoding, warm=False)
+        sessions[key] = Session(decoder, tokenizer, decoding, warm=False)
     mx.random.seed(order["random"])
     tokens = []
     steps = sessions[key].generate(

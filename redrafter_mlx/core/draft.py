@@ -202,7 +202,7 @@ class BeamDrafter:
         for part in sequence.parts:
             if isinstance(part, TapsPart) and part.owner is self:
                 return part
-        raise ValueError("this sequence was not made by a verifier of this drafter")
+        raise ValueError("this sequence was not made by a decoder of this drafter")
 
     def __call__(self, context: mx.array, pending: mx.array, **options):
         """:meth:`search`'s beams and log-probs (without its count of host reads)."""

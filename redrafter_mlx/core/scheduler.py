@@ -101,7 +101,7 @@ class Scheduler:
 
     def run(self) -> None:
         """Serve until the service closes and the last answer ends."""
-        with wired_limit(self.service.engine.verifier.model):
+        with wired_limit(self.service.engine.decoder.model):
             while not (self.closing and not self.entries):
                 self._admit()
                 self._prefill_chunk()
@@ -151,7 +151,7 @@ class Scheduler:
             return None
         service.session = session
         decoding = service.engine.decoding_for(request.sampling, request.top_logprobs, len(ids))
-        prefill = session.verifier.prefilling(session.sequence, new, decoding)
+        prefill = session.decoder.prefilling(session.sequence, new, decoding)
         return Entry(job, ids, session, prefill, request.sampling.seed, len(new))
 
     def _prefill_chunk(self) -> None:
@@ -206,7 +206,7 @@ class Scheduler:
             return
         active = list(self.active)
         try:
-            results = batch_step(self.service.engine.verifier, [e.member for e in active])
+            results = batch_step(self.service.engine.decoder, [e.member for e in active])
         except Exception as e:  # a bug: every member's answer fails, the caches are reset
             for entry in active:
                 entry.session.reset()
@@ -249,42 +249,42 @@ class Scheduler:
         self.service.prompt_cache.trim()
 
 
-def warm_up(verifier, decodings=(), max_batch: int = 2) -> None:
+def warm_up(decoder, decodings=(), max_batch: int = 2) -> None:
     """Trace what batch steps of ``decodings`` run that single steps do not, so that no batch
     stops mid-answer to compile: the joint forward's row counts (the plan's tree sizes it pads
     to, up to its compiled limit; the generic plan verifies exact sizes eagerly), the shapes
     the decodings are fitted to in batches of up to ``max_batch`` (the plan's
     ``batch_rows``), and the drafter's joint searches (one per power of two up to
     ``max_batch`` members)."""
-    plan = verifier.plan
-    sequence = verifier.new_sequence()
+    plan = decoder.plan
+    sequence = decoder.new_sequence()
     for size in plan.tree_sizes:
         if 1 < size <= plan.compiled_max_rows:
             tokens, positions = mx.zeros((size,), mx.int32), mx.arange(size)
-            mx.eval(verifier.forward(tokens, positions, chain_mask(0, size), sequence))
+            mx.eval(decoder.forward(tokens, positions, chain_mask(0, size), sequence))
     decodings = list(decodings)
     if plan.batch_rows is not None:
         fits = {fitted(d, plan.batch_rows // b) for d in decodings for b in range(2, max_batch + 1)}
         for decoding in fits - set(decodings):
             if decoding.mode.drafted or decoding.shape.lookup:  # not the root alone: a tree
-                verifier.warm_up(decoding)
+                decoder.warm_up(decoding)
                 decodings.append(decoding)
-    hidden, _ = target_dims(verifier.model)
-    dtype = compute_dtype(verifier.model)
+    hidden, _ = target_dims(decoder.model)
+    dtype = compute_dtype(decoder.model)
     for decoding in decodings:
-        group = search_group(verifier, decoding)
+        group = search_group(decoder, decoding)
         if group is None:
             continue
         for members in range(2, max_batch + 1):
             rows = search_size(members)
             contexts = mx.zeros((rows, hidden), dtype)
             mx.eval(
-                *verifier.drafter.search(contexts, mx.zeros((rows,), mx.int32), **dict(group))[:2]
+                *decoder.drafter.search(contexts, mx.zeros((rows,), mx.int32), **dict(group))[:2]
             )
 
 
 def answer_together(
-    verifier,
+    decoder,
     tokenizer,
     prompts: list[list[int]],
     decoding,
@@ -299,7 +299,7 @@ def answer_together(
     running: list[tuple[int, Member, Feed, Iterator[StepResponse]]] = []
     for i, (prompt, budget) in enumerate(zip(prompts, max_tokens, strict=True)):
         began, feed = time.perf_counter(), Feed()
-        state, first = verifier.prefill(verifier.new_sequence(), prompt, decoding)
+        state, first = decoder.prefill(decoder.new_sequence(), prompt, decoding)
         stream = responses(
             feed,
             tokenizer,
@@ -312,7 +312,7 @@ def answer_together(
         if first is not None and _answer(answers[i], feed, stream, first):
             running.pop()
     while running:
-        results = batch_step(verifier, [member for _, member, _, _ in running])
+        results = batch_step(decoder, [member for _, member, _, _ in running])
         running = [
             entry
             for entry, result in zip(running, results, strict=True)

@@ -91,7 +91,7 @@ class Sequence:
         for part in self.parts:
             if part.owner is owner:
                 return part
-        raise ValueError("this sequence was not made by a verifier of this drafter")
+        raise ValueError("this sequence was not made by a decoder of this drafter")
 
     def arrays(self) -> list[mx.array]:
         """Arrays to evaluate to materialise the sequence (what it holds in memory)."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from redrafter_mlx.core.accept import is_greedy, make_sampler
-from redrafter_mlx.core.decode import Verifier
-from redrafter_mlx.core.distributed import LeadVerifier, session_for
+from redrafter_mlx.core.decode import Decoder
+from redrafter_mlx.core.distributed import LeadDecoder, session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.prompt_cache import PromptCache, check_bounds
@@ -79,12 +79,12 @@ class Request:
 @dataclass
 class Engine:
     """What the worker generates with (built on its thread by the service's ``setup``): the
-    verifier, its tokenizer, ``encode`` (a :data:`Prompt` -> token ids), the decoding mode and
+    decoder, its tokenizer, ``encode`` (a :data:`Prompt` -> token ids), the decoding mode and
     the beam shape for greedy and for sampled requests; ``bands``, where no flag chose a shape,
     the shape per prompt length for greedy (False) and sampled (True) requests (each with
     ``at(tokens) -> BeamShape | None``, None: plain decoding there, and ``starts``)."""
 
-    verifier: Verifier
+    decoder: Decoder
     tokenizer: object
     encode: Callable[[Prompt], list[int]]
     mode: Mode
@@ -131,12 +131,12 @@ class Engine:
         """Compile what requests will run (:meth:`decodings`), so that answers do not stop to
         compile (a request at another temperature may still compile its sampler once)."""
         for decoding in self.decodings():
-            self.verifier.warm_up(decoding)
+            self.decoder.warm_up(decoding)
 
     def new_session(self) -> Session:
         """A conversation's session (each request brings its own decoding)."""
         # a sharded target's lead mirrors its sessions on the other ranks
-        return session_for(self.verifier, self.tokenizer, self.decoding_for(Sampling()), warm=False)
+        return session_for(self.decoder, self.tokenizer, self.decoding_for(Sampling()), warm=False)
 
 
 @dataclass(frozen=True)
@@ -311,14 +311,14 @@ class GenerationService:
             self.engine = self._setup()
             self.engine.warm_up()
             if self.max_batch > 1:
-                warm_up_batches(self.engine.verifier, self.engine.decodings(), self.max_batch)
+                warm_up_batches(self.engine.decoder, self.engine.decodings(), self.max_batch)
             self.prompt_cache = PromptCache(self.engine.new_session, **self._cache_bounds)
         except BaseException as e:  # reported by start(), on the caller's thread
             self._setup_error = e
             return
         finally:
             self._ready.set()
-        if self.max_batch > 1 and not isinstance(self.engine.verifier, LeadVerifier):
+        if self.max_batch > 1 and not isinstance(self.engine.decoder, LeadDecoder):
             Scheduler(
                 self, self.max_batch, self.max_batch_bytes
             ).run()  # a sharded target answers one at a time
@@ -391,10 +391,10 @@ class GenerationService:
             raise ConfigError(f"the prompt cannot be encoded: {e}") from None
         if not ids:
             raise ConfigError("the prompt encodes to no tokens")
-        verifier = self.engine.verifier
-        if not verifier.prompt_fits(len(ids)):
+        decoder = self.engine.decoder
+        if not decoder.prompt_fits(len(ids)):
             raise ContextFull(
-                f"the prompt is {len(ids)} tokens; the model's context is {verifier.max_context} "
+                f"the prompt is {len(ids)} tokens; the model's context is {decoder.max_context} "
                 "(with room for at least one new token)"
             )
         return ids

@@ -1,4 +1,4 @@
-"""A :class:`Session` is one conversation with a :class:`~redrafter_mlx.core.decode.Verifier`:
+"""A :class:`Session` is one conversation with a :class:`~redrafter_mlx.core.decode.Decoder`:
 the :class:`~redrafter_mlx.core.sequence.Sequence` of its tokens, the decoding it runs now
 (mode, beam shape, sampler), warmed up whenever that changes, and generation that reuses the
 longest cached prefix of each prompt.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import Cancelled
 from redrafter_mlx.core.step import Decoding, PhaseTimer, Step
 from redrafter_mlx.core.stream import StepResponse, decode_steps, stream_steps
@@ -31,7 +31,7 @@ class Answer:
 
 
 class Session:
-    """A conversation's sequence and decoding over one verifier.
+    """A conversation's sequence and decoding over one decoder.
 
     ``seed`` re-seeds MLX's generator after each warm-up (whose draws would otherwise shift
     the answers); ``warm``: warm the first decoding up now (False where the caller has
@@ -40,18 +40,18 @@ class Session:
 
     def __init__(
         self,
-        verifier: Verifier,
+        decoder: Decoder,
         tokenizer,
         decoding: Decoding,
         *,
         seed: int | None = None,
         warm: bool = True,
     ):
-        verifier.check(decoding)
-        self.verifier = verifier
+        decoder.check(decoding)
+        self.decoder = decoder
         self.tokenizer = tokenizer
         self.seed = seed
-        self.sequence = verifier.new_sequence()
+        self.sequence = decoder.new_sequence()
         self._decoding = decoding
         self.reused = 0  # prompt tokens the last generation found in the sequence
         # of the prompt tokens the sequence shared, those fed again: recurrent layers keep
@@ -71,8 +71,8 @@ class Session:
 
     def set_decoding(self, decoding: Decoding) -> None:
         """Run ``decoding`` from now on, warmed up (ValueError, and nothing changed, if the
-        verifier cannot run it)."""
-        self.verifier.check(decoding)
+        decoder cannot run it)."""
+        self.decoder.check(decoding)
         self._decoding = decoding
         self.by_context = None  # an explicit choice holds for every answer
         self.warm_up()
@@ -82,8 +82,8 @@ class Session:
         self.set_decoding(replace(self._decoding, **fields))
 
     def warm_up(self) -> None:
-        """Compile what the current decoding runs (:meth:`Verifier.warm_up`), then re-seed."""
-        self.verifier.warm_up(self._decoding)
+        """Compile what the current decoding runs (:meth:`Decoder.warm_up`), then re-seed."""
+        self.decoder.warm_up(self._decoding)
         if self.seed is not None:
             mx.random.seed(self.seed)
 
@@ -131,7 +131,7 @@ class Session:
         """:meth:`generate` with its answer's settings in one record."""
         new = self.prepare(ids)
         steps = stream_steps(
-            self.verifier,
+            self.decoder,
             self.tokenizer,
             new,
             answer.decoding,
@@ -150,4 +150,4 @@ class Session:
         """The raw decode loop after ``ids`` (prefix reused): the prefill's first token, then
         one :class:`Step` per decode step, no stop rule (eval-drafter counts them itself)."""
         new = self.prepare(ids)
-        return decode_steps(self.verifier, self.sequence, new, decoding or self._decoding)
+        return decode_steps(self.decoder, self.sequence, new, decoding or self._decoding)

@@ -46,7 +46,7 @@ class TreeState:
 
 
 def drafted_state(
-    verifier,
+    decoder,
     sequence: Sequence,
     decoding: Decoding,
     context: mx.array,
@@ -57,7 +57,7 @@ def drafted_state(
     """The state of ``pending ()`` drafted from the hidden state ``context (H,)`` (after a
     prompt: its rows are committed), after one host read (``emitted``'s arrays evaluated with
     it)."""
-    drafted, _ = draft(verifier, decoding, sequence, Reading.after_prompt(context, pending))
+    drafted, _ = draft(decoder, decoding, sequence, Reading.after_prompt(context, pending))
     evaluated = () if emitted is None else emitted.arrays()
     read, floor_logprobs = read_step(pending[None], drafted, evaluated)
     beams = _beams(decoding, read[1:])
@@ -67,12 +67,12 @@ def drafted_state(
     )
 
 
-def speculative_step(verifier, state: TreeState) -> tuple[TreeState, Step]:
+def speculative_step(decoder, state: TreeState) -> tuple[TreeState, Step]:
     """One step from ``state``'s pending token, its drafted beams and its lookup beams."""
     state.timer.start()
-    planned = plan_tree(verifier, state)
-    hidden, taps, logits = verify_forward(verifier, state, planned)
-    outcome = conclude(verifier, state, planned, hidden, taps, logits)
+    planned = plan_tree(decoder, state)
+    hidden, taps, logits = verify_forward(decoder, state, planned)
+    outcome = conclude(decoder, state, planned, hidden, taps, logits)
     read = host_read(*outcome.values, evaluated=outcome.evaluated)
     state.timer.mark("draft")
     return finish(state, planned, outcome, read)
@@ -108,9 +108,9 @@ class Outcome:
     draft_syncs: int
 
 
-def plan_tree(verifier, state: TreeState) -> PlannedTree:
+def plan_tree(decoder, state: TreeState) -> PlannedTree:
     """Pack the step's tree (ContextFull when the context has no room for its root)."""
-    beams, tree, size = pack(verifier, state)
+    beams, tree, size = pack(decoder, state)
     offset = state.sequence.offset
     mask = tree_mask(tree, offset)
     positions = mx.array(offset + tree.depths)
@@ -118,23 +118,23 @@ def plan_tree(verifier, state: TreeState) -> PlannedTree:
     return PlannedTree(beams, tree, size, mx.array(tree.tokens), positions, mask)
 
 
-def verify_forward(verifier, state: TreeState, planned: PlannedTree):
+def verify_forward(decoder, state: TreeState, planned: PlannedTree):
     """One target forward over the planned tree (K/V into the sequence's scratch), lazily ->
     ``(hidden (T, H), taps, logits (T, V))``; ``taps``: the outputs ``(T, H)`` of the layers
     the drafter reads."""
-    compiled = verifier.compiles(planned.tree.size, state.decoding)
-    taps = dict.fromkeys(drafting.taps_of(verifier.drafter))
-    hidden = verifier.forward.segment(planned.segment(state.sequence, taps), compiled=compiled)
-    logits = verifier.forward.lm_head(hidden)
+    compiled = decoder.compiles(planned.tree.size, state.decoding)
+    taps = dict.fromkeys(drafting.taps_of(decoder.drafter))
+    hidden = decoder.forward.segment(planned.segment(state.sequence, taps), compiled=compiled)
+    logits = decoder.forward.lm_head(hidden)
     state.timer.mark("verify", logits)
     return hidden, taps, logits
 
 
-def conclude(verifier, state: TreeState, planned: PlannedTree, hidden, taps, logits) -> Outcome:
+def conclude(decoder, state: TreeState, planned: PlannedTree, hidden, taps, logits) -> Outcome:
     """After the verify forward, lazily: accept, stage the accepted path in the sequence, draft
     the next beams from it."""
-    accepted = accept_and_stage(verifier, state, planned, hidden, taps, logits)
-    drafted = draft(verifier, state.decoding, state.sequence, accepted.reading)
+    accepted = accept_and_stage(decoder, state, planned, hidden, taps, logits)
+    drafted = draft(decoder, state.decoding, state.sequence, accepted.reading)
     return accepted.outcome(*drafted)
 
 
@@ -153,13 +153,13 @@ class Accepted:
         return Outcome(values, self.emitted.arrays(), self.emitted, draft_syncs)
 
 
-def accept_and_stage(verifier, state: TreeState, planned: PlannedTree, hidden, taps, logits):
+def accept_and_stage(decoder, state: TreeState, planned: PlannedTree, hidden, taps, logits):
     """Accept, hand the drafter its taps, stage the recurrent state -> :class:`Accepted`."""
     sequence, decoding, beams = state.sequence, state.decoding, planned.beams
     result = accept_tree(state, planned, logits)
     path_tokens = _path_tokens(beams, result) if decoding.any_logprobs else None
     emitted = emitted_logprobs(decoding, logits[result.path], path_tokens)
-    drafting.observe(verifier.drafter, sequence, taps, result.path)
+    drafting.observe(decoder.drafter, sequence, taps, result.path)
     sequence.stage(None, result.last_node)  # the recurrent layers' state (lazily)
     state.timer.mark("compact", *sequence.arrays())
     reading = Reading(
@@ -204,21 +204,21 @@ def finish(
     return new, step
 
 
-def pack(verifier, state: TreeState) -> tuple[np.ndarray, Tree, int]:
+def pack(decoder, state: TreeState) -> tuple[np.ndarray, Tree, int]:
     """The step's beams ``(W + k, L)`` (cut short near the context's end), their packed,
     pruned and padded tree, and its size before padding."""
     sequence, shape = state.sequence, state.decoding.shape
     beams, logprobs = with_lookup(state)
-    verifier.check_room(sequence, 1)  # the root's position
-    room = verifier.room(sequence)
+    decoder.check_room(sequence, 1)  # the root's position
+    room = decoder.room(sequence)
     if room is not None and room < beams.shape[1]:  # near the context's end: shorter
         beams = beams[:, :room]  # beams, so the answer stops where the autoregressive one does
         logprobs = None if logprobs is None else logprobs[:, : room - 1]
     tree = pack_beams(beams)
     if logprobs is not None:
-        tree = prune(tree, logprobs, shape.min_prob, verifier.plan.tree_sizes)
+        tree = prune(tree, logprobs, shape.min_prob, decoder.plan.tree_sizes)
     size = tree.size
-    return beams, pad_tree(tree, verified_size(size, verifier.plan.tree_sizes)), size
+    return beams, pad_tree(tree, verified_size(size, decoder.plan.tree_sizes)), size
 
 
 def accept_tree(state: TreeState, planned: PlannedTree, logits: mx.array):
@@ -235,21 +235,21 @@ def accept_tree(state: TreeState, planned: PlannedTree, logits: mx.array):
     return result
 
 
-def draft(verifier, decoding: Decoding, sequence: Sequence, reading: Reading):
+def draft(decoder, decoding: Decoding, sequence: Sequence, reading: Reading):
     """The drafter's beams ``(W, L)`` (and log-probs) of the decoding's shape from
     ``reading`` (its pending token first), lazily, and the host reads the search made;
     ``(None, None), 0`` without a drafter."""
     if not decoding.mode.drafted:
         return (None, None), 0
-    options = verifier.search_options(decoding.shape)
-    beams, logprobs, syncs = drafting.draft(verifier.drafter, sequence, reading, options)
-    return (beams, pruning_logprobs(verifier, decoding, logprobs)), syncs
+    options = decoder.search_options(decoding.shape)
+    beams, logprobs, syncs = drafting.draft(decoder.drafter, sequence, reading, options)
+    return (beams, pruning_logprobs(decoder, decoding, logprobs)), syncs
 
 
-def pruning_logprobs(verifier, decoding: Decoding, logprobs: mx.array) -> mx.array | None:
+def pruning_logprobs(decoder, decoding: Decoding, logprobs: mx.array) -> mx.array | None:
     """The drafted tokens' log-probs where the tree is pruned by them, else None (nothing
     prunes the tree by them: the read leaves them out)."""
-    if not (decoding.shape.min_prob or drafting.prunes(verifier.drafter)):
+    if not (decoding.shape.min_prob or drafting.prunes(decoder.drafter)):
         return None
     return logprobs
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.step import Decoding, PhaseTimer, Step, TopLogprobs
@@ -168,7 +168,7 @@ def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationRespons
 
 
 def decode_steps(
-    verifier: Verifier,
+    decoder: Decoder,
     sequence: Sequence,
     prompt: list[int],
     decoding: Decoding,
@@ -178,16 +178,16 @@ def decode_steps(
 ) -> Iterator[Step]:
     """The decode loop: the prefill's first token, then one :class:`Step` per decode step,
     until the context is full (ContextFull) or the caller stops iterating."""
-    state, first = verifier.prefill(sequence, prompt, decoding, timer=timer, cancelled=cancelled)
+    state, first = decoder.prefill(sequence, prompt, decoding, timer=timer, cancelled=cancelled)
     if first is not None:
         yield first
     while True:
-        state, step = verifier.step(state)
+        state, step = decoder.step(state)
         yield step
 
 
 def stream_steps(
-    verifier: Verifier,
+    decoder: Decoder,
     tokenizer,
     prompt: list[int],
     decoding: Decoding,
@@ -210,8 +210,8 @@ def stream_steps(
     working set meanwhile (a no-op elsewhere), and returns MLX's cached buffers to the system
     every ``CLEAR_CACHE_EVERY`` steps (each cache growth leaves the old buffers there).
     """
-    steps = decode_steps(verifier, sequence, prompt, decoding, timer=timer, cancelled=cancelled)
-    with wired_limit(verifier.model):
+    steps = decode_steps(decoder, sequence, prompt, decoding, timer=timer, cancelled=cancelled)
+    with wired_limit(decoder.model):
         yield from _stream_steps(steps, tokenizer, len(prompt), max_tokens, stop_strings)
 
 

@@ -1,4 +1,4 @@
-"""A loaded target and drafter (:class:`Runtime`) with the verifier built from them once, and
+"""A loaded target and drafter (:class:`Runtime`) with the decoder built from them once, and
 the :class:`Decoding` (mode, shape, sampler) a command asks of it.
 
 Library code: failures raise :mod:`redrafter_mlx.core.errors` exceptions with one-line messages.
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from redrafter_mlx.backend.plan import build_verifier, plan_for
+from redrafter_mlx.backend.plan import build_decoder, plan_for
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.dflash import DFlashDrafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
@@ -36,9 +36,9 @@ from redrafter_mlx.io.templates import apply_chat_template
 
 @dataclass
 class Runtime:
-    """What a command loaded: the target (``model``, as the verifier runs it: a prepared copy
+    """What a command loaded: the target (``model``, as the decoder runs it: a prepared copy
     of the loaded model, which mlx-lm's own generation runs as it is), its tokenizer and
-    config, the drafter (or None), and the :class:`Verifier` built once from them with the
+    config, the drafter (or None), and the :class:`Decoder` built once from them with the
     device ``plan`` chosen at load time."""
 
     model: nn.Module
@@ -47,7 +47,7 @@ class Runtime:
     drafter: BeamDrafter | Eagle3Drafter | DFlashDrafter | None
     model_id: str
     drafter_id: str | None
-    verifier: Verifier
+    decoder: Decoder
     drafter_choice: DrafterChoice | None = None  # which drafter and why (io/drafters.py)
 
     @property
@@ -56,7 +56,7 @@ class Runtime:
 
     @property
     def plan(self) -> Plan:
-        return self.verifier.plan
+        return self.decoder.plan
 
     def mode(self, shape: BeamShape, *, autoregressive: bool = False) -> Mode:
         """The decoding mode of a run at ``shape`` (:meth:`Mode.choose`)."""
@@ -109,15 +109,15 @@ def load_runtime(
             "--lookup K for lookup beams only, or make one with `redrafter-mlx train`"
         )
     max_context = config.get("max_position_embeddings")
-    verifier = build_verifier(target, beam_drafter, plan=plan, max_context=max_context)
+    decoder = build_decoder(target, beam_drafter, plan=plan, max_context=max_context)
     return Runtime(
-        verifier.model,  # the loaded model is dropped: the verifier's copy shares its weights
+        decoder.model,  # the loaded model is dropped: the decoder's copy shares its weights
         tokenizer,
         config,
         beam_drafter,
         str(model_path),
         None if drafter_path is None else str(drafter_path),
-        verifier,
+        decoder,
         choice,
     )
 
@@ -150,7 +150,7 @@ def decoding(
     mode = runtime.mode(shape) if mode is None else mode
     result = Decoding(mode, shape, make_sampler(temp, top_p=top_p, top_k=top_k))
     try:
-        runtime.verifier.check(result)
+        runtime.decoder.check(result)
     except ValueError as e:
         raise ConfigError(f"{shape.describe()}: {e}") from None
     return result

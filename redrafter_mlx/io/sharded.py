@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from redrafter_mlx.backend.plan import plan_for
-from redrafter_mlx.core.distributed import LeadVerifier, Orders, meet
+from redrafter_mlx.core.distributed import LeadDecoder, Orders, meet
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.io import runtime as rt
 
@@ -77,7 +77,7 @@ def load_runtime(
 ) -> tuple[rt.Runtime, Orders]:
     """Load on every rank: the target sharded (``kind``), the drafter whole. Every rank meets
     after loading (a rank that failed raises its error naming itself, the others
-    :class:`PeerFailed`). Rank 0's verifier sends the orders the others :func:`follow`."""
+    :class:`PeerFailed`). Rank 0's decoder sends the orders the others :func:`follow`."""
     if kind not in SHARDINGS:
         raise ConfigError(f"--shard {kind}: choose one of {', '.join(SHARDINGS)}")
     group = mx.distributed.init()
@@ -96,5 +96,5 @@ def load_runtime(
     meet(group, error)
     orders = Orders(group)
     if orders.lead and orders.size > 1:
-        runtime.verifier = LeadVerifier.over(runtime.verifier, orders)
+        runtime.decoder = LeadDecoder.over(runtime.decoder, orders)
     return runtime, orders

@@ -33,10 +33,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.backend.plan import build_verifier
+from redrafter_mlx.backend.plan import build_decoder
 from redrafter_mlx.core import atomic, llm
 from redrafter_mlx.core.accept import accepted_lengths, greedy
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
 from redrafter_mlx.core.drafter import Drafter, tap_features
 from redrafter_mlx.core.errors import ConfigError
@@ -63,11 +63,11 @@ class Evaluation:
     ``tokenizer``, ``drafter``'s beams at each of ``shapes``, ``max_tokens`` new tokens each;
     ``categories`` (one per prompt, None for a prompt without one) adds per-category rows."""
 
-    def built_verifier(self) -> Verifier:
-        """The given verifier, or one built for ``model`` and ``drafter`` now."""
-        if self.verifier is not None:
-            return self.verifier
-        return build_verifier(self.model, BeamDrafter(self.drafter, llm.embedding(self.model)))
+    def built_decoder(self) -> Decoder:
+        """The given decoder, or one built for ``model`` and ``drafter`` now."""
+        if self.decoder is not None:
+            return self.decoder
+        return build_decoder(self.model, BeamDrafter(self.drafter, llm.embedding(self.model)))
 
     model: Any
     tokenizer: Any
@@ -76,7 +76,7 @@ class Evaluation:
     shapes: list[BeamShape]
     max_tokens: int
     categories: list[str | None] | None = None
-    verifier: Verifier | None = None  # of model and drafter, when the caller has one built
+    decoder: Decoder | None = None  # of model and drafter, when the caller has one built
 
     def __post_init__(self):
         if self.categories is not None and len(self.categories) != len(self.prompts):
@@ -106,10 +106,10 @@ def evaluate(job: Evaluation, progress: Progress | None = None) -> list[dict]:
     (:func:`summarize`)."""
     eos = eos_ids(job.tokenizer)
     encoded = [user_prompt_ids(job.tokenizer, p) for p in job.prompts]
-    verifier = job.built_verifier()
+    decoder = job.built_decoder()
     rows = []
     for shape in job.shapes:
-        session = Session(verifier, job.tokenizer, Decoding(Mode.REDRAFTER, shape), warm=False)
+        session = Session(decoder, job.tokenizer, Decoding(Mode.REDRAFTER, shape), warm=False)
         runs = []
         for ids in encoded:
             runs.append(decode_one(session, ids, job.max_tokens, eos))
@@ -211,7 +211,7 @@ def simulate_grid(
     keys (paths of another model are not reused)."""
     longest = max(shape.length for shape in job.shapes)
     paths = load_paths(
-        job.built_verifier(),
+        job.built_decoder(),
         job.tokenizer,
         job.prompts,
         job.max_tokens + longest,
@@ -350,7 +350,7 @@ def _accepted_along(beams_at, ids: list[int], n_prompt: int, length: int) -> np.
 
 
 def greedy_path(
-    verifier: Verifier,
+    decoder: Decoder,
     prompt_ids: list[int],
     max_tokens: int,
     eos: set[int],
@@ -360,16 +360,16 @@ def greedy_path(
     and with end of sequence) -> ``(ids (N,) prompt + continuation, hidden (N, H), real)`` where
     ``hidden[j]`` is the teacher-forced final-norm hidden state after ``ids[: j + 1]``.
 
-    With the verifier's drafter the path is decoded by the real speculative loop at
+    With the decoder's drafter the path is decoded by the real speculative loop at
     :data:`PATH_SHAPE` (same tokens, fewer passes) and ``real`` holds that loop's own
     ``{"tokens", "steps"}`` counted like :func:`decode_one` up to ``count_until`` new tokens;
     otherwise ``real`` is None.
     """
-    drafted = verifier.drafter is not None
+    drafted = decoder.drafter is not None
     shape = BeamShape(*PATH_SHAPE)
     mode = Mode.choose(drafter=drafted, shape=shape, autoregressive=not drafted)
     decoding = Decoding(mode, shape, greedy)
-    session = Session(verifier, None, decoding, warm=False)
+    session = Session(decoder, None, decoding, warm=False)
     steps = session.steps(prompt_ids)
     chunks = list(_emitted(steps, eos, max_tokens))
     ids = [*prompt_ids, *(t for chunk in chunks for t in chunk.tokens)]
@@ -378,7 +378,7 @@ def greedy_path(
     if drafted:
         counted = _counts(chunks, count_until or max_tokens)
         real = {"tokens": counted["tokens"], "steps": counted["steps"]}
-    return ids, path_hidden(verifier.forward, ids, verifier.drafter), real
+    return ids, path_hidden(decoder.forward, ids, decoder.drafter), real
 
 
 def path_hidden(forward: llm.Forward, ids: list[int], drafter=None) -> mx.array:
@@ -417,7 +417,7 @@ def _read_paths(path: Path) -> dict:
 
 
 def load_paths(
-    verifier: Verifier,
+    decoder: Decoder,
     tokenizer,
     prompts: list[str],
     max_tokens: int,
@@ -436,9 +436,9 @@ def load_paths(
         key = hashlib.sha1(json.dumps([target_id, p, max_tokens]).encode()).hexdigest()
         if key in stored:
             ids, real = stored[key], None
-            hidden = path_hidden(verifier.forward, ids, verifier.drafter)
+            hidden = path_hidden(decoder.forward, ids, decoder.drafter)
         else:
-            ids, hidden, real = greedy_path(verifier, prompt_ids, max_tokens, eos, count_until)
+            ids, hidden, real = greedy_path(decoder, prompt_ids, max_tokens, eos, count_until)
             stored[key] = ids
             if paths_file:
                 atomic.write_text(paths_file, json.dumps(stored))

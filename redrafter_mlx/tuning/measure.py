@@ -30,7 +30,7 @@ import numpy as np
 
 from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_off
 from redrafter_mlx.core import llm
-from redrafter_mlx.core.decode import Verifier
+from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.session import Session
@@ -152,7 +152,7 @@ def run_decoder(
     """This project's decode loop: autoregressive, or ReDrafter at ``method.shape``, in a
     fresh :class:`Session` (warmed up beforehand by :func:`warm_up`)."""
     session = Session(
-        runtime.verifier, runtime.tokenizer, _decoding(runtime, method, temp=temp), warm=False
+        runtime.decoder, runtime.tokenizer, _decoding(runtime, method, temp=temp), warm=False
     )
     timer = PhaseTimer(timing)
     stream = session.generate(prompt, max_tokens=max_tokens, timer=timer)
@@ -248,11 +248,11 @@ def bench_case(
 def warm_up(
     runtime: Runtime, methods: list[Method], prompt: list[int], *, temp: float = 0.0
 ) -> None:
-    """Compile every tree size and beam search each method can run (:meth:`Verifier.warm_up`),
+    """Compile every tree size and beam search each method can run (:meth:`Decoder.warm_up`),
     then page everything in with a short generation, so no timed run pays for either."""
     for method in methods:
         if method.kind not in (MLX_LM, MLX_LM_STOCK):
-            runtime.verifier.warm_up(_decoding(runtime, method, temp=temp))
+            runtime.decoder.warm_up(_decoding(runtime, method, temp=temp))
         measure(runtime, method, prompt, max_tokens=8, temp=temp)
 
 
@@ -302,12 +302,12 @@ def forward_seconds(forward: llm.Forward, sequence, count: int, *, compiled: boo
 
 
 def forward_cost_ratio(
-    verifier: Verifier, count: int, *, context: int = 128, repetitions: int = 7
+    decoder: Decoder, count: int, *, context: int = 128, repetitions: int = 7
 ) -> float:
     """Time of a forward over ``count`` tokens / a one-token forward, medians of interleaved
     runs after ``context`` cached tokens. Speedup is bounded by tokens/step / this ratio."""
-    forward = verifier.forward
-    sequence = verifier.new_sequence()
+    forward = decoder.forward
+    sequence = decoder.new_sequence()
     tokens = mx.arange(context) % 100 + 10
     prefix = llm.chain_mask(0, context)
     mx.eval(forward(tokens, mx.arange(context), prefix, sequence))
@@ -324,8 +324,8 @@ def forward_cost_ratio(
 def draft_cost_ratio(runtime: Runtime, shape: BeamShape, *, repetitions: int = 7) -> float:
     """Time of one beam search at ``shape`` / a one-token target forward (both medians). The
     search runs to full depth: where a ``min_prob`` floor stops it depends on the step."""
-    model, drafter, forward = runtime.model, runtime.drafter, runtime.verifier.forward
-    sequence = runtime.verifier.new_sequence()
+    model, drafter, forward = runtime.model, runtime.drafter, runtime.decoder.forward
+    sequence = runtime.decoder.new_sequence()
     context = mx.zeros((llm.target_dims(model)[0],), llm.compute_dtype(model))
     pending = mx.array(10)
     drafts, forwards = [], []
@@ -346,34 +346,34 @@ def time_steps(session: Session, reps: int = 4) -> tuple[float, float]:
     where it was. The drafted beams come from the last cached token's hidden state, so the
     tree's size is the one this shape verifies there.
     """
-    verifier, sequence, decoding = session.verifier, session.sequence, session.decoding
+    decoder, sequence, decoding = session.decoder, session.sequence, session.decoding
     if not decoding.mode.speculative:
         raise ValueError("timing a speculative step needs a drafter or lookup beams")
-    verifier.check_room(sequence, decoding.shape.length + 1)
+    decoder.check_room(sequence, decoding.shape.length + 1)
     with _same_random_stream():  # sampled answers after the timing stay as without it
-        return _time_steps(verifier, sequence, decoding, reps)
+        return _time_steps(decoder, sequence, decoding, reps)
 
 
-def probe(verifier: Verifier, sequence: Sequence, decoding: Decoding) -> TreeState:
+def probe(decoder: Decoder, sequence: Sequence, decoding: Decoding) -> TreeState:
     """A speculative state after the sequence, as if its last token were fed again (its
     forward writes only scratch K/V): what a step at this length verifies."""
     token = mx.array([sequence.last_id or 0])
-    choice, hidden, _ = verifier.next_token(sequence, token, decoding.sampler)
+    choice, hidden, _ = decoder.next_token(sequence, token, decoding.sampler)
     pending = mx.array(int(np.array(choice)[0]), mx.int32)  # host read: the probe's token
-    return drafted_state(verifier, sequence, decoding, hidden[-1], pending)
+    return drafted_state(decoder, sequence, decoding, hidden[-1], pending)
 
 
-def _time_steps(verifier: Verifier, sequence, decoding: Decoding, reps: int):
+def _time_steps(decoder: Decoder, sequence, decoding: Decoding, reps: int):
     mark = sequence.mark()
-    state = probe(verifier, sequence, decoding)
+    state = probe(decoder, sequence, decoding)
     token = mx.array([sequence.last_id or 0])
 
     def one_token() -> None:
-        choice, _, _ = verifier.next_token(sequence, token, decoding.sampler)
+        choice, _, _ = decoder.next_token(sequence, token, decoding.sampler)
         np.array(choice)  # host read: a step ends when its token is on the host
 
     def speculative() -> None:
-        verifier.step(state)
+        decoder.step(state)
         sequence.restore(mark)  # the same state can step again
 
     seconds = {one_token: 0.0, speculative: 0.0}
@@ -682,7 +682,7 @@ def cost_fields(runtime: Runtime, shape: BeamShape, row: dict, *, drafted: bool 
     (with a ``drafted`` tree), and the speedup bound they imply."""
     size = max(1, round(row["mean_tree_size"] or shape.width * shape.length))
     size = verified_size(size, runtime.plan.tree_sizes)
-    verify = forward_cost_ratio(runtime.verifier, size)
+    verify = forward_cost_ratio(runtime.decoder, size)
     draft = draft_cost_ratio(runtime, shape) if drafted else 0.0
     return {
         "verify_tokens": size,

@@ -297,7 +297,7 @@ def decoding_by_context(
 ) -> Callable[[int], Decoding]:
     """Context length -> the decoding of an answer there: ``decoding`` with the band's shape
     (its sampler kept), or plain decoding where the band has none. Each new decoding is warmed
-    up (``warm_up``, e.g. ``Verifier.warm_up``) the first time a band asks for it, between
+    up (``warm_up``, e.g. ``Decoder.warm_up``) the first time a band asks for it, between
     answers. What ``Session.by_context`` takes."""
     made: dict[BeamShape | None, Decoding] = {decoding.shape: decoding}
 
@@ -346,5 +346,5 @@ def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> Conte
         return None
     bands = context_bands(runtime, session.decoding.shape, source, temp=temp)
     if bands is not None:
-        session.by_context = decoding_by_context(bands, session.decoding, runtime.verifier.warm_up)
+        session.by_context = decoding_by_context(bands, session.decoding, runtime.decoder.warm_up)
     return bands

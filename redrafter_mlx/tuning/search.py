@@ -310,9 +310,9 @@ def context_costs(
     the cache holding that many tokens of ``filler`` (repeated). Their K/V are zeros, not
     computed: a step costs the same whatever the cached values, and a long prompt's prefill
     would take minutes. Attention-only models (recurrent state cannot be faked): [] else."""
-    verifier = runtime.verifier
+    decoder = runtime.decoder
     room = (runtime.max_context or max(contexts)) - max(s.length for s in shapes) - 2
-    session = Session(verifier, runtime.tokenizer, rt.decoding(runtime, shapes[0], temp=temp))
+    session = Session(decoder, runtime.tokenizer, rt.decoding(runtime, shapes[0], temp=temp))
     if session.sequence.states is not None:
         return []
     out = []
@@ -334,7 +334,7 @@ def _fill(session: Session, filler: list[int], context: int) -> None:
     sequence = session.sequence
     sequence.rewind(0)
     token = mx.array(filler[:1])
-    mx.eval(session.verifier.forward(token, mx.zeros((1,), mx.int32), None, sequence))
+    mx.eval(session.decoder.forward(token, mx.zeros((1,), mx.int32), None, sequence))
     ids = (filler * (context // max(len(filler), 1) + 1))[:context]
     sequence.commit(ids)
 

@@ -1,4 +1,4 @@
-"""What the tests share: tiny random Llama targets, a toy tokenizer, verifiers, decodings and
+"""What the tests share: tiny random Llama targets, a toy tokenizer, decoders, decodings and
 runtimes built over them (no network, float32). Test modules import builders from here (and
 from its modules: families, chat, decoding, serving, distributed, tool_model), never from one
 another; pytest fixtures stay in conftest.py."""
@@ -101,15 +101,15 @@ def tiny_model_folder(out: Path, *, bits: int | None = None) -> Path:
     return out
 
 
-def verifier_for(model, drafter=None, plan=None, max_context=None):
-    """The :class:`Verifier` of ``model`` and ``drafter`` on ``plan`` (default: generic),
+def decoder_for(model, drafter=None, plan=None, max_context=None):
+    """The :class:`Decoder` of ``model`` and ``drafter`` on ``plan`` (default: generic),
     shared by the tests that ask for the same one (the key's objects are kept alive)."""
-    from redrafter_mlx.backend.plan import GENERIC_PLAN, build_verifier
+    from redrafter_mlx.backend.plan import GENERIC_PLAN, build_decoder
 
     plan = GENERIC_PLAN if plan is None else plan
     key = (id(model), id(drafter), plan, max_context)
     if key not in _VERIFIERS:
-        built = build_verifier(model, drafter, plan=plan, max_context=max_context)
+        built = build_decoder(model, drafter, plan=plan, max_context=max_context)
         _VERIFIERS[key] = (model, drafter, built)
     return _VERIFIERS[key][2]
 
@@ -142,19 +142,19 @@ def run_steps(
     """The decode loop's steps (the prefill's first token first) for ``prompt``."""
     from redrafter_mlx.core.stream import decode_steps
 
-    verifier = verifier_for(model, drafter, plan, max_context)
+    decoder = decoder_for(model, drafter, plan, max_context)
     decoding = decoding_of(drafter, shape, sampler, autoregressive=autoregressive)
-    cache = verifier.new_sequence() if cache is None else cache
-    return decode_steps(verifier, cache, prompt, decoding)
+    cache = decoder.new_sequence() if cache is None else cache
+    return decode_steps(decoder, cache, prompt, decoding)
 
 
 def make_runtime(model, tokenizer, config, drafter=None, model_id="tiny", drafter_id=None):
     """A :class:`Runtime` as ``load_runtime`` builds it, over an in-memory model."""
-    from redrafter_mlx.backend.plan import build_verifier
+    from redrafter_mlx.backend.plan import build_decoder
     from redrafter_mlx.io.runtime import Runtime
 
-    verifier = build_verifier(model, drafter, max_context=config.get("max_position_embeddings"))
-    return Runtime(verifier.model, tokenizer, config, drafter, model_id, drafter_id, verifier)
+    decoder = build_decoder(model, drafter, max_context=config.get("max_position_embeddings"))
+    return Runtime(decoder.model, tokenizer, config, drafter, model_id, drafter_id, decoder)
 
 
 def chat_session(
@@ -173,10 +173,10 @@ def chat_session(
     from redrafter_mlx.cli.chat import ChatSession
     from redrafter_mlx.core.session import Session
 
-    verifier = verifier_for(model, drafter, plan, max_context)
+    decoder = decoder_for(model, drafter, plan, max_context)
     decoding = decoding_of(drafter, shape, autoregressive=autoregressive)
     tokenizer = kwargs.pop("tokenizer")
-    return ChatSession(Session(verifier, tokenizer, decoding), template, **kwargs)
+    return ChatSession(Session(decoder, tokenizer, decoding), template, **kwargs)
 
 
 LETTERS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")

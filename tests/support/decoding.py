@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.errors import ContextFull
-from support import run_steps, verifier_for
+from support import decoder_for, run_steps
 
 
 def take(steps, n):
@@ -36,8 +36,8 @@ def answers_to_the_context_end(model, drafter, shape, prompt, limit):
     until ContextFull at a ``limit``-token context."""
     answers = []
     for speculative in (False, True):
-        verifier = verifier_for(model, drafter, max_context=limit)
-        cache, out = verifier.new_sequence(), []
+        decoder = decoder_for(model, drafter, max_context=limit)
+        cache, out = decoder.new_sequence(), []
         steps = run_steps(
             model,
             prompt,

@@ -11,7 +11,7 @@ import numpy as np
 
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.shape import BeamShape
-from support import decoding_of, run_steps, shared_data, verifier_for
+from support import decoder_for, decoding_of, run_steps, shared_data
 from support.decoding import take
 from support.families import model_folder
 
@@ -56,17 +56,17 @@ def second_turn(target, drafter, shape: BeamShape, steps: int, turn_of):
     """A conversation decoded ``steps`` steps, then its next prompt ``turn_of(ids)`` prefilled
     after the reused prefix, and the same prompt prefilled on a fresh sequence ->
     ``(turn, drafter part after reuse, part when fresh, state after reuse, state fresh)``."""
-    verifier = verifier_for(target, drafter)
+    decoder = decoder_for(target, drafter)
     decoding = decoding_of(drafter, shape)
-    sequence = verifier.new_sequence()
-    state, _ = verifier.prefill(sequence, [5, 17, 33, 2], decoding)
+    sequence = decoder.new_sequence()
+    state, _ = decoder.prefill(sequence, [5, 17, 33, 2], decoding)
     for _ in range(steps):
-        state, _ = verifier.step(state)
+        state, _ = decoder.step(state)
     turn = turn_of(list(sequence.ids))
     reused, _ = sequence.reuse_prefix(turn)
-    again, _ = verifier.prefill(sequence, turn[reused:], decoding)
-    fresh = verifier.new_sequence()
-    once, _ = verifier.prefill(fresh, turn, decoding)
+    again, _ = decoder.prefill(sequence, turn[reused:], decoding)
+    fresh = decoder.new_sequence()
+    once, _ = decoder.prefill(fresh, turn, decoding)
     return turn, drafter.part(sequence), drafter.part(fresh), again, once
 
 

@@ -23,7 +23,7 @@ from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.service import Engine, GenerationService
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
-from support import decoding_of, toy_tokenizer, verifier_for
+from support import decoder_for, decoding_of, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,9 +36,9 @@ def tiny_service(
     beams = None if drafter is None else BeamDrafter(drafter, target.model.embed_tokens)
 
     def setup() -> Engine:
-        verifier = verifier_for(target, beams, plan, max_context)
+        decoder = decoder_for(target, beams, plan, max_context)
         mode = Mode.REDRAFTER if beams is not None else Mode.AUTOREGRESSIVE
-        return Engine(verifier, toy_tokenizer(), list, mode, shape, shape)
+        return Engine(decoder, toy_tokenizer(), list, mode, shape, shape)
 
     service = GenerationService(setup, queue_size=queue_size, **cache_bounds)
     service.start()
@@ -47,7 +47,7 @@ def tiny_service(
 
 def reference_tokens(target, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy autoregressive tokens from an empty cache."""
-    session = Session(verifier_for(target), toy_tokenizer(), decoding_of(), warm=False)
+    session = Session(decoder_for(target), toy_tokenizer(), decoding_of(), warm=False)
     return [t for step in session.generate(prompt, max_tokens=max_tokens) for t in step.tokens]
 
 

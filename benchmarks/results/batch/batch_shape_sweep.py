@@ -43,18 +43,18 @@ def main() -> None:
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     runtime = rt.load_runtime(None, None, need_drafter=True)
-    verifier = runtime.verifier
+    decoder = runtime.decoder
     texts = [turns[0] for turns in load_prompts(None, max(batches) * args.rounds, 1)]
     prompts = [rt.encode_chat(runtime, [{"role": "user", "content": t}]) for t in texts]
     decodings = {
-        name: Decoding(Mode.AUTOREGRESSIVE, verifier.plan.default_shape, greedy)
+        name: Decoding(Mode.AUTOREGRESSIVE, decoder.plan.default_shape, greedy)
         if shape is None
         else Decoding(Mode.REDRAFTER, shape, greedy)
         for name, shape in SHAPES.items()
     }
     for decoding in decodings.values():
-        verifier.warm_up(decoding)
-    warm_up(verifier, list(decodings.values()), max(batches))
+        decoder.warm_up(decoding)
+    warm_up(decoder, list(decodings.values()), max(batches))
     results: dict = {}
     for r in range(args.rounds):
         for b in batches:
@@ -64,14 +64,14 @@ def main() -> None:
             for name in names:
                 decoding = decodings[name]
                 members = [
-                    Member(verifier.prefill(verifier.new_sequence(), q, decoding)[0])
+                    Member(decoder.prefill(decoder.new_sequence(), q, decoding)[0])
                     for q in group_prompts
                 ]
-                batch_step(verifier, members)  # the first step after a prompt
+                batch_step(decoder, members)  # the first step after a prompt
                 walls, cpus, tokens = [], [], 0
                 for _ in range(args.steps):
                     w, c = time.perf_counter(), time.process_time()
-                    steps = batch_step(verifier, members)
+                    steps = batch_step(decoder, members)
                     walls.append(time.perf_counter() - w)
                     cpus.append(time.process_time() - c)
                     tokens += sum(len(s.tokens) for s in steps)

@@ -28,20 +28,20 @@ from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     runtime = rt.load_runtime(None, None, need_drafter=True)
-    verifier = runtime.verifier
+    decoder = runtime.decoder
     texts = [turns[0] for turns in load_prompts(None, batch, 1)]
     prompts = [rt.encode_chat(runtime, [{"role": "user", "content": t}]) for t in texts]
     modes = {
-        "redrafter": Decoding(Mode.REDRAFTER, verifier.plan.default_shape, greedy),
+        "redrafter": Decoding(Mode.REDRAFTER, decoder.plan.default_shape, greedy),
         "lookup": Decoding(Mode.LOOKUP, BeamShape(1, 2, lookup=1), greedy),
-        "autoregressive": Decoding(Mode.AUTOREGRESSIVE, verifier.plan.default_shape, greedy),
+        "autoregressive": Decoding(Mode.AUTOREGRESSIVE, decoder.plan.default_shape, greedy),
     }
     for decoding in modes.values():
-        verifier.warm_up(decoding)
-    warm_up(verifier)
+        decoder.warm_up(decoding)
+    warm_up(decoder)
 
     def members(decoding):
-        return [Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0]) for p in prompts]
+        return [Member(decoder.prefill(decoder.new_sequence(), p, decoding)[0]) for p in prompts]
 
     def cpu_ms(step, group) -> tuple[float, float]:
         """Median CPU ms of ``step(group)`` and the tokens it emitted per call (mean)."""
@@ -55,10 +55,10 @@ def main() -> None:
         return statistics.median(times) * 1e3, tokens / 15
 
     def together(group) -> int:
-        return sum(len(step.tokens) for step in batch_step(verifier, group))
+        return sum(len(step.tokens) for step in batch_step(decoder, group))
 
     def one_by_one(group) -> int:
-        return sum(len(batch_step(verifier, [member])[0].tokens) for member in group)
+        return sum(len(batch_step(decoder, [member])[0].tokens) for member in group)
 
     for name, decoding in modes.items():
         batched, emitted = cpu_ms(together, members(decoding))

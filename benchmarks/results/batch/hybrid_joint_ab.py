@@ -21,7 +21,7 @@ reexec_with_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend.plan import build_verifier  # noqa: E402
+from redrafter_mlx.backend.plan import build_decoder  # noqa: E402
 from redrafter_mlx.core import llm  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
 from redrafter_mlx.core.batch import Member, batch_step  # noqa: E402
@@ -45,14 +45,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
     model = build_config({**SIZE, **STAND_INS["qwen3_5 (Gated DeltaNet 3:1)"]})
-    verifier = build_verifier(model, None)
+    decoder = build_decoder(model, None)
     mx.random.seed(0)
     decodings = [
         Decoding(Mode.LOOKUP, BeamShape(1, 3, lookup=2), greedy),
         Decoding(Mode.AUTOREGRESSIVE, BeamShape(1, 2), greedy),
     ]
     for d in decodings:
-        verifier.warm_up(d)
+        decoder.warm_up(d)
     joint = llm.Forward.joint
     arms = {"joint": joint, "per member": per_member}
     times = {name: [] for name in arms}
@@ -63,12 +63,12 @@ def main() -> None:
             for i in range(args.members):
                 prompt = mx.random.randint(3, 1000, (48,)).tolist()
                 prompt = prompt + prompt[:16]  # something for the lookup beams to find
-                state, _ = verifier.prefill(verifier.new_sequence(), prompt, decodings[i % 2])
+                state, _ = decoder.prefill(decoder.new_sequence(), prompt, decodings[i % 2])
                 members.append(Member(state))
-            batch_step(verifier, members)
+            batch_step(decoder, members)
             for _ in range(args.steps):
                 tic = time.perf_counter()
-                batch_step(verifier, members)
+                batch_step(decoder, members)
                 times[name].append(time.perf_counter() - tic)
     llm.Forward.joint = joint
     for name, ts in times.items():

@@ -24,27 +24,27 @@ from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 
 def main() -> None:
     runtime = rt.load_runtime(None, None, need_drafter=True)
-    verifier = runtime.verifier
+    decoder = runtime.decoder
     texts = [turns[0] for turns in load_prompts(None, 4, 1)]
     prompts = [rt.encode_chat(runtime, [{"role": "user", "content": t}]) for t in texts]
-    decoding = Decoding(Mode.REDRAFTER, verifier.plan.default_shape, greedy)
-    verifier.warm_up(decoding)
-    warm_up(verifier, [decoding], 4)
+    decoding = Decoding(Mode.REDRAFTER, decoder.plan.default_shape, greedy)
+    decoder.warm_up(decoding)
+    warm_up(decoder, [decoding], 4)
     joint = batch.search_group
-    arms = {"one search": joint, "a search per member": lambda verifier, decoding: None}
+    arms = {"one search": joint, "a search per member": lambda decoder, decoding: None}
     cpu, wall = {name: [] for name in arms}, {name: [] for name in arms}
     for _ in range(4):
         for name, group in arms.items():
             batch.search_group = group
             members = [
-                batch.Member(verifier.prefill(verifier.new_sequence(), p, decoding)[0])
+                batch.Member(decoder.prefill(decoder.new_sequence(), p, decoding)[0])
                 for p in prompts
             ]
             for _ in range(3):
-                batch.batch_step(verifier, members)
+                batch.batch_step(decoder, members)
             for _ in range(10):
                 tic, tac = time.process_time(), time.perf_counter()
-                batch.batch_step(verifier, members)
+                batch.batch_step(decoder, members)
                 cpu[name].append(time.process_time() - tic)
                 wall[name].append(time.perf_counter() - tac)
     batch.search_group = joint

@@ -31,7 +31,7 @@ REQUESTS, MAX_BATCH, MAX_TOKENS = 16, 8, 64
 def main() -> None:
     clients = int(sys.argv[1])
     rows = os.environ.get("ROWS")
-    if rows:  # the plan the service's verifier is built with
+    if rows:  # the plan the service's decoder is built with
         bound = None if rows == "none" else int(rows)
         plan.CPU_PLAN = dataclasses.replace(plan.CPU_PLAN, batch_rows=bound)
     args = serve.setup_arg_parser().parse_args([])

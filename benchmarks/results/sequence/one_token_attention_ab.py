@@ -30,7 +30,7 @@ def main() -> None:
 
     def tokens_per_second(mode: Mode, shape: BeamShape) -> float:
         session = Session(
-            runtime.verifier, runtime.tokenizer, rt.decoding(runtime, shape, mode=mode)
+            runtime.decoder, runtime.tokenizer, rt.decoding(runtime, shape, mode=mode)
         )
         tic, count = time.perf_counter(), 0
         for response in session.generate(ids, max_tokens=128):
