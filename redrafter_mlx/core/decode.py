@@ -1,5 +1,5 @@
-"""The decoder: a :class:`Decoder` built once per (target, drafter, plan), a prefill, and a
-step per mode over one :class:`~redrafter_mlx.core.sequence.Sequence`.
+"""The :class:`Decoder`, built once per (target, drafter, plan): a prefill and a step per
+mode over one :class:`~redrafter_mlx.core.sequence.Sequence`.
 
 Legend: W beam width, L beam length, T tree nodes, S cached tokens, H hidden, V vocab.
 
