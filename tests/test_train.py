@@ -18,6 +18,7 @@ from support import shared_data, write_conversations
 from redrafter_mlx.backend.plan import build_decoder
 from redrafter_mlx.cli import train as T
 from redrafter_mlx.core import llm
+from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.core.lookup import NgramIndex
@@ -35,7 +36,7 @@ from redrafter_mlx.training.data import (
 from redrafter_mlx.training.drafter_init import grow_layers
 from redrafter_mlx.training.examples import Examples, frequent_tokens
 from redrafter_mlx.training.extract import GEN_WINDOW, prepare_cache, teacher_force
-from redrafter_mlx.training.loss import unrolled_logits
+from redrafter_mlx.training.loss import loss_fn, unrolled_logits
 from redrafter_mlx.training.ranks import ONE
 from redrafter_mlx.training.selfdistill import greedy_batch
 from redrafter_mlx.training.taps import tapped
@@ -1104,3 +1105,41 @@ def test_minutes_give_extraction_the_share_their_measured_row_chose(monkeypatch)
             T.check_args(parse("--minutes", "20", "--extract-share", bad))
     with pytest.raises(TrainError, match="give --minutes too"):
         T.check_args(parse("--extract-share", "0.5"))
+
+
+def test_soft_targets_and_the_hidden_regression_enter_the_loss_and_train_a_drafter(tmp_path):
+    """``--soft-weight 1`` trains on the target's distribution alone (the argmax labels no
+    longer count), ``--hidden-weight`` adds the regression onto the target's next hidden state;
+    together (what ``--minutes`` takes) they train a target-head drafter well above chance."""
+    write_conversations(tmp_path / "data.json", 60)
+    model = learnable_target()
+    more = ["--max-tokens", "3000", "--heldout-tokens", "600", "--head", "target"]
+    args = parse(*trained_flags(tmp_path), *more, "--soft-weight", "1", "--hidden-weight", "1")
+    T.with_budget_recipe(args, 2)
+    cache = prepare_cache(
+        model, CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "cache",
+        T.extract_options(args),
+    )  # fmt: skip
+    opts = T.train_options(args)
+    drafter = build_trainer(model, frequent_tokens(cache.load("train"), 48), opts, 10).drafter
+    context = mx.random.normal((4, drafter.args.hidden_size))
+    embeds = mx.random.normal((4, 3, drafter.args.hidden_size))
+    labels, weights = mx.zeros((4, 3), mx.int32), mx.ones((4, 3))
+    soft = log_softmax(mx.random.normal((4, 3, 48)))
+    next_hidden = mx.random.normal((4, 3, drafter.args.hidden_size))
+
+    def loss(labels, soft_weight, hidden_weight):
+        return loss_fn(
+            drafter, context, embeds, labels, weights, soft, next_hidden, soft_weight,
+            hidden_weight,
+        ).item()  # fmt: skip
+
+    other_labels = labels + 5
+    assert loss(labels, 1.0, 0.0) == pytest.approx(loss(other_labels, 1.0, 0.0))
+    assert loss(labels, 0.0, 0.0) != pytest.approx(loss(other_labels, 0.0, 0.0))
+    assert loss(labels, 1.0, 1.0) > loss(labels, 1.0, 0.0)
+    trainer = build_trainer(model, frequent_tokens(cache.load("train"), 48), opts, 10)
+    heldout = Examples.build(cache.load("heldout"), opts.positions)
+    before = trainer.agreement(heldout)["mean_agreement"]
+    best = loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
+    assert best["mean_agreement"] > max(0.25, before + 0.05), (before, best)  # chance: 1/48
