@@ -1078,7 +1078,15 @@ def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reache
     plain = parse()
     assert T.with_budget_recipe(plain, 30) is None
     assert (plain.context_layers, plain.own_drafts) == ((), 0.0)  # today's recipe
-    assert (plain.soft_weight, plain.hidden_weight) == (0.0, 0.0)
+    assert (plain.soft_weight, plain.hidden_weight, plain.exit_dim) == (0.0, 0.0, 0)
+    narrow = (dataclasses.replace(rows[1], exit_dim=96),)
+    monkeypatch.setattr(budget, "TABLE", narrow)
+    sized = parse("--minutes", "45")
+    T.with_budget_recipe(sized, 30)
+    assert T.train_options(sized).exit_dim == 96
+    mine = parse("--minutes", "45", "--exit-dim", "0")
+    T.with_budget_recipe(mine, 30)
+    assert T.train_options(mine).exit_dim == 0  # 2H, as the user asked
 
 
 def test_minutes_give_extraction_the_share_their_measured_row_chose(monkeypatch):

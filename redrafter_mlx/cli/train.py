@@ -172,7 +172,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=8192,
         help="K most frequent target-predicted tokens (0: full vocabulary)",
     )
-    p.add_argument("--exit-dim", type=int, default=0, help="drafter width E (0: 2H)")
+    p.add_argument(
+        "--exit-dim",
+        type=int,
+        default=None,
+        help="drafter width E (0: 2H; default 2H, or under --minutes what its measured table "
+        "chose)",
+    )
     p.add_argument(
         "--num-draft-layers",
         type=int,
@@ -560,16 +566,16 @@ def with_budget_share(args: argparse.Namespace) -> None:
 
 
 def with_budget_recipe(args: argparse.Namespace, num_layers: int) -> Budget | None:
-    """Fill --context-layers, --own-drafts, --soft-weight and --hidden-weight where they were
-    not given: under --minutes (a new drafter) with the recipe of the budget's measured row
-    (``training/budget.py``), else today's defaults (last layer only, teacher forcing on the
-    target's argmax). Returns that row (None: none applies)."""
+    """Fill --context-layers, --own-drafts, --soft-weight, --hidden-weight and --exit-dim where
+    they were not given: under --minutes (a new drafter) with the recipe of the budget's
+    measured row (``training/budget.py``), else today's defaults (last layer only, teacher
+    forcing on the target's argmax, width 2H). Returns that row (None: none applies)."""
     row = budget_row(args)
     if args.context_layers is None:
         args.context_layers = fused_layers(num_layers) if row and row.layered else ()
-    for name in ("own_drafts", "soft_weight", "hidden_weight"):
+    for name in ("own_drafts", "soft_weight", "hidden_weight", "exit_dim"):
         if getattr(args, name) is None:
-            setattr(args, name, getattr(row, name) if row else 0.0)
+            setattr(args, name, getattr(row, name) if row else 0)
     return row
 
 
@@ -578,7 +584,8 @@ def follows(args: argparse.Namespace, row: Budget, num_layers: int) -> bool:
     row's figure what the run may expect."""
     layers = fused_layers(num_layers) if row.layered else ()
     mine = (tuple(args.context_layers), args.own_drafts, args.soft_weight, args.hidden_weight)
-    theirs = (layers, row.own_drafts, row.soft_weight, row.hidden_weight)
+    mine += (args.exit_dim,)
+    theirs = (layers, row.own_drafts, row.soft_weight, row.hidden_weight, row.exit_dim)
     return mine == theirs and args.extract_share == row.extract_share
 
 
@@ -591,6 +598,8 @@ def say_expected(row: Budget) -> None:
         recipe += f", soft targets {row.soft_weight:g}"
     if row.hidden_weight:
         recipe += f", hidden-state regression {row.hidden_weight:g}"
+    if row.exit_dim:
+        recipe += f", width {row.exit_dim}"
     recipe += f", extraction {row.extract_share:.0%} of the minutes"
     print(
         f"expected: about {row.tokens_per_step:.2f} tokens/step (a {row.minutes:g}-minute run "
@@ -609,6 +618,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "own_drafts": args.own_drafts or 0.0,
         "soft_weight": args.soft_weight or 0.0,
         "hidden_weight": args.hidden_weight or 0.0,
+        "exit_dim": args.exit_dim or 0,
     }
     return TrainOptions(**values)
 
@@ -660,7 +670,7 @@ def check_args(args: argparse.Namespace) -> None:
         "--topk": args.topk,
         "--num-draft-layers": layers,
         "--skip-prompts": args.skip_prompts,
-        "--exit-dim": args.exit_dim,
+        "--exit-dim": args.exit_dim or 0,
         "--weight-decay": args.weight_decay,
         "--soft-weight": args.soft_weight or 0.0,
         "--hidden-weight": args.hidden_weight or 0.0,

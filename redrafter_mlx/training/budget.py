@@ -24,7 +24,10 @@ class Budget:
     """One measured budget: ``minutes``, the recipe (``layered``: read the target's low,
     middle and high layers, :func:`fused_layers`; ``own_drafts``: the share of examples fed
     the drafter's own drafts; ``extract_share``: the share of the minutes extraction may
-    use, training taking the rest), what it reached and where that was measured."""
+    use, training taking the rest; ``soft_weight`` and ``hidden_weight``: the loss's soft
+    targets and hidden-state regression, as ``train``'s flags of those names; ``exit_dim``:
+    the drafter's width, 0 for twice the target's hidden size), what it reached and where
+    that was measured."""
 
     minutes: float
     layered: bool
@@ -34,6 +37,7 @@ class Budget:
     extract_share: float = EXTRACT_SHARE
     soft_weight: float = 0.0
     hidden_weight: float = 0.0
+    exit_dim: int = 0
 
 
 # Run 102 (#44), benchmarks/README.md: today's recipe and the soft one (the target's
