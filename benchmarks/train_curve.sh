@@ -12,8 +12,9 @@
 # 40 % of the minutes), spelled out so that `train --minutes`'s measured table cannot change it;
 # layers: --context-layers 2,15,27; new: layers plus --own-drafts 0.25; soft (run 102): the
 # target's distribution over the draft vocabulary as the loss's target, plus the hidden-state
-# regression, width 2H; narrow (run 103): soft at width H (576 on the embedded model). Each run holds out 4,000 tokens (--heldout-tokens; the
-# default 24,000 would eat a 15-minute budget's whole extraction share on a loaded machine).
+# regression, width 2H; narrow (run 103): soft at width H (576 on the embedded model). Each run
+# holds out 4,000 tokens (--heldout-tokens; the default 24,000 would eat a 15-minute budget's
+# whole extraction share on a loaded machine).
 set -uo pipefail
 out=${1:?usage: train_curve.sh OUT MINUTES|eval NAME...}; what=${2:?}; shift 2
 mkdir -p "$out"
