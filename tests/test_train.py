@@ -1060,32 +1060,32 @@ def test_minutes_take_the_measured_recipe_of_their_budget_and_say_what_it_reache
     assert budget.budget_for(30, ()) is None
     assert budget.fused_layers(30) == (2, 15, 27) and budget.fused_layers(2) == (1,)
     args = parse("--minutes", "45")
-    assert T.with_budget_recipe(args, 30) is rows[1]
+    assert T.with_budget_recipe(args, 30, 64) is rows[1]
     assert (args.context_layers, args.own_drafts) == ((2, 15, 27), 0.25)
     assert (args.soft_weight, args.hidden_weight) == (1.0, 0.5)
     assert T.train_options(args).soft_weight == 1.0
     T.with_budget_share(args)
-    assert T.follows(args, rows[1], 30)  # the row's figure is said only for the row's recipe
+    assert T.follows(args, rows[1], 30, 64)  # the row's figure is said only for the row's recipe
     T.say_expected(rows[1])
     said = capsys.readouterr().err
     assert "expected: about 1.40 tokens/step (a 30-minute run" in said
     assert "soft targets 1, hidden-state regression 0.5, extraction 40% of the minutes" in said
     given = parse("--minutes", "45", "--context-layers", "3", "--own-drafts", "0")
-    T.with_budget_recipe(given, 30)
+    T.with_budget_recipe(given, 30, 64)
     T.with_budget_share(given)
     assert (given.context_layers, given.own_drafts) == ((3,), 0.0)  # what the user gave wins
-    assert not T.follows(given, rows[1], 30)
+    assert not T.follows(given, rows[1], 30, 64)
     plain = parse()
-    assert T.with_budget_recipe(plain, 30) is None
+    assert T.with_budget_recipe(plain, 30, 64) is None
     assert (plain.context_layers, plain.own_drafts) == ((), 0.0)  # today's recipe
     assert (plain.soft_weight, plain.hidden_weight, plain.exit_dim) == (0.0, 0.0, 0)
-    narrow = (dataclasses.replace(rows[1], exit_dim=96),)
+    narrow = (dataclasses.replace(rows[1], width=1.5),)
     monkeypatch.setattr(budget, "TABLE", narrow)
     sized = parse("--minutes", "45")
-    T.with_budget_recipe(sized, 30)
-    assert T.train_options(sized).exit_dim == 96
+    T.with_budget_recipe(sized, 30, 64)
+    assert T.train_options(sized).exit_dim == 96  # 1.5 x the target's 64
     mine = parse("--minutes", "45", "--exit-dim", "0")
-    T.with_budget_recipe(mine, 30)
+    T.with_budget_recipe(mine, 30, 64)
     assert T.train_options(mine).exit_dim == 0  # 2H, as the user asked
 
 
@@ -1123,7 +1123,7 @@ def test_soft_targets_and_the_hidden_regression_enter_the_loss_and_train_a_draft
     model = learnable_target()
     more = ["--max-tokens", "3000", "--heldout-tokens", "600", "--head", "target"]
     args = parse(*trained_flags(tmp_path), *more, "--soft-weight", "1", "--hidden-weight", "1")
-    T.with_budget_recipe(args, 2)
+    T.with_budget_recipe(args, 2, 64)
     cache = prepare_cache(
         model, CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "cache",
         T.extract_options(args),

@@ -24,10 +24,11 @@ from redrafter_mlx.core.shape import BeamShape
 # overlaps graph building; a 16-row verify costs less than a 9..15-row one; W1 L2 with one
 # prompt-lookup beam is the fastest shape autotune found here (on its held-out prompts, run
 # 67). A drafter pass costs more than a host read here, so a floored search stops early;
-# MLX's CPU float16 matmuls are slow, so the drafter stays float32. From 2,048 tokens of
-# context that shape's 3-node tree costs 1.5-2x a one-token step while summaries got 1.5-1.9
-# tokens/step: it ran 0.74-1.28x plain decoding at 2K, 0.79-1.07x at 4K, 0.80-0.87x at 8K
-# (1.20-1.26x at 0.5K-1K; runs 82-84, 88), so without a profile answers there decode plainly.
+# MLX's CPU float16 matmuls are slow, so the drafter stays float32. At long contexts that
+# shape's 3-node tree costs 1.5-2x a one-token step while summaries got 1.5-1.9 tokens/step:
+# it ran 0.74-1.28x plain decoding at 2K, 0.79-1.07x at 4K, 0.80-0.87x at 8K (runs 82-84, 88)
+# and, on a quiet machine, 1.02-1.08x at 1K and 0.95-1.01x at 1.5K (1.20-1.23x at 0.5K; run
+# 94), so without a profile answers decode plainly from 1,536 tokens on.
 # A batch's joint forward past 8 rows leaves the small-row kernel for OpenBLAS, whose
 # products cost more per token than trees save: 4 members' 2-node trees (8 rows) emitted the
 # most tokens per second, 8 members the most as plain steps (run 95).
@@ -43,7 +44,7 @@ CPU_PLAN = Plan(
     draft_early_stop=True,
     drafter_float32=True,
     default_shape=BeamShape(width=1, length=2, lookup=1),
-    plain_from=2048,
+    plain_from=1536,
 )
 GENERIC_PLAN = Plan()
 

@@ -44,10 +44,16 @@ from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.errors import LoadError, ReDrafterError, TrainError
-from redrafter_mlx.core.llm import inner_model
+from redrafter_mlx.core.llm import inner_model, target_dims
 from redrafter_mlx.io.embedded import default_model_path
 from redrafter_mlx.io.load import load_target
-from redrafter_mlx.training.budget import EXTRACT_SHARE, Budget, budget_for, fused_layers
+from redrafter_mlx.training.budget import (
+    EXTRACT_SHARE,
+    Budget,
+    budget_for,
+    exit_dim,
+    fused_layers,
+)
 from redrafter_mlx.training.cache import Cache, read_json
 from redrafter_mlx.training.checkpoint import check_out_is_free, finished
 from redrafter_mlx.training.data import default_data_path
@@ -316,9 +322,9 @@ def main(args: argparse.Namespace) -> None:
         if ranks.lead and not args.quiet:
             flags.say_loading(args.model)
         target = _load(args.model)
-        num_layers = len(inner_model(target.model).layers)
-        row = with_budget_recipe(args, num_layers)
-        if row is not None and follows(args, row, num_layers) and ranks.lead and not args.quiet:
+        shape = len(inner_model(target.model).layers), target_dims(target.model)[0]
+        row = with_budget_recipe(args, *shape)
+        if row is not None and follows(args, row, *shape) and ranks.lead and not args.quiet:
             say_expected(row)
         data = Path(args.data) if args.data else default_data_path()
         cache_dir = Path(args.cache_dir or f"runs/distill-{Path(target.name).name}")
@@ -565,27 +571,30 @@ def with_budget_share(args: argparse.Namespace) -> None:
         args.extract_share = row.extract_share if row else EXTRACT_SHARE
 
 
-def with_budget_recipe(args: argparse.Namespace, num_layers: int) -> Budget | None:
+def with_budget_recipe(args: argparse.Namespace, num_layers: int, hidden: int) -> Budget | None:
     """Fill --context-layers, --own-drafts, --soft-weight, --hidden-weight and --exit-dim where
     they were not given: under --minutes (a new drafter) with the recipe of the budget's
     measured row (``training/budget.py``), else today's defaults (last layer only, teacher
-    forcing on the target's argmax, width 2H). Returns that row (None: none applies)."""
+    forcing on the target's argmax, width 2H), for a target of ``num_layers`` layers and
+    ``hidden`` width. Returns that row (None: none applies)."""
     row = budget_row(args)
     if args.context_layers is None:
         args.context_layers = fused_layers(num_layers) if row and row.layered else ()
-    for name in ("own_drafts", "soft_weight", "hidden_weight", "exit_dim"):
+    for name in ("own_drafts", "soft_weight", "hidden_weight"):
         if getattr(args, name) is None:
-            setattr(args, name, getattr(row, name) if row else 0)
+            setattr(args, name, getattr(row, name) if row else 0.0)
+    if args.exit_dim is None:
+        args.exit_dim = exit_dim(row, hidden) if row else 0
     return row
 
 
-def follows(args: argparse.Namespace, row: Budget, num_layers: int) -> bool:
+def follows(args: argparse.Namespace, row: Budget, num_layers: int, hidden: int) -> bool:
     """Whether the run's recipe (flags filled in) is the measured row's: only then is the
     row's figure what the run may expect."""
     layers = fused_layers(num_layers) if row.layered else ()
     mine = (tuple(args.context_layers), args.own_drafts, args.soft_weight, args.hidden_weight)
     mine += (args.exit_dim,)
-    theirs = (layers, row.own_drafts, row.soft_weight, row.hidden_weight, row.exit_dim)
+    theirs = (layers, row.own_drafts, row.soft_weight, row.hidden_weight, exit_dim(row, hidden))
     return mine == theirs and args.extract_share == row.extract_share
 
 
@@ -598,8 +607,8 @@ def say_expected(row: Budget) -> None:
         recipe += f", soft targets {row.soft_weight:g}"
     if row.hidden_weight:
         recipe += f", hidden-state regression {row.hidden_weight:g}"
-    if row.exit_dim:
-        recipe += f", width {row.exit_dim}"
+    if row.width:
+        recipe += f", width {row.width:g}x the target's"
     recipe += f", extraction {row.extract_share:.0%} of the minutes"
     print(
         f"expected: about {row.tokens_per_step:.2f} tokens/step (a {row.minutes:g}-minute run "

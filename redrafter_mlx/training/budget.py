@@ -25,9 +25,9 @@ class Budget:
     middle and high layers, :func:`fused_layers`; ``own_drafts``: the share of examples fed
     the drafter's own drafts; ``extract_share``: the share of the minutes extraction may
     use, training taking the rest; ``soft_weight`` and ``hidden_weight``: the loss's soft
-    targets and hidden-state regression, as ``train``'s flags of those names; ``exit_dim``:
-    the drafter's width, 0 for twice the target's hidden size), what it reached and where
-    that was measured."""
+    targets and hidden-state regression, as ``train``'s flags of those names; ``width``: the
+    drafter's width as a multiple of the target's hidden size, 0 for ``train``'s default),
+    what it reached and where that was measured."""
 
     minutes: float
     layered: bool
@@ -37,7 +37,7 @@ class Budget:
     extract_share: float = EXTRACT_SHARE
     soft_weight: float = 0.0
     hidden_weight: float = 0.0
-    exit_dim: int = 0
+    width: float = 0.0
 
 
 # Run 102 (#44), benchmarks/README.md: today's recipe and the soft one (the target's
@@ -86,6 +86,11 @@ def budget_for(minutes: float, table: tuple[Budget, ...] | None = None) -> Budge
     rows = sorted(table, key=lambda b: b.minutes)
     below = [b for b in rows if b.minutes <= minutes]
     return below[-1] if below else rows[0]
+
+
+def exit_dim(row: Budget, hidden: int) -> int:
+    """The ``--exit-dim`` of ``row`` for a target of ``hidden`` width (0: the default)."""
+    return round(row.width * hidden) if row.width else 0
 
 
 def fused_layers(num_layers: int) -> tuple[int, ...]:
