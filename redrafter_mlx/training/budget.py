@@ -45,7 +45,8 @@ class Budget:
 # regression; chosen on the training corpus's held-out split in a sweep on run 98's
 # extraction cache) side by side from scratch, six runs on 2 cores. Held-out agreement chose
 # the soft recipe at every budget: 15 min 0.214 against 0.206, 30 min 0.263 against 0.254,
-# 60 min 0.291 against 0.273 (run 98 had chosen today's recipe over three more layers).
+# 60 min 0.291 against 0.273 (run 98 had chosen today's recipe over three more layers). Run
+# 103: at 15 minutes the default width (2H) kept its lead over H (0.267 against 0.264).
 TABLE: tuple[Budget, ...] = (
     Budget(
         15,
