@@ -24,8 +24,8 @@ import mlx.core as mx  # noqa: E402
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
-from redrafter_mlx.core.decode import Decoding  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
+from redrafter_mlx.core.step import Decoding  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 
@@ -50,13 +50,13 @@ def main() -> None:
     seconds = {key: [] for key in decoders}
     for _ in range(args.repetitions):
         for key, decoder in decoders.items():
-            cache = decoder.new_cache()
+            sequence = decoder.new_sequence()
             tic = time.perf_counter()
-            state, _ = decoder.prefill(cache, prompt, decoding)
+            state, _ = decoder.prefill(sequence, prompt, decoding)
             mx.eval(state.pending)
             seconds[key].append(time.perf_counter() - tic)
             print(f"{key}: {args.tokens / seconds[key][-1]:.1f} tok/s", flush=True)
-            del cache, state
+            del sequence, state
             mx.clear_cache()
     rows = {
         f"{name} chunk={chunk}": args.tokens / statistics.median(s)
