@@ -27,8 +27,8 @@ from redrafter_mlx.core.shape import BeamShape
 # MLX's CPU float16 matmuls are slow, so the drafter stays float32. At long contexts that
 # shape's 3-node tree costs 1.5-2x a one-token step while summaries got 1.5-1.9 tokens/step:
 # it ran 0.74-1.28x plain decoding at 2K, 0.79-1.07x at 4K, 0.80-0.87x at 8K (runs 82-84, 88)
-# and, on a quiet machine, 1.02-1.08x at 1K and 0.95-1.01x at 1.5K (1.20-1.23x at 0.5K; run
-# 94), so without a profile answers decode plainly from 1,536 tokens on.
+# and, on a quiet machine, 1.00-1.08x at 1K and 0.95-1.07x at 1.5K (1.20-1.30x at 0.5K; runs
+# 94 and 105): level from 1K, so without a profile answers decode plainly from 1,536 tokens on.
 # A batch's joint forward past 8 rows leaves the small-row kernel for OpenBLAS, whose
 # products cost more per token than trees save: 4 members' 2-node trees (8 rows) emitted the
 # most tokens per second, 8 members the most as plain steps (run 95).
