@@ -1129,7 +1129,8 @@ def test_soft_targets_and_the_hidden_regression_enter_the_loss_and_train_a_draft
         T.extract_options(args),
     )  # fmt: skip
     opts = T.train_options(args)
-    drafter = build_trainer(model, frequent_tokens(cache.load("train"), 48), opts, 10).drafter
+    trainer = build_trainer(model, frequent_tokens(cache.load("train"), 48), opts, 10)
+    drafter = trainer.drafter
     context = mx.random.normal((4, drafter.args.hidden_size))
     embeds = mx.random.normal((4, 3, drafter.args.hidden_size))
     labels, weights = mx.zeros((4, 3), mx.int32), mx.ones((4, 3))
@@ -1146,7 +1147,6 @@ def test_soft_targets_and_the_hidden_regression_enter_the_loss_and_train_a_draft
     assert loss(labels, 1.0, 0.0) == pytest.approx(loss(other_labels, 1.0, 0.0))
     assert loss(labels, 0.0, 0.0) != pytest.approx(loss(other_labels, 0.0, 0.0))
     assert loss(labels, 1.0, 1.0) > loss(labels, 1.0, 0.0)
-    trainer = build_trainer(model, frequent_tokens(cache.load("train"), 48), opts, 10)
     heldout = Examples.build(cache.load("heldout"), opts.positions)
     before = trainer.agreement(heldout)["mean_agreement"]
     best = loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))

@@ -571,31 +571,37 @@ def with_budget_share(args: argparse.Namespace) -> None:
         args.extract_share = row.extract_share if row else EXTRACT_SHARE
 
 
+def recipe_of(row: Budget | None, num_layers: int, hidden: int) -> dict:
+    """The flags ``row``'s recipe sets for a target of ``num_layers`` layers and ``hidden``
+    width; today's defaults (last layer only, teacher forcing on the target's argmax, width
+    2H) without a row."""
+    return {
+        "context_layers": fused_layers(num_layers) if row and row.layered else (),
+        "own_drafts": row.own_drafts if row else 0.0,
+        "soft_weight": row.soft_weight if row else 0.0,
+        "hidden_weight": row.hidden_weight if row else 0.0,
+        "exit_dim": exit_dim(row, hidden) if row else 0,
+    }
+
+
 def with_budget_recipe(args: argparse.Namespace, num_layers: int, hidden: int) -> Budget | None:
-    """Fill --context-layers, --own-drafts, --soft-weight, --hidden-weight and --exit-dim where
-    they were not given: under --minutes (a new drafter) with the recipe of the budget's
-    measured row (``training/budget.py``), else today's defaults (last layer only, teacher
-    forcing on the target's argmax, width 2H), for a target of ``num_layers`` layers and
-    ``hidden`` width. Returns that row (None: none applies)."""
+    """Fill the recipe's flags (:func:`recipe_of`) that were not given: under --minutes (a new
+    drafter) with the budget's measured row (``training/budget.py``), else today's defaults.
+    Returns that row (None: none applies)."""
     row = budget_row(args)
-    if args.context_layers is None:
-        args.context_layers = fused_layers(num_layers) if row and row.layered else ()
-    for name in ("own_drafts", "soft_weight", "hidden_weight"):
+    for name, value in recipe_of(row, num_layers, hidden).items():
         if getattr(args, name) is None:
-            setattr(args, name, getattr(row, name) if row else 0.0)
-    if args.exit_dim is None:
-        args.exit_dim = exit_dim(row, hidden) if row else 0
+            setattr(args, name, value)
     return row
 
 
 def follows(args: argparse.Namespace, row: Budget, num_layers: int, hidden: int) -> bool:
     """Whether the run's recipe (flags filled in) is the measured row's: only then is the
     row's figure what the run may expect."""
-    layers = fused_layers(num_layers) if row.layered else ()
-    mine = (tuple(args.context_layers), args.own_drafts, args.soft_weight, args.hidden_weight)
-    mine += (args.exit_dim,)
-    theirs = (layers, row.own_drafts, row.soft_weight, row.hidden_weight, exit_dim(row, hidden))
-    return mine == theirs and args.extract_share == row.extract_share
+    recipe = recipe_of(row, num_layers, hidden)
+    mine = {name: getattr(args, name) for name in recipe}
+    mine["context_layers"] = tuple(mine["context_layers"])
+    return mine == recipe and args.extract_share == row.extract_share
 
 
 def say_expected(row: Budget) -> None:
