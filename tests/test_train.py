@@ -351,6 +351,30 @@ def test_a_checkpoint_is_continued_only_with_resume_and_its_options(trained, tmp
         T.check_out(again)
 
 
+def test_resume_takes_the_recipe_the_checkpoint_filled_in(trained, tmp_path):
+    """`train` fills the recipe's flags left out (from --minutes' row or today's defaults)
+    after the target loads, so the checkpoint holds them filled in: the same command with
+    --resume continues with them; a recipe flag given otherwise is refused."""
+    _, args, _, _, _, _ = trained
+    out = tmp_path / "out"
+    shutil.copytree(args.out, out)
+    state_file = out / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    filled = {"context_layers": [0], "own_drafts": 0.5, "soft_weight": 0.0, "hidden_weight": 0.0}
+    state["step"] -= 1
+    state["options"] = {**state["options"], **filled, "out": str(out)}
+    state_file.write_text(json.dumps(state))
+    again = T.setup_arg_parser().parse_args([*trained_flags(Path(args.out).parent), "--resume"])
+    again.out = str(out)
+    T.check_out(again)
+    assert again.context_layers == (0,)
+    assert (again.own_drafts, again.soft_weight, again.hidden_weight) == (0.5, 0.0, 0.0)
+    given = T.setup_arg_parser().parse_args([*trained_flags(Path(args.out).parent), "--resume"])
+    given.out, given.soft_weight = str(out), 1.0
+    with pytest.raises(TrainError, match=r"--soft-weight 0.0 \(now 1.0\)"):
+        T.check_out(given)
+
+
 def test_outputs_are_readable_like_any_file(trained):
     """Written aside, then renamed: with the modes a plain open / mkdir gives (not 0600)."""
     _, args, _, _, _, _ = trained

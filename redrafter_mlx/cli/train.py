@@ -571,10 +571,14 @@ def with_budget_share(args: argparse.Namespace) -> None:
         args.extract_share = row.extract_share if row else EXTRACT_SHARE
 
 
+# The flags a measured row's recipe sets (:func:`recipe_of`); left out, they are filled in.
+RECIPE = ("context_layers", "own_drafts", "soft_weight", "hidden_weight", "exit_dim")
+
+
 def recipe_of(row: Budget | None, num_layers: int, hidden: int) -> dict:
-    """The flags ``row``'s recipe sets for a target of ``num_layers`` layers and ``hidden``
-    width; today's defaults (last layer only, teacher forcing on the target's argmax, width
-    2H) without a row."""
+    """The flags ``row``'s recipe sets (:data:`RECIPE`) for a target of ``num_layers`` layers
+    and ``hidden`` width; today's defaults (last layer only, teacher forcing on the target's
+    argmax, width 2H) without a row."""
     return {
         "context_layers": fused_layers(num_layers) if row and row.layered else (),
         "own_drafts": row.own_drafts if row else 0.0,
@@ -719,6 +723,15 @@ def check_args(args: argparse.Namespace) -> None:
         check_out(args)
 
 
+def with_saved_recipe(args: argparse.Namespace, saved: dict) -> None:
+    """Fill the recipe's flags not given (:data:`RECIPE`) as the checkpoint filled them: the
+    same command with --resume continues the run it made, whatever --minutes says now."""
+    for name in RECIPE:
+        if getattr(args, name) is None and saved.get(name) is not None:
+            value = saved[name]
+            setattr(args, name, tuple(value) if isinstance(value, list) else value)
+
+
 def check_init(args: argparse.Namespace) -> None:
     """--init is a drafter folder with at most --num-draft-layers layers (layers can be grown,
     not dropped)."""
@@ -759,8 +772,10 @@ def check_out(args: argparse.Namespace) -> None:
             f"{out} holds the checkpoint of an earlier run (step {state['step']}): rerun "
             "that command with --resume to continue it, or choose another --out"
         )
-    saved, now = state.get("options"), run_options(args)
-    changed = sorted(k for k in (saved or {}) if saved.get(k) != now.get(k))
+    saved = state.get("options") or {}
+    with_saved_recipe(args, saved)
+    now = run_options(args)
+    changed = sorted(k for k in saved if saved.get(k) != now.get(k))
     if changed:
         diffs = ", ".join(
             f"--{k.replace('_', '-')} {saved[k]!r} (now {now.get(k)!r})" for k in changed
