@@ -117,6 +117,59 @@ def test_a_bounded_batch_shares_its_rows_and_a_member_alone_gets_its_tree_back(t
     assert members[0].state.decoding == decoding
 
 
+@pytest.mark.parametrize("plan", [CPU_PLAN, GENERIC_PLAN], ids=["cpu", "generic"])
+def test_members_fitted_to_their_root_alone_step_as_one_token_then_draft_again(
+    target, drafter, plan, monkeypatch
+):
+    """Three tree members on 2 rows are fitted to their roots alone: each is fed as one
+    unmasked token (no tree is packed, nothing drafted), its answer still the one it gets
+    alone, and a member left alone verifies and drafts its own trees again."""
+    import dataclasses
+
+    from redrafter_mlx.core import speculative
+
+    beams = BeamDrafter(drafter, target.model.embed_tokens)
+    decoder = decoder_for(target, beams, dataclasses.replace(plan, batch_rows=2))
+    decoding = decoding_of(beams, BeamShape(1, 3, lookup=1))
+    expected = [alone(decoder, decoding, p, 40) for p in PROMPTS[:3]]
+    trees, drafts = [], []
+    for name, calls in (("plan_tree", trees), ("draft", drafts)):
+        real = getattr(speculative, name)
+        monkeypatch.setattr(speculative, name, lambda *a, f=real, c=calls: c.append(1) or f(*a))
+    members, answers = [], []
+    for prompt in PROMPTS[:3]:
+        state, first = decoder.prefill(decoder.new_sequence(), prompt, decoding)
+        members.append(batch.Member(state))
+        answers.append(list(first.tokens))
+    searched = len(drafts)
+    for _ in range(10):
+        for answer, step in zip(answers, batch.batch_step(decoder, members), strict=True):
+            assert step.tree_size == 1
+            answer += step.tokens
+    assert not trees and len(drafts) == searched
+    for _ in range(6):
+        (step,) = batch.batch_step(decoder, members[:1])
+        answers[0] += step.tokens
+    assert trees and len(drafts) > searched  # alone: its own trees again
+    for answer, full in zip(answers, expected, strict=True):
+        assert answer == full[: len(answer)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])
+def test_hybrid_and_windowed_members_fitted_to_their_root_alone_answer_as_alone(family):
+    """The root fed as one token stages a recurrent layer's state as a chain's token does."""
+    import dataclasses
+
+    model = build(family)
+    decoder = decoder_for(model, None, dataclasses.replace(GENERIC_PLAN, batch_rows=2))
+    decoding = decoding_of(None, BeamShape(1, 3, lookup=2))
+    prompts = [[3, 14, 15, 9, 26, 5, 35, 3, 14, 15], [1, 2, 3], [4, 5, 6, 4, 5, 6, 4]]
+    expected = [alone(decoder, decoding, p, 12) for p in prompts]
+    answers, results = batched(decoder, [decoding] * 3, prompts, 12)
+    assert answers == expected
+    assert all(s.tree_size == 1 for steps in results for s in steps)
+
+
 def test_warm_up_traces_the_shapes_a_bounded_batch_fits_trees_to(target, drafter, monkeypatch):
     """A W2 L3 tree (up to 5 nodes) in a batch of 2 with 4 rows is fitted to W1 L2: the
     service's warm-up traces that search before an answer needs it (MLX would compile it

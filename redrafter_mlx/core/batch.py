@@ -15,9 +15,9 @@ context is full gets its ContextFull and leaves; the others step on.
 Where the plan bounds a batch's rows (``Plan.batch_rows``: a CPU, whose products turn
 compute-bound past a few rows), each member's tree is fitted to its share for the step
 (:func:`fitted`: fewer lookup beams, fewer drafted beams, shorter beams, down to its root
-alone): a large batch decodes plainly, a small one speculates, and a member alone runs its
-own shape. Greedy answers are the same at every fit (the target's own tokens); sampled ones
-keep their distribution.
+alone, fed as one token as an autoregressive member's is): a large batch decodes plainly, a
+small one speculates, and a member alone runs its own shape. Greedy answers are the same at
+every fit (the target's own tokens); sampled ones keep their distribution.
 
 Seeded sampling: each member may keep its own random key (``Member.key``), set before its
 draws and read back with the batch's read, so its draws are the ones it would make alone
@@ -77,7 +77,7 @@ class _Planned:
 
     member: Member
     segment: Segment
-    tree: speculative.PlannedTree | None  # None: an autoregressive member's one token
+    tree: speculative.PlannedTree | None  # None: one token (autoregressive, or a root alone)
 
 
 def batch_step(decoder: Decoder, members: list[Member]) -> list[Step | BaseException]:
@@ -168,6 +168,11 @@ def _plan(decoder: Decoder, member: Member) -> _Planned | Step:
     if state.version != state.sequence.version:
         raise SpentState("a batch member's state was stepped already")
     sequence = state.sequence
+    if isinstance(state, speculative.TreeState) and root_alone(state.decoding):
+        decoder.check_room(sequence, 1)  # ContextFull as the tree's step raises it
+        token, positions = mx.array([state.pending], mx.int32), mx.array([sequence.offset])
+        segment = Segment(sequence, token, positions, None, taps=_taps(decoder))
+        return _Planned(member, segment, None)
     if isinstance(state, speculative.TreeState):
         state.timer.start()
         tree = speculative.plan_tree(decoder, state)
@@ -204,7 +209,9 @@ def _step_planned(decoder: Decoder, planned: list[_Planned]) -> list[Step]:
     grouped: dict[tuple, list] = {}  # members whose searches run as one
     for i, (p, h, rows) in enumerate(zip(planned, hidden, logits, strict=True)):
         p.member.seed()
-        if p.tree is None:
+        if p.tree is None and isinstance(p.member.state, speculative.TreeState):
+            parts[i] = _conclude_root(decoder, p, rows)
+        elif p.tree is None:
             parts[i] = _conclude_chain(p, rows)
         else:
             state = p.member.state
@@ -312,6 +319,41 @@ def _split(rows: mx.array, like: list[mx.array]) -> list[mx.array]:
         parts.append(rows[start : start + x.shape[0]])
         start += x.shape[0]
     return parts
+
+
+def root_alone(decoding: Decoding) -> bool:
+    """Whether a tree decoding verifies its pending token alone (:func:`fitted`'s smallest
+    fit): no drafted and no lookup beams."""
+    return not decoding.mode.drafted and not decoding.shape.lookup
+
+
+def _conclude_root(decoder: Decoder, p: _Planned, logits: mx.array):
+    """A tree member fitted to its root alone, fed as one token with no mask (the
+    autoregressive step's forward, not a 1-node tree's): ``(values to read, arrays to
+    evaluate, finish)``. Its next token is chosen from ``logits (1, V)`` as the tree's
+    acceptance chooses it with nothing drafted; the next state has no drafted beams (a bigger
+    fit verifies its lookup beams, or its root, once, then drafts again)."""
+    member, state = p.member, p.member.state
+    sequence, decoding = state.sequence, state.decoding
+    choice = choose(logits, decoding.sampler)
+    emitted = emitted_logprobs(decoding, logits, choice)
+    drafting.observe(decoder.drafter, sequence, p.segment.taps or {}, mx.array([0]))
+
+    def finish_root(read) -> Step:
+        next_token = int(read[0][0])
+        sequence.commit([state.pending])
+        drafted = np.empty((0, decoding.shape.length), np.int32)
+        member.state = replace(
+            state,
+            pending=next_token,
+            drafted=drafted,
+            floor_logprobs=None,
+            version=sequence.version,
+            steps=state.steps + 1,
+        )
+        return emitted.read([next_token], 1)
+
+    return (choice.astype(mx.int32),), emitted.arrays(), finish_root
 
 
 def _conclude_chain(p: _Planned, logits: mx.array):
