@@ -29,9 +29,9 @@ from redrafter_mlx.core.shape import BeamShape
 # it ran 0.74-1.28x plain decoding at 2K, 0.79-1.07x at 4K, 0.80-0.87x at 8K (runs 82-84, 88)
 # and, on a quiet machine, 1.00-1.08x at 1K and 0.95-1.07x at 1.5K (1.20-1.30x at 0.5K; runs
 # 94 and 105): level from 1K, so without a profile answers decode plainly from 1,536 tokens on.
-# A batch's joint forward past 8 rows leaves the small-row kernel for OpenBLAS, whose
-# products cost more per token than trees save: 4 members' 2-node trees (8 rows) emitted the
-# most tokens per second, 8 members the most as plain steps (run 95).
+# A batch's products turn compute-bound past a few rows here: 2 members' trees emit as many
+# tokens per second as their plain steps, while 4 members' 2-node trees (8 rows) emit 0.8x
+# what their roots alone do (run 107), so a batch verifies at most 4 rows.
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -40,7 +40,7 @@ CPU_PLAN = Plan(
     async_layers=2,
     tree_sizes=(*range(1, 9), 16, 32),
     prefill_chunk=512,
-    batch_rows=8,
+    batch_rows=4,
     draft_early_stop=True,
     drafter_float32=True,
     default_shape=BeamShape(width=1, length=2, lookup=1),
