@@ -32,6 +32,7 @@ from redrafter_mlx.core.batch import (
     current_key,
     fitted,
     key_value,
+    root_alone,
     search_group,
     search_size,
 )
@@ -266,7 +267,7 @@ def warm_up(decoder, decodings=(), max_batch: int = 2) -> None:
     if plan.batch_rows is not None:
         fits = {fitted(d, plan.batch_rows // b) for d in decodings for b in range(2, max_batch + 1)}
         for decoding in fits - set(decodings):
-            if decoding.mode.drafted or decoding.shape.lookup:  # not the root alone: a tree
+            if not root_alone(decoding):  # a tree (a root alone runs the one-token forward)
                 decoder.warm_up(decoding)
                 decodings.append(decoding)
     hidden, _ = target_dims(decoder.model)
