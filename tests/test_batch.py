@@ -157,7 +157,8 @@ def test_members_fitted_to_their_root_alone_step_as_one_token_then_draft_again(
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])
 def test_hybrid_and_windowed_members_fitted_to_their_root_alone_answer_as_alone(family):
-    """The root fed as one token stages a recurrent layer's state as a chain's token does."""
+    """A root fed as one token stages a recurrent layer's state as a chain's token does, and
+    sees a sliding window's keys as a one-token step does."""
     import dataclasses
 
     model = build(family)
