@@ -74,7 +74,22 @@ def attention_before(queries, keys, values, scale: float, mask, grouped: bool):
     return (probs @ values).reshape(1, heads, t, d)
 
 
-ATTENTION = {"cpu": fused.attention, "cpu-before": attention_before, "generic": fused.attention}
+def attention_run111(queries, keys, values, scale: float, mask, grouped: bool):
+    """The CPU plan's attention as run 111 left it: a one-token step (no mask) always as one
+    softmax, whatever the context."""
+    if not grouped:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    if mask is None:
+        return fused.softmax_attention(queries, keys, values, scale, mask)
+    return fused.split_attention(queries, keys, values, scale, mask)
+
+
+ATTENTION = {
+    "cpu": fused.attention,
+    "cpu-before": attention_before,
+    "cpu-run111": attention_run111,
+    "generic": fused.attention,
+}
 
 
 def attention_seconds(variant: str, context: int, size: int) -> float:
@@ -101,7 +116,7 @@ def main() -> None:
     contexts = [int(s) for s in args.contexts.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
-    plans = {"cpu": CPU_PLAN, "cpu-before": CPU_PLAN, "generic": GENERIC_PLAN}
+    plans = {"cpu": CPU_PLAN, "cpu-before": CPU_PLAN, "cpu-run111": CPU_PLAN, "generic": GENERIC_PLAN}
     decoders = {}
     for name in {plans[v].llama_layers: v for v in variants}.values():  # one per plan
         runtime = rt.load_runtime(None, None, need_drafter=False, plan=plans[name])

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from support import run_steps, tiny_llama
 
-from redrafter_mlx.backend.fused import attention, exp2, rope_tables
+from redrafter_mlx.backend.fused import ONE_TOKEN_EXP2_MIN, attention, exp2, rope_tables
 from redrafter_mlx.backend.plan import CPU_PLAN, make_forward
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.plan import Plan
@@ -161,18 +161,22 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
 
 
-@pytest.mark.parametrize("cached", [0, 5, 700, 2100])
+@pytest.mark.parametrize("cached", [0, 5, 700, 2100, 7000])
 @pytest.mark.parametrize("t", [1, 3, 16, 40])
 def test_split_attention_equals_masked_attention(t, cached):
     """The CPU's attention (grouped query heads, the cached prefix unmasked and the new block
     under its (T, T) mask, one softmax over both, :func:`exp2`) computes what
     ``mx.fast.scaled_dot_product_attention`` does with the whole (T, S + T) mask: tree rows
-    (random ancestor sets, each node seeing itself) and a prompt chunk's causal rows."""
+    (random ancestor sets, each node seeing itself) and a prompt chunk's causal rows; a
+    one-token step (no mask) as one softmax, and from ``ONE_TOKEN_EXP2_MIN`` scores (7,000
+    cached tokens here) as the split's one block."""
     rng = np.random.default_rng(t + cached)
     queries, keys, values = (
         mx.array(3 * rng.standard_normal(shape).astype(np.float32))
         for shape in ((1, 6, t, 8), (1, 2, cached + t, 8), (1, 2, cached + t, 8))
     )
+    if cached == 7000:  # the one-token step's case runs the split: 2 K/V heads x 3 rows
+        assert 2 * 3 * (cached + t) >= ONE_TOKEN_EXP2_MIN
     tree = mx.array(rng.random((t, t)) < 0.5) | mx.eye(t, dtype=mx.bool_)
     masks = [None, llm.chain_mask(cached, t)] if t == 1 else [llm.chain_mask(cached, t)]
     if t > 1:

@@ -174,13 +174,15 @@ def split_attention(queries, keys, values, scale: float, mask: mx.array | None) 
     kv_heads, cached = keys.shape[1], keys.shape[2] - t
     rows = heads // kv_heads * t  # each K/V head's query group as rows
     # One softmax where the split cannot pay: a prompt chunk (scores too many for exp2's
-    # passes to stay in cache), a one-token step (no mask: in-process A/B, run 87), a tree
-    # whose scores are too few for exp2 (mx.exp either way; one softmax is fewer ops, run 111).
-    if t > 4 * SMALL_ROWS or mask is None or kv_heads * rows * (cached + t) < EXP2_MIN:
+    # passes to stay in cache), or scores too few for exp2 (mx.exp either way; one softmax is
+    # fewer ops: small trees, run 111; a one-token step, unmasked, has fewer ops to save and
+    # wins only from about 4.5K cached tokens on, runs 87 and 116).
+    least = EXP2_MIN if mask is not None else ONE_TOKEN_EXP2_MIN
+    if t > 4 * SMALL_ROWS or kv_heads * rows * (cached + t) < least:
         return softmax_attention(queries, keys, values, scale, mask)
     grouped = (queries * (scale * LOG2_E)).reshape(1, kv_heads, rows, d)
     product = partial(_grouped_product, rows=product_rows(t, heads // kv_heads))
-    if rows * cached < SPLIT_MIN:  # a few ops cost less than fewer elements
+    if mask is None or rows * cached < SPLIT_MIN:  # a few ops cost less than fewer elements
         blocks = [(0, None, mask)]
     else:  # (T, T) block: the tree's ancestors, a chain's causal block
         blocks = [(0, cached, None), (cached, None, mask[:, cached:])]
@@ -220,9 +222,11 @@ def _masked(block: mx.array, visible: mx.array, fill: float) -> mx.array:
 
 # Below these many scores, MLX's per-op overhead (~10 us) outweighs the per-element savings:
 # attention runs as one block over all keys, and ``mx.exp`` (one op) instead of exp2 (16);
-# below EXP2_MIN a tree's attention is one ``mx.softmax`` (:func:`split_attention`).
+# below EXP2_MIN a tree's attention is one ``mx.softmax`` (:func:`split_attention`), below
+# ONE_TOKEN_EXP2_MIN a one-token step's.
 # Above EXP2_MAX (8 MB of scores) exp2's 16 passes no longer stay in cache.
 SPLIT_MIN = EXP2_MIN = 32768
+ONE_TOKEN_EXP2_MIN = 40960  # 9 query heads: 4,551 cached tokens
 EXP2_MAX = 1 << 21
 
 
