@@ -59,6 +59,8 @@ class Ours:
         self.session = Session(runtime.decoder, runtime.tokenizer, decoding, warm=False)
 
     def answer(self, prompt: list[int], decoding, max_tokens: int) -> dict:
+        """``decoding`` None: the session's own choice (its bands, and past the plan's
+        ``plain_from`` each step's mode by the speed each got: ``core/adaptive.py``)."""
         times, tokens, last = [], [], None
         for last in self.session.generate(prompt, max_tokens=max_tokens, decoding=decoding):
             times.append(time.perf_counter())
@@ -70,6 +72,7 @@ class Ours:
             "prompt_tokens_fed": stats.prompt_tokens,
             "prompt_seconds": stats.prompt_seconds,
             "steps": stats.steps,
+            "tree_steps": sum(size > 1 for size in stats.tree_sizes),
         }
 
 
@@ -122,9 +125,10 @@ def run_length(runtime, length: int, shape: BeamShape, source: str, args) -> dic
     ours = Ours(runtime, ours_rd)
     follow_context(ours.session, runtime, source)  # the bands generate and chat follow
     ours_default = ours.session.decoding_at(len(prompt))
+    adaptive = ours.session.adaptive
     mlx = MlxLm(runtime)
     methods = {
-        DEFAULT: lambda: ours.answer(prompt, ours_default, args.max_tokens),
+        DEFAULT: lambda: ours.answer(prompt, None, args.max_tokens),
         REDRAFTER: lambda: ours.answer(prompt, ours_rd, args.max_tokens),
         AUTOREGRESSIVE: lambda: ours.answer(prompt, ours_ar, args.max_tokens),
         MLX_LM: lambda: mlx.answer(prompt, args.max_tokens),
@@ -145,6 +149,9 @@ def run_length(runtime, length: int, shape: BeamShape, source: str, args) -> dic
     row = summarize(prompt, runs)
     speculates = ours_default.mode.speculative
     row["default_decoding"] = ours_default.shape.label if speculates else "plain"
+    if adaptive is not None and len(prompt) >= adaptive.start:
+        row["default_decoding"] = f"adaptive: plain or {adaptive.speculative.shape.label}"
+        row["default_tree_steps"] = [r["tree_steps"] for r in runs[DEFAULT]]
     return row
 
 

@@ -110,7 +110,8 @@ class Decoder:
         fed = yield from self.feeding(sequence, prompt, decoding.sampler)
         pending, context, logits = fed
         if not decoding.mode.speculative:
-            return autoregressive.first_state(sequence, decoding, pending, logits), None
+            first = autoregressive.first_state(sequence, decoding, pending, logits, context)
+            return first, None
         emitted = emitted_logprobs(decoding, logits, pending[None])
         state = speculative.drafted_state(
             self, sequence, decoding, context, pending, emitted, timer
@@ -129,6 +130,26 @@ class Decoder:
         if isinstance(state, speculative.TreeState):
             return speculative.speculative_step(self, state)
         return autoregressive.chain_step(self, state)
+
+    def switch(self, state: State, decoding: Decoding) -> tuple[State, Step | None]:
+        """``state`` continued with ``decoding``, speculative or plain, between two steps: a
+        plain state turned speculative emits its pending token (the returned step) and drafts
+        for it; a speculative one turned plain feeds its pending token (emitted already) and
+        chooses the next, emitting nothing (None). A decoding of the state's own kind (or a
+        full context's last tokens, or a batch's plain state, which keeps no hidden state) leaves
+        ``state`` as it is. Drafters that keep a part per sequence (EAGLE-3, DFlash, MTP) read
+        every committed token's taps, which plain steps do not record: ValueError."""
+        if decoding.mode.speculative == isinstance(state, speculative.TreeState):
+            return state, None
+        if drafting.new_part(self.drafter) is not None:
+            raise ValueError("this drafter keeps a part per sequence: it cannot switch modes")
+        undrafted = isinstance(state, autoregressive.ChainState) and state.context is None
+        if undrafted or not self.has_room(state.sequence, 2):  # a batch's, or near the end
+            return state, None
+        self.check(decoding)
+        if isinstance(state, speculative.TreeState):
+            return autoregressive.from_tree(self, state, decoding), None
+        return speculative.from_chain(self, state, decoding)
 
     def next_token(self, sequence: Sequence, token: mx.array, sampler: Sampler):
         """Feed ``token (1,)`` after the sequence (not committed) -> the sampler's next token

@@ -193,6 +193,8 @@ class MirroredSession(Session):
     ranks run the same in their copy of this session. An answer the caller stops reading is
     run to its end (the others do not know it was stopped)."""
 
+    can_adapt = False  # a mode chosen by rank 0's timings would not be the others' steps
+
     def __init__(self, decoder: LeadDecoder, tokenizer, decoding: Decoding, **options):
         self.orders = decoder.orders
         self.key = self.orders.register(self)

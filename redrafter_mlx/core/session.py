@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from redrafter_mlx.core.adaptive import Adaptive
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import Cancelled
 from redrafter_mlx.core.step import Decoding, PhaseTimer, Step
@@ -28,6 +29,7 @@ class Answer:
     max_tokens: int
     stop_strings: tuple[str, ...]
     decoding: Decoding
+    adaptive: Adaptive | None = None  # each step's mode chosen by it (from its start on)
 
 
 class Session:
@@ -37,6 +39,8 @@ class Session:
     the answers); ``warm``: warm the first decoding up now (False where the caller has
     already, e.g. a benchmark that warms every method once).
     """
+
+    can_adapt = True  # whether :attr:`adaptive` may choose each step's mode here
 
     def __init__(
         self,
@@ -60,6 +64,9 @@ class Session:
         # context length -> this answer's decoding (an autotune profile's shape per context
         # band, ``tuning.profiles.decoding_by_context``); None: the session's for every answer
         self.by_context: Callable[[int], Decoding] | None = None
+        # past a context length, each step's mode chosen by the speed each got (None: the
+        # answer's decoding throughout); answers whose decoding the caller gives never adapt
+        self.adaptive: Adaptive | None = None
         if warm:
             self.warm_up()
         elif seed is not None:
@@ -74,7 +81,7 @@ class Session:
         decoder cannot run it)."""
         self.decoder.check(decoding)
         self._decoding = decoding
-        self.by_context = None  # an explicit choice holds for every answer
+        self.by_context = self.adaptive = None  # an explicit choice holds for every answer
         self.warm_up()
 
     def change(self, **fields) -> None:
@@ -117,7 +124,11 @@ class Session:
         step, after reusing its cached prefix. ``decoding``: this answer's own (already warmed
         up, e.g. a request's sampler), else the session's. ``cancelled`` is asked between
         prompt chunks: when it says so the generator ends with no response."""
-        answer = Answer(max_tokens, tuple(stop_strings), decoding or self.decoding_at(len(ids)))
+        adaptive = self.adaptive if decoding is None else None
+        if adaptive is not None:
+            decoding = adaptive.decoding(len(ids))
+        decoding = decoding or self.decoding_at(len(ids))
+        answer = Answer(max_tokens, tuple(stop_strings), decoding, adaptive)
         return self.answer(ids, answer, timer=timer, cancelled=cancelled)
 
     def answer(
@@ -140,6 +151,7 @@ class Session:
             stop_strings=answer.stop_strings,
             timer=timer,
             cancelled=cancelled,
+            adaptive=answer.adaptive,
         )
         try:
             yield from steps

@@ -13,7 +13,7 @@ after the read: the same tree, verify and acceptance, no extra read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -65,6 +65,16 @@ def drafted_state(
     return TreeState(
         sequence, decoding, int(read[0]), beams, floor_logprobs, sequence.version, timer
     )
+
+
+def from_chain(decoder, state, decoding: Decoding) -> tuple[TreeState, Step]:
+    """A plain ``state`` (a ``ChainState``: its pending token on the device, not yet
+    emitted) turned speculative: the step emitting the pending token, and the state of that
+    token drafted from the hidden state it was chosen from (one host read for both)."""
+    pending = state.pending[0]
+    new = drafted_state(decoder, state.sequence, decoding, state.context, pending, state.emitted)
+    new = replace(new, steps=state.steps)
+    return new, state.emitted.read([new.pending])
 
 
 def speculative_step(decoder, state: TreeState) -> tuple[TreeState, Step]:

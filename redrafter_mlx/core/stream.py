@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
+from redrafter_mlx.core.adaptive import Adaptive, adaptive_steps
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.sequence import Sequence
@@ -175,12 +176,16 @@ def decode_steps(
     *,
     timer: PhaseTimer | None = None,
     cancelled=None,
+    adaptive: Adaptive | None = None,
 ) -> Iterator[Step]:
     """The decode loop: the prefill's first token, then one :class:`Step` per decode step,
-    until the context is full (ContextFull) or the caller stops iterating."""
+    until the context is full (ContextFull) or the caller stops iterating; with
+    ``adaptive``, each step's mode chosen by it (:func:`.adaptive.adaptive_steps`)."""
     state, first = decoder.prefill(sequence, prompt, decoding, timer=timer, cancelled=cancelled)
     if first is not None:
         yield first
+    if adaptive is not None:
+        yield from adaptive_steps(decoder, state, adaptive)
     while True:
         state, step = decoder.step(state)
         yield step
@@ -197,6 +202,7 @@ def stream_steps(
     stop_strings: tuple[str, ...] = (),
     timer: PhaseTimer | None = None,
     cancelled=None,
+    adaptive: Adaptive | None = None,
 ) -> Iterator[StepResponse]:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids), one response per step.
 
@@ -210,7 +216,9 @@ def stream_steps(
     working set meanwhile (a no-op elsewhere), and returns MLX's cached buffers to the system
     every ``CLEAR_CACHE_EVERY`` steps (each cache growth leaves the old buffers there).
     """
-    steps = decode_steps(decoder, sequence, prompt, decoding, timer=timer, cancelled=cancelled)
+    steps = decode_steps(
+        decoder, sequence, prompt, decoding, timer=timer, cancelled=cancelled, adaptive=adaptive
+    )
     with wired_limit(decoder.model):
         yield from _stream_steps(steps, tokenizer, len(prompt), max_tokens, stop_strings)
 

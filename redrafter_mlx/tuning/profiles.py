@@ -18,9 +18,11 @@ from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 from redrafter_mlx.core.accept import is_greedy
+from redrafter_mlx.core.adaptive import Adaptive
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.decode import Decoding
 from redrafter_mlx.core.draft import check_width
+from redrafter_mlx.core.drafting import new_part
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.mode import Mode
@@ -341,10 +343,23 @@ def context_bands(
 def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> ContextBands | None:
     """Let ``session`` pick each answer's shape by its context length when it speculates with
     a shape no flag chose (:func:`context_bands`). Returns the bands it follows (None: one
-    decoding for every answer)."""
+    decoding for every answer). With the plan's default bands, where they decode plainly the
+    session's answers also try the default shape and keep the faster, step block by step
+    block (:mod:`~redrafter_mlx.core.adaptive`), where the session and its drafter allow."""
     if not session.decoding.mode.speculative:
         return None
     bands = context_bands(runtime, session.decoding.shape, source, temp=temp)
     if bands is not None:
         session.by_context = decoding_by_context(bands, session.decoding, runtime.decoder.warm_up)
+        start = runtime.plan.plain_from
+        if source == "default" and start is not None and adapts(session):
+            plain = session.by_context(start)
+            session.adaptive = Adaptive(session.decoding, plain, start)
     return bands
+
+
+def adapts(session) -> bool:
+    """Whether ``session`` may switch modes mid-answer: not a sharded target's (its ranks
+    replay one decoding), nor with a drafter that keeps a part per sequence (plain steps
+    record no taps for it)."""
+    return session.can_adapt and new_part(session.decoder.drafter) is None
