@@ -116,7 +116,12 @@ def main() -> None:
     contexts = [int(s) for s in args.contexts.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
-    plans = {"cpu": CPU_PLAN, "cpu-before": CPU_PLAN, "cpu-run111": CPU_PLAN, "generic": GENERIC_PLAN}
+    plans = {
+        "cpu": CPU_PLAN,
+        "cpu-before": CPU_PLAN,
+        "cpu-run111": CPU_PLAN,
+        "generic": GENERIC_PLAN,
+    }
     decoders = {}
     for name in {plans[v].llama_layers: v for v in variants}.values():  # one per plan
         runtime = rt.load_runtime(None, None, need_drafter=False, plan=plans[name])

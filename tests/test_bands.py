@@ -166,7 +166,9 @@ def test_generate_answers_past_plain_from_plainly_and_says_so(target, drafter, m
             got[length, bool(extra)] = capsys.readouterr()
     short, long = (json.loads(got[n, True].out) for n in (50, 150))
     assert short["mode"] == "redrafter" and long["mode"] == "autoregressive"
-    assert "plain from this context length: default" in got[150, False].err
+    assert "plain from this context length (trees where they measure faster): default" in (
+        got[150, False].err
+    )
     assert "plain from" not in got[50, False].err
     assert long["tokens"] == generate_plainly(runtime, [5 + i % 30 for i in range(150)], 6)
 

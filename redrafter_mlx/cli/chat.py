@@ -220,8 +220,9 @@ class Turn:
     dropped_turns: int = 0  # oldest turns dropped to fit the context
     stats: GenerationStats | None = None
     finish_reason: str | None = None  # None when interrupted
-    # the session speculates but this answer decoded plainly: its context length's band says
-    # so (the default's plain_from, or an autotune profile's bands)
+    # the session speculates but this answer's context band decodes plainly (the default's
+    # plain_from, where trees still run in the blocks they measure faster, or an autotune
+    # profile's bands)
     plain_here: bool = False
 
 
@@ -574,7 +575,13 @@ class ChatUI:
             )
         # else a cut answer reads like one that ended itself
         cut = " (cut at --max-tokens)" if turn.finish_reason == "length" else ""
-        mode = "plain decoding at this context length" if turn.plain_here else self.mode()
+        mode, trees = self.mode(), any(size > 1 for size in stats.tree_sizes)
+        if turn.plain_here:  # past plain_from: trees only where they measured faster
+            mode = (
+                f"{mode} where faster than plain"
+                if trees
+                else "plain decoding at this context length"
+            )
         line = (
             f"{stats.generation_tokens} tokens{cut} · {stats.generation_tps:.1f} tok/s · "
             f"{stats.tokens_per_step:.2f} tokens/step · {mode} · "
@@ -582,7 +589,7 @@ class ChatUI:
         )
         if turn.reread_tokens:  # a recurrent state cannot be cut back to any token
             line += f" ({turn.reread_tokens} re-read: recurrent state is kept at turn ends)"
-        if self.lookup_on() and not turn.plain_here:  # the lookup beams' share, the drafter's
+        if self.lookup_on() and trees:  # the lookup beams' share, the drafter's
             drafted = self.session.mode.drafted
             line += f" · accepted: {accepted_sources(stats.accepted_from, drafted)}"
         self.note(line)

@@ -109,7 +109,8 @@ def main(args: argparse.Namespace) -> None:
     if not args.json:
         note = f" ({source})" if mode.speculative else ""
         if plain_here:
-            note = f" (plain from this context length: {source})"
+            trees = " (trees where they measure faster)" if session.adaptive else ""
+            note = f" (plain from this context length{trees}: {source})"
         if ignored := flags.ignored_when_autoregressive(args):
             note += f" (ignored: {', '.join(ignored)})"
         timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""

@@ -43,7 +43,9 @@ class Plan:
     batch_rows: int | None = None
     # The beam shape when no autotune profile or flag gives one.
     default_shape: BeamShape = BeamShape(width=2, length=4)
-    # With that default shape: the context length (tokens before the answer) from which an
-    # answer decodes plainly, one token per step, because a verified tree's attention over a
-    # long cache costs more than its drafts save; None: the default shape at every length.
+    # With that default shape: the context length (tokens before the answer) from which a
+    # verified tree's attention over the long cache may cost more than its drafts save, so
+    # an answer decodes plainly, one token per step, except in the blocks of steps where a
+    # session has measured the tree faster (``core/adaptive.py``; a server's batch decodes
+    # plainly there); None: the default shape at every length.
     plain_from: int | None = None
