@@ -137,11 +137,12 @@ def run_blocks(adaptive, context, blocks, tokens_per_second):
 
 def test_the_policy_tries_both_then_keeps_the_faster_and_explores():
     """A new band runs a plain block, then a tree block, then the faster one, and the other
-    every ``explore``-th block; below ``start`` every step speculates."""
+    at the ``explore``-th block (its first two counted); below ``start`` every step
+    speculates."""
     adaptive = policy(block=4, explore=4)
     assert all(adaptive.speculate(999) for _ in range(20))
-    modes = run_blocks(adaptive, 1500, 10, {True: 1.5, False: 1.0})
-    assert modes == [False, True, True, False, True, True, True, False, True, True]
+    modes = run_blocks(adaptive, 1500, 12, {True: 1.5, False: 1.0})
+    assert modes == [False, True, True, False] + [True] * 7 + [False]
     assert adaptive.decoding(1500) is adaptive.speculative
     slower = policy(block=4, explore=4)
     modes = run_blocks(slower, 3000, 6, {True: 0.8, False: 1.0})
@@ -158,6 +159,16 @@ def test_the_policy_follows_a_change_in_speed():
     run_blocks(adaptive, 1500, 8, {True: 0.8, False: 1.0})
     modes = run_blocks(adaptive, 1500, 8, {True: 2.0, False: 1.0})
     assert modes == [False, False, False, True, True, True, True, False]
+
+
+def test_the_slower_mode_runs_less_often_while_it_stays_slower():
+    """Each exploring block that finds the other mode still slower doubles the wait before
+    the next, up to ``explore_max`` blocks; a band keeps its own waits."""
+    adaptive = policy(block=2, explore=4, explore_max=16)
+    modes = run_blocks(adaptive, 1500, 60, {True: 0.8, False: 1.0})
+    assert [i for i, speculated in enumerate(modes) if speculated] == [1, 3, 11, 27, 43, 59]
+    modes = run_blocks(adaptive, 2500, 12, {True: 0.8, False: 1.0})
+    assert [i for i, speculated in enumerate(modes) if speculated] == [1, 3, 11]
 
 
 def test_a_session_with_the_default_shape_adapts_past_plain_from(pair):

@@ -1,8 +1,9 @@
 """Speculation that proves itself at long contexts: past a context length, an answer's steps
 run in blocks of its speculative decoding or of plain decoding, and the one that has emitted
 more tokens per second in this context band (this session's answers so far) runs the next
-block; every ``explore``-th block runs the other, so a change (a summary that starts copying
-its source, a machine that got busy) is seen.
+block; every so many blocks the other runs, so a change (a summary that starts copying its
+source, a machine that got busy) is seen: after ``explore`` blocks at first, twice as many
+each time the other stayed slower (up to ``explore_max``), since each such block costs time.
 
 Why measured and not predicted: a verified tree's cost over a long cache and the tokens a
 step accepts both vary with the prompt (how much of it the answer copies), the model and the
@@ -41,12 +42,25 @@ class Rate:
 
 
 @dataclass
+class _Band:
+    """A band's exploration: every ``interval``-th block runs the slower mode; ``left``
+    blocks until the next such; ``faster`` speculative or not, as last chosen; ``explored``
+    whether the block begun last was one."""
+
+    interval: int
+    left: int
+    faster: bool
+    explored: bool = False
+
+
+@dataclass
 class Adaptive:
     """One session's choice between ``speculative`` and ``plain`` decoding (the same
     sampler and log-probs) from ``start`` cached tokens on, per band of ``band`` tokens: a
     new band tries plain decoding for a block of ``block`` steps, then the speculative one,
-    then keeps the faster, trying the other every ``explore``-th block. Below ``start``
-    every step speculates."""
+    then keeps the faster, running the other every ``explore``-th block, then every
+    2 x ``explore``-th and so on up to every ``explore_max``-th while it stays slower (back to
+    ``explore`` when it turns faster). Below ``start`` every step speculates."""
 
     speculative: Decoding
     plain: Decoding
@@ -54,8 +68,9 @@ class Adaptive:
     band: int = 1024
     block: int = 8
     explore: int = 8
+    explore_max: int = 64
     rates: dict[tuple[int, bool], Rate] = field(default_factory=dict)
-    blocks: int = 0  # blocks begun
+    bands: dict[int, _Band] = field(default_factory=dict)
     left: int = 0  # steps left in the current block
     speculating: bool = False
 
@@ -65,7 +80,7 @@ class Adaptive:
             return True
         if self.left == 0:
             self.speculating = self._choose(context // self.band)
-            self.left, self.blocks = self.block, self.blocks + 1
+            self.left = self.block
         self.left -= 1
         return self.speculating
 
@@ -79,7 +94,18 @@ class Adaptive:
         if plain is None or spec is None:
             return plain is not None  # plain decoding first (the default there), then the tree
         faster = spec.per_second > plain.per_second
-        return faster != (self.blocks % self.explore == self.explore - 1)
+        # its first two blocks (plain, tree) count towards the first exploration
+        state = self.bands.setdefault(band, _Band(self.explore, self.explore - 2, faster))
+        if state.explored:  # the block before ran the slower mode: did it stay slower?
+            kept = faster == state.faster
+            state.interval = min(2 * state.interval, self.explore_max) if kept else self.explore
+            state.left, state.explored = state.interval, False
+        state.faster = faster
+        state.left -= 1
+        if state.left > 0:
+            return faster
+        state.explored = True
+        return not faster
 
     def decoding(self, context: int) -> Decoding:
         """The decoding an answer after ``context`` prompt tokens starts with."""
