@@ -171,6 +171,18 @@ def test_the_slower_mode_runs_less_often_while_it_stays_slower():
     assert [i for i, speculated in enumerate(modes) if speculated] == [1, 3, 11]
 
 
+def test_the_tree_must_be_faster_by_the_margin():
+    """Past ``start`` the tree replaces plain decoding only where it measured more than
+    ``margin`` faster: at 1.05x plain decoding keeps running, at 1.15x the tree takes over."""
+    close = policy(block=2, explore=4, margin=0.1)
+    modes = run_blocks(close, 1500, 12, {True: 1.05, False: 1.0})
+    assert modes == [False, True, False, True] + [False] * 7 + [True]
+    assert close.decoding(1500) is close.plain
+    ahead = policy(block=2, explore=4, margin=0.1)
+    assert run_blocks(ahead, 1500, 3, {True: 1.15, False: 1.0})[2]
+    assert ahead.decoding(1500) is ahead.speculative
+
+
 def test_a_session_with_the_default_shape_adapts_past_plain_from(pair):
     """follow_context with the plan's default bands gives the session a policy from
     ``plain_from`` on: a long answer there runs plain and tree steps and gives the plain

@@ -1,7 +1,7 @@
 """Speculation that proves itself at long contexts: past a context length, an answer's steps
 run in blocks of its speculative decoding or of plain decoding, and the one that has emitted
-more tokens per second in this context band (this session's answers so far) runs the next
-block; every so many blocks the other runs, so a change (a summary that starts copying its
+more tokens per second in this context band (this session's answers so far; the tree by a
+``margin``) runs the next block; every so many blocks the other runs, so a change (a summary that starts copying its
 source, a machine that got busy) is seen: after ``explore`` blocks at first, twice as many
 each time the other stayed slower (up to ``explore_max``), since each such block costs time.
 
@@ -58,9 +58,10 @@ class Adaptive:
     """One session's choice between ``speculative`` and ``plain`` decoding (the same
     sampler and log-probs) from ``start`` cached tokens on, per band of ``band`` tokens: a
     new band tries plain decoding for a block of ``block`` steps, then the speculative one,
-    then keeps the faster, running the other every ``explore``-th block, then every
-    2 x ``explore``-th and so on up to every ``explore_max``-th while it stays slower (back to
-    ``explore`` when it turns faster). Below ``start`` every step speculates."""
+    then keeps the faster (the tree only if ``margin`` faster), running the other every
+    ``explore``-th block, then every 2 x ``explore``-th and so on up to every
+    ``explore_max``-th while it stays slower (back to ``explore`` when it turns faster).
+    Below ``start`` every step speculates."""
 
     speculative: Decoding
     plain: Decoding
@@ -69,6 +70,9 @@ class Adaptive:
     block: int = 8
     explore: int = 8
     explore_max: int = 64
+    # The tree runs only where it measured this much faster: past ``start`` it is slower on
+    # average, and a few blocks' timings swing by about as much as the two modes differ.
+    margin: float = 0.1
     rates: dict[tuple[int, bool], Rate] = field(default_factory=dict)
     bands: dict[int, _Band] = field(default_factory=dict)
     left: int = 0  # steps left in the current block
@@ -93,7 +97,7 @@ class Adaptive:
         plain, spec = self.rates.get((band, False)), self.rates.get((band, True))
         if plain is None or spec is None:
             return plain is not None  # plain decoding first (the default there), then the tree
-        faster = spec.per_second > plain.per_second
+        faster = self._tree_faster(plain, spec)
         # its first two blocks (plain, tree) count towards the first exploration
         state = self.bands.setdefault(band, _Band(self.explore, self.explore - 2, faster))
         if state.explored:  # the block before ran the slower mode: did it stay slower?
@@ -113,8 +117,11 @@ class Adaptive:
             return self.speculative
         band = context // self.band
         plain, spec = self.rates.get((band, False)), self.rates.get((band, True))
-        faster = plain and spec and spec.per_second > plain.per_second
+        faster = plain is not None and spec is not None and self._tree_faster(plain, spec)
         return self.speculative if faster else self.plain
+
+    def _tree_faster(self, plain: Rate, spec: Rate) -> bool:
+        return spec.per_second > plain.per_second * (1 + self.margin)
 
 
 def adaptive_steps(decoder, state, adaptive: Adaptive) -> Iterator[Step]:
