@@ -1,9 +1,10 @@
 """Speculation that proves itself at long contexts: past a context length, an answer's steps
 run in blocks of its speculative decoding or of plain decoding, and the one that has emitted
 more tokens per second in this context band (this session's answers so far; the tree by a
-``margin``) runs the next block; every so many blocks the other runs, so a change (a summary that starts copying its
-source, a machine that got busy) is seen: after ``explore`` blocks at first, twice as many
-each time the other stayed slower (up to ``explore_max``), since each such block costs time.
+``margin``) runs the next block; every so many blocks the other runs, so a change (a summary
+that starts copying its source, a machine that got busy) is seen: after ``explore`` blocks at
+first, twice as many each time the other stayed slower (up to ``explore_max``), since each
+such block costs time.
 
 Why measured and not predicted: a verified tree's cost over a long cache and the tokens a
 step accepts both vary with the prompt (how much of it the answer copies), the model and the
@@ -43,12 +44,12 @@ class Rate:
 
 @dataclass
 class _Band:
-    """A band's exploration: every ``interval``-th block runs the slower mode; ``left``
-    blocks until the next such; ``faster`` speculative or not, as last chosen; ``explored``
-    whether the block begun last was one."""
+    """A band's exploration: every ``interval``-th block runs the slower mode;
+    ``blocks_left`` until the next such; ``faster`` speculative or not, as last chosen;
+    ``explored`` whether the block begun last was one."""
 
     interval: int
-    left: int
+    blocks_left: int
     faster: bool
     explored: bool = False
 
@@ -94,19 +95,18 @@ class Adaptive:
             self.rates.setdefault((context // self.band, speculated), Rate()).add(tokens, seconds)
 
     def _choose(self, band: int) -> bool:
-        plain, spec = self.rates.get((band, False)), self.rates.get((band, True))
-        if plain is None or spec is None:
-            return plain is not None  # plain decoding first (the default there), then the tree
-        faster = self._tree_faster(plain, spec)
+        faster = self._tree_faster(band)
+        if faster is None:  # plain decoding first (the default there), then the tree
+            return (band, False) in self.rates
         # its first two blocks (plain, tree) count towards the first exploration
         state = self.bands.setdefault(band, _Band(self.explore, self.explore - 2, faster))
         if state.explored:  # the block before ran the slower mode: did it stay slower?
             kept = faster == state.faster
             state.interval = min(2 * state.interval, self.explore_max) if kept else self.explore
-            state.left, state.explored = state.interval, False
+            state.blocks_left, state.explored = state.interval, False
         state.faster = faster
-        state.left -= 1
-        if state.left > 0:
+        state.blocks_left -= 1
+        if state.blocks_left > 0:
             return faster
         state.explored = True
         return not faster
@@ -115,12 +115,14 @@ class Adaptive:
         """The decoding an answer after ``context`` prompt tokens starts with."""
         if context < self.start:
             return self.speculative
-        band = context // self.band
-        plain, spec = self.rates.get((band, False)), self.rates.get((band, True))
-        faster = plain is not None and spec is not None and self._tree_faster(plain, spec)
-        return self.speculative if faster else self.plain
+        return self.speculative if self._tree_faster(context // self.band) else self.plain
 
-    def _tree_faster(self, plain: Rate, spec: Rate) -> bool:
+    def _tree_faster(self, band: int) -> bool | None:
+        """Whether the tree emitted ``margin`` more tokens/s than plain decoding in ``band``;
+        None until both ran there."""
+        plain, spec = self.rates.get((band, False)), self.rates.get((band, True))
+        if plain is None or spec is None:
+            return None
         return spec.per_second > plain.per_second * (1 + self.margin)
 
 
