@@ -170,3 +170,48 @@ def test_failed_build_is_a_note_and_leaves_nothing(kernel, tmp_path, why):
     assert "without the small-row BLAS kernel" in done.stderr
     if why == "compiler":
         assert list((tmp_path / "blas").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}, "SkylakeX"),
+        ({"avx2", "fma", "avx512f"}, "Haswell"),  # AVX-512 without what SkylakeX's kernels use
+        ({"avx2", "fma"}, "Haswell"),
+        ({"sse3", "avx"}, None),  # OpenBLAS's own detection stands
+    ],
+)
+def test_openblas_gets_the_kernels_the_flags_allow(monkeypatch, tmp_path, flags, expected):
+    """A virtual machine's CPUID can name a 'generic' Xeon that OpenBLAS falls back to SSE3
+    kernels for: the preloaded OpenBLAS is told its kernels by the CPU's flags, unless the user
+    chose them, and not at all where OpenBLAS is not preloaded."""
+    openblas = tmp_path / "libopenblas.so.0"
+    openblas.write_bytes(b"")
+    monkeypatch.setattr(blas, "OPENBLAS", str(openblas))
+    monkeypatch.setattr(blas, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(blas.platform, "machine", lambda: "x86_64")
+    base = {"PATH": os.environ["PATH"], "REDRAFTER_NO_SMALLROWS": "1"}
+    env = blas.preload_env(base)
+    assert env.get("OPENBLAS_CORETYPE") == expected
+    assert blas.preload_env({**base, "OPENBLAS_CORETYPE": "Zen"}).get("OPENBLAS_CORETYPE") == "Zen"
+    assert "OPENBLAS_CORETYPE" not in (
+        blas.preload_env({**base, "REDRAFTER_NO_OPENBLAS": "1"}) or {}
+    )
+    if expected:  # preloaded already, kernels not chosen: re-executed to choose them
+        again = blas.preload_env({**base, "LD_PRELOAD": str(openblas)})
+        assert again["OPENBLAS_CORETYPE"] == expected
+        assert blas.preload_env(env) is None
+
+
+def test_preloaded_openblas_runs_the_chosen_kernels():
+    """The real OpenBLAS, loaded as the CLI's re-exec loads it, reports the chosen core."""
+    coretype = blas.openblas_coretype()
+    if not os.path.exists(blas.OPENBLAS) or coretype is None:
+        pytest.skip("needs Debian's OpenBLAS on x86-64 with AVX2")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    env = blas.preload_env({**env, "REDRAFTER_NO_SMALLROWS": "1", "LD_PRELOAD": ""})
+    code = "import ctypes; lib = ctypes.CDLL(None); lib.openblas_get_corename.restype = "
+    code += "ctypes.c_char_p; print(lib.openblas_get_corename().decode())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().lower() == coretype.lower()

@@ -5,7 +5,8 @@ BLAS; two libraries preloaded ahead of it (``LD_PRELOAD``, set by :func:`preload
 ``cli.main`` or a benchmark script re-executes itself, :func:`reexec_with_blas`) make decoding
 faster here (benchmarks/README.md):
 
-- Debian's OpenBLAS (``libopenblas0-pthread``), for every product;
+- Debian's OpenBLAS (``libopenblas0-pthread``), for every product, with the kernels the CPU's
+  flags allow (``OPENBLAS_CORETYPE``, unless set already: :func:`openblas_coretype`);
 - ``csrc/smallrows.c``, built on first use with the system C compiler into the cache folder
   and preloaded before OpenBLAS: it takes the products of decode steps (1-8 activation rows
   against a weight matrix, faster there than OpenBLAS on x86-64 with AVX2) and passes every
@@ -41,13 +42,35 @@ SMALLROWS_SOURCE = Path(__file__).parent / "csrc" / "smallrows.c"
 NEXT_ENV = "REDRAFTER_SMALLROWS_NEXT"
 
 
-def _cpu_has_avx2_fma() -> bool:
+# OpenBLAS's kernels for what the CPU's flags say it runs, best first: where its own detection
+# fails (a virtual machine's CPUID naming a "generic" Xeon, as here) it falls back to Prescott's
+# SSE3 kernels, 3-6x slower on prompt-sized products (benchmarks/README.md, run 122)
+CORETYPES = (
+    ("SkylakeX", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    ("Haswell", {"avx2", "fma"}),
+)
+
+
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return False
-    line = next((x for x in flags.splitlines() if x.startswith("flags")), "")
-    return {"avx2", "fma"} <= set(line.split())
+        return set()
+    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
+    return set(line.split())
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def openblas_coretype() -> str | None:
+    """The OpenBLAS kernels (``OPENBLAS_CORETYPE``) for this CPU's flags, or None (not
+    x86-64, or no AVX2: OpenBLAS's own detection stands)."""
+    if platform.machine() != "x86_64":
+        return None
+    flags = _cpu_flags()
+    return next((name for name, needs in CORETYPES if needs <= flags), None)
 
 
 def smallrows_library() -> Path | None:
@@ -128,9 +151,14 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     names = {Path(p).name for p in ours}
     wanted = ours + [p for p in kept if Path(p).name not in names]
     next_blas = bundled if str(kernel) in wanted and not openblas else env.get(NEXT_ENV)
-    if wanted == current and next_blas == env.get(NEXT_ENV):
+    coretype = None  # a user's OPENBLAS_CORETYPE stands
+    if openblas and "OPENBLAS_CORETYPE" not in env:
+        coretype = openblas_coretype()
+    if wanted == current and next_blas == env.get(NEXT_ENV) and coretype is None:
         return None
     env = dict(env, LD_PRELOAD=":".join(wanted))
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
     if next_blas:
         env[NEXT_ENV] = next_blas
     if _failed:
@@ -178,6 +206,8 @@ def preload_in_process() -> str | None:
     after = [p for p in _preload_list(env) if "smallrows" not in Path(p).name]
     if env.get(NEXT_ENV) or after:
         os.environ[NEXT_ENV] = env.get(NEXT_ENV) or after[0]
+    if env.get("OPENBLAS_CORETYPE"):  # read when OpenBLAS loads, just below
+        os.environ.setdefault("OPENBLAS_CORETYPE", env["OPENBLAS_CORETYPE"])
     for path in wanted:
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
