@@ -166,6 +166,7 @@ def environment() -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "blas": blas,
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
         "cpus": os.cpu_count(),
         "device": str(mx.default_device()),
     }
