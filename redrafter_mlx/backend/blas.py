@@ -40,6 +40,7 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SMALLROWS_SOURCE = Path(__file__).parent / "csrc" / "smallrows.c"
 # When no BLAS is preloaded after the kernel, it finds the one to pass products on to here.
 NEXT_ENV = "REDRAFTER_SMALLROWS_NEXT"
+CORETYPE_ENV = "OPENBLAS_CORETYPE"  # OpenBLAS reads it when it loads
 
 
 # OpenBLAS's kernels for what the CPU's flags say it runs, best first: where its own detection
@@ -152,13 +153,13 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     wanted = ours + [p for p in kept if Path(p).name not in names]
     next_blas = bundled if str(kernel) in wanted and not openblas else env.get(NEXT_ENV)
     coretype = None  # a user's OPENBLAS_CORETYPE stands
-    if openblas and "OPENBLAS_CORETYPE" not in env:
+    if openblas and CORETYPE_ENV not in env:
         coretype = openblas_coretype()
     if wanted == current and next_blas == env.get(NEXT_ENV) and coretype is None:
         return None
     env = dict(env, LD_PRELOAD=":".join(wanted))
     if coretype:
-        env["OPENBLAS_CORETYPE"] = coretype
+        env[CORETYPE_ENV] = coretype
     if next_blas:
         env[NEXT_ENV] = next_blas
     if _failed:
@@ -206,8 +207,8 @@ def preload_in_process() -> str | None:
     after = [p for p in _preload_list(env) if "smallrows" not in Path(p).name]
     if env.get(NEXT_ENV) or after:
         os.environ[NEXT_ENV] = env.get(NEXT_ENV) or after[0]
-    if env.get("OPENBLAS_CORETYPE"):  # read when OpenBLAS loads, just below
-        os.environ.setdefault("OPENBLAS_CORETYPE", env["OPENBLAS_CORETYPE"])
+    if env.get(CORETYPE_ENV):  # read when OpenBLAS loads, just below
+        os.environ[CORETYPE_ENV] = env[CORETYPE_ENV]
     for path in wanted:
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
