@@ -1,0 +1,165 @@
+"""The CPU attention primitives (backend/kernels.py, csrc/attention.cpp): built, loaded,
+exact to float32 precision, masked as attention masks, and built atomically."""
+
+import platform
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from redrafter_mlx.backend import kernels
+
+BUILDS_HERE = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+
+
+@pytest.fixture(scope="module")
+def built():
+    if not BUILDS_HERE:
+        pytest.skip("the CPU kernels are built on Linux x86-64 only")
+    found = kernels.cpu_kernels()
+    assert found is not None, "the CPU kernels should build here (see the note above)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def softmax(built):
+    return built.masked_softmax
+
+
+def reference(scores: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
+    """float64 softmax over the last axis, row r's last T columns masked by visible[r % T]."""
+    x = scores.astype(np.float64)
+    if visible is not None:
+        t = visible.shape[0]
+        rows = np.arange(x.shape[-2]) % t
+        masked = np.ones(x.shape[-2:], bool)
+        masked[:, -t:] = visible[rows]
+        x = np.where(masked, x, -np.inf)
+    x = np.exp(x - x.max(-1, keepdims=True))
+    return x / x.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "t"),
+    [
+        ((1, 3, 3, 1), None),  # one key
+        ((2, 5, 17), None),  # a tail shorter than a vector
+        ((1, 3, 9, 8003), 3),  # a 3-node tree after 8,000 keys
+        ((1, 2, 32, 40), 16),  # a padded 16-node tree, 24 cached keys
+        ((1, 3, 1536, 1024), 512),  # a prompt chunk: many rows, its rows over threads
+    ],
+)
+def test_softmax_matches_float64(softmax, shape, t):
+    rng = np.random.default_rng(sum(shape))
+    scores = (4 * rng.standard_normal(shape)).astype(np.float32)
+    visible = None
+    if t is not None:
+        visible = (rng.random((t, t)) < 0.5) | np.eye(t, dtype=bool)
+    got = np.array(softmax(mx.array(scores), None if visible is None else mx.array(visible)))
+    want = reference(scores, visible)
+    # float32 scores less their maximum round by up to half an ulp of 32 (2e-6), relative in
+    # exp; mx.softmax(precise=True) is within 9e-6 here
+    np.testing.assert_allclose(got, want, rtol=5e-6, atol=1e-30)
+    if visible is not None:  # masked columns are exact zeros
+        rows = np.arange(shape[-2]) % t
+        assert (got[..., -t:][..., ~visible[rows]] == 0).all()
+
+
+def test_softmax_extremes(softmax):
+    """Scores far below the row's maximum give 0, not NaN; -inf too; a constant row is
+    uniform; a strided (transposed) input is read as its values, not its buffer."""
+    scores = mx.array([[0.0, -100.0, -mx.inf, 5.0], [2.0, 2.0, 2.0, 2.0]])
+    got = np.array(softmax(scores, None))
+    assert got[0, 1] == 0 and got[0, 2] == 0
+    np.testing.assert_allclose(got[0, [0, 3]], [1 / (1 + np.exp(5.0)), 1 / (1 + np.exp(-5.0))])
+    np.testing.assert_allclose(got[1], 0.25, rtol=1e-7)
+    square = mx.arange(16, dtype=mx.float32).reshape(4, 4) / 3
+    np.testing.assert_allclose(
+        softmax(square.T, None), reference(np.array(square).T, None), rtol=3e-6
+    )
+
+
+def test_softmax_rejects_bad_input(softmax):
+    with pytest.raises(ValueError, match="float32"):
+        softmax(mx.zeros((2, 4), mx.float16), None)
+    with pytest.raises(ValueError, match=r"\(T, T\)"):
+        softmax(mx.zeros((3, 4)), mx.ones((2, 2), mx.bool_))  # 2 does not divide 3 rows
+
+
+def attention_reference(q, k, v, scale, visible):
+    """float64 attention: q (1, H, T, D) over k, v (1, KV, S + T, D), query heads grouped per
+    K/V head, the last T keys under visible (T, T)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    heads, t = q.shape[1], q.shape[2]
+    k = np.repeat(k, heads // k.shape[1], axis=1)
+    v = np.repeat(v, heads // v.shape[1], axis=1)
+    scores = scale * q @ k.swapaxes(-1, -2)  # (1, H, T, S + T)
+    if visible is not None:
+        scores[..., -t:] = np.where(visible, scores[..., -t:], -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return (probs / probs.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "t", "cached", "d"),
+    [
+        (9, 3, 1, 0, 64),  # the first token: only itself
+        (9, 3, 1, 8000, 64),  # a decode step after 8,000 tokens: every chunk, threads
+        (9, 3, 3, 515, 64),  # a 3-node tree, a chunk boundary inside the keys
+        (9, 3, 8, 1021, 64),  # 24 rows per K/V head, the new keys across two chunks
+        (4, 1, 8, 300, 128),  # D 128, 32 rows (the most)
+        (2, 2, 5, 37, 64),  # no grouping, keys fewer than a vector
+    ],
+)
+def test_tree_attention_matches_float64(built, heads, kv_heads, t, cached, d):
+    """Against float64 attention over the cache's strided views (a buffer with room to
+    spare, as the sequence's cache holds them), random ancestor sets as trees have."""
+    rng = np.random.default_rng(heads + t + cached)
+    room = cached + t + 40
+    q = mx.array(2 * rng.standard_normal((1, heads, t, d)).astype(np.float32))
+    k_buffer, v_buffer = (
+        mx.array(rng.standard_normal((1, kv_heads, room, d)).astype(np.float32)) for _ in "kv"
+    )
+    k, v = k_buffer[..., : cached + t, :], v_buffer[..., : cached + t, :]
+    visible = None
+    if t > 1:
+        visible = (rng.random((t, t)) < 0.5) | np.eye(t, dtype=bool)
+    got = built.tree_attention(q, k, v, 0.2, None if visible is None else mx.array(visible))
+    want = attention_reference(q, k, v, 0.2, visible)
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-6)
+
+
+def test_tree_attention_rejects_what_it_cannot_run(built):
+    q, kv = mx.zeros((1, 9, 4, 64)), mx.zeros((1, 3, 10, 64))
+    with pytest.raises(ValueError, match="32"):  # 3 x 12 = 36 rows per K/V head
+        built.tree_attention(mx.zeros((1, 9, 12, 64)), kv, kv, 1.0, None)
+    with pytest.raises(ValueError, match="D must be"):
+        built.tree_attention(mx.zeros((1, 9, 1, 80)), *[mx.zeros((1, 3, 5, 80))] * 2, 1.0, None)
+    with pytest.raises(ValueError, match="float32"):
+        built.tree_attention(q.astype(mx.float16), kv, kv, 1.0, None)
+    with pytest.raises(ValueError, match=r"\(T, T\)"):
+        built.tree_attention(q, kv, kv, 1.0, mx.ones((4, 5), mx.bool_))
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    """A compiler that fails leaves no half-built module where the next run would load it."""
+    if not BUILDS_HERE:
+        pytest.skip("the CPU kernels are built on Linux x86-64 only")
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="false failed"):
+        kernels._build()
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_builds_from_scratch(tmp_path, monkeypatch):
+    """An empty cache folder: one build, into its versioned folder, that loads and agrees."""
+    if not BUILDS_HERE:
+        pytest.skip("the CPU kernels are built on Linux x86-64 only")
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    path = kernels._build()
+    assert path.parent.parent == tmp_path / "kernels" and path.exists()
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [path.parent.name]
+    kernels._check(kernels._load(path))
+    assert kernels._build() == path  # cached: no second build
