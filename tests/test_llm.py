@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 from support import run_steps, tiny_llama
 
 from redrafter_mlx.backend.fused import ONE_TOKEN_EXP2_MIN, attention, exp2, rope_tables
+from redrafter_mlx.backend.kernels import cpu_kernels
 from redrafter_mlx.backend.plan import CPU_PLAN, make_forward
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.plan import Plan
@@ -161,15 +162,21 @@ def test_rope_tables_rotate_as_the_layers_rope(rope):
         assert mx.array_equal(got, want).item() and mx.array_equal(got_keys, want_keys).item()
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["mlx-ops", "cpu-kernels"])
 @pytest.mark.parametrize("cached", [0, 5, 700, 2100, 7000])
 @pytest.mark.parametrize("t", [1, 3, 16, 40])
-def test_split_attention_equals_masked_attention(t, cached):
+def test_split_attention_equals_masked_attention(t, cached, kernel):
     """The CPU's attention (grouped query heads, the cached prefix unmasked and the new block
     under its (T, T) mask, one softmax over both, :func:`exp2`) computes what
     ``mx.fast.scaled_dot_product_attention`` does with the whole (T, S + T) mask: tree rows
     (random ancestor sets, each node seeing itself) and a prompt chunk's causal rows; a
     one-token step (no mask) as one softmax, and from ``ONE_TOKEN_EXP2_MIN`` scores (7,000
-    cached tokens here) as the split's one block."""
+    cached tokens here) as the split's one block. With the CPU kernels
+    (:func:`kernel_attention`: ``tree_attention`` up to 32 rows per K/V head, else the grouped
+    products around ``masked_softmax``) alike."""
+    kernels = cpu_kernels() if kernel else None
+    if kernel and kernels is None:
+        pytest.skip("no CPU kernels on this platform")
     rng = np.random.default_rng(t + cached)
     queries, keys, values = (
         mx.array(3 * rng.standard_normal(shape).astype(np.float32))
@@ -183,7 +190,7 @@ def test_split_attention_equals_masked_attention(t, cached):
         masks.append(mx.concatenate([mx.ones((t, cached), mx.bool_), tree], axis=1))
     for mask in masks:
         want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
-        got = attention(queries, keys, values, 0.3, mask, grouped=True)
+        got = attention(queries, keys, values, 0.3, mask, grouped=True, kernels=kernels)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 

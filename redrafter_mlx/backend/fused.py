@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
+from redrafter_mlx.backend.kernels import TREE_HEAD_SIZES, TREE_ROWS, CpuKernels, cpu_kernels
 from redrafter_mlx.core.joint import JointView
 from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
 from redrafter_mlx.core.plan import Plan
@@ -143,7 +144,15 @@ def _after_attention(
     return h + _mlp(layer.mlp, gate_up, layer.post_attention_layernorm(h), transposed)
 
 
-def attention(queries, keys, values, scale: float, mask: mx.array | None, grouped: bool):
+def attention(
+    queries,
+    keys,
+    values,
+    scale: float,
+    mask: mx.array | None,
+    grouped: bool,
+    kernels: CpuKernels | None = None,
+):
     """Queries (1, heads, T, D), keys/values (1, kv_heads, S + T, D), mask (T, S + T) ->
     (1, heads, T, D). The new tokens are the last T keys; every query sees all S cached ones
     (the forward's masks are chains and trees after the cache: their first S columns are all
@@ -152,11 +161,33 @@ def attention(queries, keys, values, scale: float, mask: mx.array | None, groupe
     ``grouped``: :func:`split_attention` (query heads grouped per K/V head, the cached prefix
     unmasked, exponentials by :func:`exp2`), which costs less than
     ``mx.fast.scaled_dot_product_attention``'s fallback on the CPU backend; otherwise that
-    fused kernel.
+    fused kernel. ``kernels``: with ``grouped``, :func:`kernel_attention` instead of
+    :func:`split_attention`.
     """
     if not grouped:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    if kernels is not None:
+        return kernel_attention(queries, keys, values, scale, mask, kernels)
     return split_attention(queries, keys, values, scale, mask)
+
+
+def kernel_attention(queries, keys, values, scale: float, mask, kernels: CpuKernels):
+    """Attention by our CPU primitives (``backend/kernels.py``): a few query rows per K/V head
+    (decode steps, trees) as one ``tree_attention``, which reads each cached key and value
+    once; more (prompt chunks) as :func:`split_attention`'s grouped products around one
+    ``masked_softmax``, a vectorised pass per row where the MLX-op softmax takes a dozen or
+    more passes over the scores. Either masks only the new tokens' (T, T) block."""
+    _, heads, t, d = queries.shape
+    kv_heads, cached = keys.shape[1], keys.shape[2] - t
+    visible = None if mask is None else mask[:, cached:]
+    float32 = all(x.dtype == mx.float32 for x in (queries, keys, values))
+    if float32 and d in TREE_HEAD_SIZES and heads // kv_heads * t <= TREE_ROWS:
+        return kernels.tree_attention(queries, keys, values, scale, visible)
+    grouped = (queries * scale).reshape(1, kv_heads, heads // kv_heads * t, d)
+    product = partial(_grouped_product, rows=product_rows(t, heads // kv_heads))
+    scores = product(grouped, keys.swapaxes(-1, -2)).astype(mx.float32)
+    probs = kernels.masked_softmax(scores, visible)
+    return product(probs.astype(values.dtype), values).reshape(1, heads, t, d)
 
 
 def split_attention(queries, keys, values, scale: float, mask: mx.array | None) -> mx.array:
@@ -326,6 +357,7 @@ class FusedForward(Forward):
         layers = self.model.model.layers
         self.shared_rope = plan.rope_tables and _one_rope(layers)
         self.dtype = compute_dtype(self.model)
+        self.kernels = cpu_kernels() if plan.grouped_attention and plan.cpu_kernels else None
 
     def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
         plan, mask = self.plan, view.mask
@@ -336,7 +368,8 @@ class FusedForward(Forward):
         def attend(i, layer, queries, keys, values):
             keys, values = view.write(i, keys, values)
             scale = layer.self_attn.scale
-            return attention(queries, keys, values, scale, mask, plan.grouped_attention)
+            grouped = plan.grouped_attention
+            return attention(queries, keys, values, scale, mask, grouped, self.kernels)
 
         return self._layers(tokens, view.positions, small, attend, view.record)
 
@@ -386,7 +419,7 @@ class FusedForward(Forward):
         for view, (start, stop) in zip(joint.views, joint.bounds, strict=True):
             k, v = view.write(i, keys[:, :, start:stop], values[:, :, start:stop])
             q = queries[:, :, start:stop]
-            outs.append(attention(q, k, v, scale, view.mask, grouped))
+            outs.append(attention(q, k, v, scale, view.mask, grouped, self.kernels))
         if padding:
             b, heads, _, d = queries.shape
             outs.append(mx.zeros((b, heads, padding, d), queries.dtype))

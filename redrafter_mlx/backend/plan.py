@@ -39,6 +39,7 @@ CPU_PLAN = Plan(
     transposed_rows=(2, 3),
     rope_tables=True,
     grouped_attention=True,
+    cpu_kernels=True,
     async_layers=2,
     tree_sizes=(*range(1, 9), 16, 32),
     prefill_chunk=512,
