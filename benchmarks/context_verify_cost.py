@@ -2,9 +2,11 @@
 tokens, against a one-token forward at the same S, on the CPU plan and the generic plan.
 
 The cache holds S zero keys/values (timing does not depend on their values), so no prefill is
-needed. ``cpu-before`` is the CPU plan with its attention as it was before issue 46 (grouped
-query heads against all S + T keys under the whole mask, ``mx.softmax``), swapped in within
-the same process, so the two are measured interleaved. Medians; also one layer's attention
+needed. ``cpu`` is the CPU plan as it runs (its attention kernels, ``backend/kernels.py``);
+``cpu-split`` the same plan without them (attention in MLX ops, as through run 120);
+``cpu-before`` its attention as it was before issue 46 (grouped query heads against all S + T
+keys under the whole mask, ``mx.softmax``); each swapped in within the same process, so they
+are measured interleaved. Medians; also one layer's attention
 call alone (30 times, as a forward runs it) to show where the S-dependent cost sits:
 
     PYTHONPATH=. .venv/bin/python benchmarks/context_verify_cost.py \\
@@ -28,6 +30,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from redrafter_mlx.backend import fused  # noqa: E402
+from redrafter_mlx.backend.kernels import cpu_kernels  # noqa: E402
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN  # noqa: E402
 from redrafter_mlx.core.tree import pack_beams, tree_mask  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
@@ -58,7 +61,12 @@ def forward_seconds(decoder, cache, size: int) -> float:
     return time.perf_counter() - tic
 
 
-def attention_before(queries, keys, values, scale: float, mask, grouped: bool):
+def attention_split(queries, keys, values, scale: float, mask, grouped: bool, kernels=None):
+    """The CPU plan's attention without its kernels (run 120's)."""
+    return ATTENTION["cpu"](queries, keys, values, scale, mask, grouped)
+
+
+def attention_before(queries, keys, values, scale: float, mask, grouped: bool, kernels=None):
     """The CPU plan's attention before issue 46 (``grouped``; else MLX's fused kernel)."""
     if not grouped:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -74,7 +82,7 @@ def attention_before(queries, keys, values, scale: float, mask, grouped: bool):
     return (probs @ values).reshape(1, heads, t, d)
 
 
-def attention_run111(queries, keys, values, scale: float, mask, grouped: bool):
+def attention_run111(queries, keys, values, scale: float, mask, grouped: bool, kernels=None):
     """The CPU plan's attention as run 111 left it: a one-token step (no mask) always as one
     softmax, whatever the context."""
     if not grouped:
@@ -86,6 +94,7 @@ def attention_run111(queries, keys, values, scale: float, mask, grouped: bool):
 
 ATTENTION = {
     "cpu": fused.attention,
+    "cpu-split": attention_split,
     "cpu-before": attention_before,
     "cpu-run111": attention_run111,
     "generic": fused.attention,
@@ -100,8 +109,9 @@ def attention_seconds(variant: str, context: int, size: int) -> float:
     mask = tree_mask(chain_tree(size), context) if size > 1 else None
     mx.eval(q, k, v)
     grouped = variant != "generic"
+    kernels = cpu_kernels() if variant == "cpu" else None
     tic = time.perf_counter()
-    mx.eval([ATTENTION[variant](q, k, v, 0.125, mask, grouped) for _ in range(30)])
+    mx.eval([ATTENTION[variant](q, k, v, 0.125, mask, grouped, kernels) for _ in range(30)])
     return time.perf_counter() - tic
 
 
@@ -110,7 +120,7 @@ def main() -> None:
     p.add_argument("--contexts", default="512,2048,4096,8000")
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--repetitions", type=int, default=5)
-    p.add_argument("--variants", default="cpu,cpu-before,generic")
+    p.add_argument("--variants", default="cpu,cpu-split,generic")
     p.add_argument("--out")
     args = p.parse_args()
     contexts = [int(s) for s in args.contexts.split(",")]
@@ -118,6 +128,7 @@ def main() -> None:
     variants = args.variants.split(",")
     plans = {
         "cpu": CPU_PLAN,
+        "cpu-split": CPU_PLAN,
         "cpu-before": CPU_PLAN,
         "cpu-run111": CPU_PLAN,
         "generic": GENERIC_PLAN,
