@@ -80,6 +80,16 @@ def test_softmax_extremes(softmax):
     )
 
 
+def test_softmax_vector_and_tail_round_alike(softmax):
+    """A score in the vector lanes and the same score in the scalar tail (column 16 of 17)
+    get the same bits: tree and one-token calls put a key in either."""
+    rng = np.random.default_rng(7)
+    scores = (3 * rng.standard_normal((64, 17))).astype(np.float32)
+    scores[:, 16] = scores[:, 0]
+    got = np.array(softmax(mx.array(scores), None))
+    np.testing.assert_array_equal(got[:, 16], got[:, 0])
+
+
 def test_softmax_rejects_bad_input(softmax):
     with pytest.raises(ValueError, match="float32"):
         softmax(mx.zeros((2, 4), mx.float16), None)
@@ -110,6 +120,7 @@ def attention_reference(q, k, v, scale, visible):
         (9, 3, 8, 1021, 64),  # 24 rows per K/V head, the new keys across two chunks
         (4, 1, 8, 300, 128),  # D 128, 32 rows (the most)
         (2, 2, 5, 37, 64),  # no grouping, keys fewer than a vector
+        (2, 2, 1, 700, 128),  # one row per K/V head, values over several tiles
     ],
 )
 def test_tree_attention_matches_float64(built, heads, kv_heads, t, cached, d):

@@ -68,7 +68,8 @@ inline float at_least(float n, float low) { return n < low ? low : n; }
 
 // exp(x) for x <= 0 (the scores less their row's maximum), 0 below UNDER and for -inf.
 // Written once for one float and once for LANES of them with the same operations in the same
-// order (the build turns off contraction into fused multiply-adds), so both give the same bits.
+// order (contracted into fused multiply-adds alike where the ISA has them), so both give the
+// same bits.
 template <typename V>
 inline V exp_nonpositive(V x) {
   V n = at_least((x * LOG2E + ROUND) - ROUND, -126.0f);
@@ -91,9 +92,24 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// The largest of x[0 .. n): lanes first (a serial max waits on each compare), the order
+// immaterial (a maximum is exact).
+inline float row_peak(const float* x, int n) {
+  vf peak_v = vf{} - INFINITY;
+  int j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    vf v = load(x + j);
+    peak_v = v > peak_v ? v : peak_v;
+  }
+  float peak = -INFINITY;
+  for (int k = 0; k < LANES; ++k) peak = std::max(peak, peak_v[k]);
+  for (; j < n; ++j) peak = std::max(peak, x[j]);
+  return peak;
+}
+
 // One row: y = softmax(x) over n columns, the last t masked by visible (t bools) if given.
 #if defined(__x86_64__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("avx512f", "arch=haswell", "default")))
 #endif
 void softmax_row(const float* x, float* y, int n, const bool* visible, int t) {
   std::memcpy(y, x, sizeof(float) * n);
@@ -103,14 +119,7 @@ void softmax_row(const float* x, float* y, int n, const bool* visible, int t) {
     }
   }
   int full = n - n % LANES;
-  vf peak_v = vf{} - INFINITY;
-  for (int j = 0; j < full; j += LANES) {
-    vf v = load(y + j);
-    peak_v = v > peak_v ? v : peak_v;
-  }
-  float peak = -INFINITY;
-  for (int k = 0; k < LANES; ++k) peak = std::max(peak, peak_v[k]);
-  for (int j = full; j < n; ++j) peak = std::max(peak, y[j]);
+  float peak = row_peak(y, n);
   if (peak == -INFINITY) {  // nothing visible: no weights (attention never asks this)
     std::memset(y, 0, sizeof(float) * n);
     return;
@@ -268,9 +277,36 @@ struct Partial {
   std::vector<float> out;
 };
 
+constexpr int VALUE_TILE = 64;  // keys whose values (16-32 KB) stay in L1 across row blocks
+
+// out[i] += sum over keys j of weights[i * CHUNK + j] * values[j] for M rows (M x D floats),
+// the keys in order. Always inlined: an out-of-line copy would miss its caller's ISA.
+template <int D, int M>
+__attribute__((always_inline)) inline void weigh_values(const float* values, long row,
+                                                        const float* weights, int keys,
+                                                        float* out) {
+  constexpr int V = D / LANES;
+  vf o[M][V];
+  for (int i = 0; i < M; ++i) {
+    for (int x = 0; x < V; ++x) o[i][x] = load(out + i * D + x * LANES);
+  }
+  for (int j = 0; j < keys; ++j) {
+    const float* vj = values + j * row;
+    vf vals[V];
+    for (int x = 0; x < V; ++x) vals[x] = load(vj + x * LANES);
+    for (int i = 0; i < M; ++i) {
+      float p = weights[i * CHUNK + j];
+      for (int x = 0; x < V; ++x) o[i][x] += p * vals[x];
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    for (int x = 0; x < V; ++x) store(out + i * D + x * LANES, o[i][x]);
+  }
+}
+
 template <int D>
 #if defined(__x86_64__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("avx512f", "arch=haswell", "default")))
 #endif
 void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
   constexpr int V = D / LANES;
@@ -315,8 +351,7 @@ void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
         if (!seen[jj - cached]) scores[r][jj - begin] = -INFINITY;
       }
     }
-    float peak = -INFINITY;
-    for (int jj = 0; jj < n; ++jj) peak = std::max(peak, scores[r][jj]);
+    float peak = row_peak(scores[r], n);
     part.peak[r] = peak;
     float total = 0.0f;
     if (peak == -INFINITY) {
@@ -338,21 +373,26 @@ void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
     part.total[r] = total;
   }
   part.out.assign(static_cast<size_t>(rows) * D, 0.0f);
-  constexpr int BLOCK = 4;  // rows whose outputs stay in registers while the values stream
-  for (int r0 = 0; r0 < rows; r0 += BLOCK) {
-    const int m = std::min(BLOCK, rows - r0);
-    vf o[BLOCK][V] = {};
-    for (int j = 0; j < n; ++j) {
-      const float* vj = v + (begin + j) * job.v_row;
-      vf vals[V];
-      for (int x = 0; x < V; ++x) vals[x] = load(vj + x * LANES);
-      for (int i = 0; i < m; ++i) {
-        float p = scores[r0 + i][j];
-        for (int x = 0; x < V; ++x) o[i][x] += p * vals[x];
+  // Rows in blocks whose outputs stay in registers, the values in tiles that stay in L1 while
+  // every block passes over them; each row still sums its keys in order.
+  constexpr int BLOCK = D == 64 ? 6 : 3;
+  const int blocks = (rows + BLOCK - 1) / BLOCK;
+  for (int t0 = 0; t0 < n; t0 += VALUE_TILE) {
+    const int keys = std::min(VALUE_TILE, n - t0);
+    const float* vt = v + (begin + t0) * job.v_row;
+    for (int b = 0, r0 = 0; b < blocks; ++b) {
+      const int m = (rows - r0) / (blocks - b);  // blocks of even sizes
+      const float* weights = &scores[r0][t0];
+      float* out = &part.out[r0 * D];
+      switch (m) {
+        case 1: weigh_values<D, 1>(vt, job.v_row, weights, keys, out); break;
+        case 2: weigh_values<D, 2>(vt, job.v_row, weights, keys, out); break;
+        case 3: weigh_values<D, 3>(vt, job.v_row, weights, keys, out); break;
+        case 4: weigh_values<D, 4>(vt, job.v_row, weights, keys, out); break;
+        case 5: weigh_values<D, 5>(vt, job.v_row, weights, keys, out); break;
+        default: weigh_values<D, 6>(vt, job.v_row, weights, keys, out); break;
       }
-    }
-    for (int i = 0; i < m; ++i) {
-      for (int x = 0; x < V; ++x) store(&part.out[(r0 + i) * D + x * LANES], o[i][x]);
+      r0 += m;
     }
   }
 }

@@ -1,0 +1,476 @@
+// A softmax for attention scores on MLX's CPU backend, as one MLX primitive.
+//
+// MLX's CPU backend computes exp one element at a time on x86 (no SIMD type there), and a
+// softmax spelled in MLX ops is several passes over the scores. This primitive is one pass per
+// row in cache, with a vectorised exp (Cephes' expf: range reduction by ln 2, a degree-6
+// polynomial, the power of two in the exponent bits), rows split over threads when there are
+// many (prompt chunks).
+//
+// masked_softmax(scores, visible): scores (..., R, N) float32; visible None or (T, T) bool,
+// which masks the last T columns: row r sees column N - T + j where visible[r % T, j] (the
+// attention's query groups are rows h * T + t). Returns probs of the shape of scores.
+//
+// Built on first use by redrafter_mlx/backend/kernels.py against the installed MLX.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace {
+
+constexpr int LANES = 16;
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int vi __attribute__((vector_size(LANES * sizeof(int))));
+
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f;
+constexpr float LN2_LO = -2.12194440e-4f;
+constexpr float ROUND = 12582912.0f;  // 1.5 * 2**23: adding and subtracting it rounds
+constexpr float UNDER = -87.0f;       // below it exp(x) is under 2**-125: returned as 0
+constexpr float P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// 2**n for integral n >= -126 (the caller clamps), from the exponent bits.
+inline vf power_of_two(vf n) { return (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
+
+inline float power_of_two(float n) {
+  int bits = (static_cast<int>(n) + 127) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// e where x >= UNDER, else 0 (-inf and NaN garbage included).
+inline vf zero_below(vf e, vf x) { return (vf)((vi)e & (x >= UNDER)); }
+
+inline float zero_below(float e, float x) { return x >= UNDER ? e : 0.0f; }
+
+inline vf at_least(vf n, float low) { return n < low ? vf{} + low : n; }
+
+inline float at_least(float n, float low) { return n < low ? low : n; }
+
+// exp(x) for x <= 0 (the scores less their row's maximum), 0 below UNDER and for -inf.
+// Written once for one float and once for LANES of them with the same operations in the same
+// order (the build turns off contraction into fused multiply-adds), so both give the same bits.
+template <typename V>
+inline V exp_nonpositive(V x) {
+  V n = at_least((x * LOG2E + ROUND) - ROUND, -126.0f);
+  V r = (x - n * LN2_HI) - n * LN2_LO;
+  V p = V{} + P[0];
+  p = p * r + P[1];
+  p = p * r + P[2];
+  p = p * r + P[3];
+  p = p * r + P[4];
+  p = p * r + P[5];
+  p = (p * (r * r) + r) + 1.0f;
+  return zero_below(p * power_of_two(n), x);
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// One row: y = softmax(x) over n columns, the last t masked by visible (t bools) if given.
+#if defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void softmax_row(const float* x, float* y, int n, const bool* visible, int t) {
+  std::memcpy(y, x, sizeof(float) * n);
+  if (visible != nullptr) {
+    for (int j = 0; j < t; ++j) {
+      if (!visible[j]) y[n - t + j] = -INFINITY;
+    }
+  }
+  int full = n - n % LANES;
+  vf peak_v = vf{} - INFINITY;
+  for (int j = 0; j < full; j += LANES) {
+    vf v = load(y + j);
+    peak_v = v > peak_v ? v : peak_v;
+  }
+  float peak = -INFINITY;
+  for (int k = 0; k < LANES; ++k) peak = std::max(peak, peak_v[k]);
+  for (int j = full; j < n; ++j) peak = std::max(peak, y[j]);
+  if (peak == -INFINITY) {  // nothing visible: no weights (attention never asks this)
+    std::memset(y, 0, sizeof(float) * n);
+    return;
+  }
+  vf total_v = vf{};
+  for (int j = 0; j < full; j += LANES) {
+    vf e = exp_nonpositive<vf>(load(y + j) - peak);
+    store(y + j, e);
+    total_v += e;
+  }
+  float total = 0.0f;
+  for (int k = 0; k < LANES; ++k) total += total_v[k];
+  for (int j = full; j < n; ++j) {
+    y[j] = exp_nonpositive<float>(y[j] - peak);
+    total += y[j];
+  }
+  float inverse = 1.0f / total;
+  for (int j = 0; j < full; j += LANES) store(y + j, load(y + j) * inverse);
+  for (int j = full; j < n; ++j) y[j] *= inverse;
+}
+
+// Below this many scores one thread does it all: starting threads costs more.
+constexpr long THREADED_MIN = 1 << 20;
+
+void softmax_rows(const float* x, float* y, long rows, int n, const bool* visible, int t) {
+  auto run = [=](long begin, long end) {
+    for (long r = begin; r < end; ++r) {
+      const bool* row_visible = visible ? visible + (r % t) * t : nullptr;
+      softmax_row(x + r * n, y + r * n, n, row_visible, t);
+    }
+  };
+  long workers = std::min<long>(std::max(1u, std::thread::hardware_concurrency()), 8);
+  if (rows * n < THREADED_MIN || rows < 2 || workers < 2) {
+    run(0, rows);
+    return;
+  }
+  workers = std::min(workers, rows);
+  std::vector<std::thread> threads;
+  long per = (rows + workers - 1) / workers;
+  for (long w = 1; w < workers; ++w) {
+    long begin = w * per, end = std::min(rows, begin + per);
+    if (begin < end) threads.emplace_back(run, begin, end);
+  }
+  run(0, std::min(rows, per));
+  for (auto& th : threads) th.join();
+}
+
+class MaskedSoftmax : public mx::UnaryPrimitive {
+ public:
+  MaskedSoftmax(mx::Stream stream, int t) : mx::UnaryPrimitive(stream), t_(t) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& scores = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(scores);
+    const bool* visible = nullptr;
+    if (inputs.size() > 1) {
+      encoder.set_input_array(inputs[1]);
+      visible = inputs[1].data<bool>();
+    }
+    encoder.set_output_array(out);
+    int n = scores.shape(-1);
+    long rows = n ? static_cast<long>(scores.size() / n) : 0;
+    encoder.dispatch([x = scores.data<float>(), y = out.data<float>(), rows, n, visible,
+                      t = t_]() { softmax_rows(x, y, rows, n, visible, t); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("masked_softmax runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "MaskedSoftmax"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return t_ == static_cast<const MaskedSoftmax&>(other).t_;
+  }
+
+ private:
+  int t_;
+};
+
+mx::array masked_softmax(const mx::array& scores, std::optional<mx::array> visible) {
+  if (scores.dtype() != mx::float32) throw std::invalid_argument("scores must be float32");
+  if (scores.ndim() < 2) throw std::invalid_argument("scores must have rows and columns");
+  mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {mx::contiguous(scores, false, cpu)};
+  int t = 1;
+  if (visible) {
+    t = visible->shape(0);
+    if (visible->ndim() != 2 || visible->shape(1) != t || t > scores.shape(-1) ||
+        scores.shape(-2) % t != 0) {
+      throw std::invalid_argument("visible must be (T, T), T dividing the rows and <= columns");
+    }
+    inputs.push_back(mx::contiguous(mx::astype(*visible, mx::bool_, cpu), false, cpu));
+  }
+  return mx::array(scores.shape(), mx::float32, std::make_shared<MaskedSoftmax>(cpu, t),
+                   std::move(inputs));
+}
+
+
+// ---- Attention of a few query rows (decode steps, verified trees) over a long cache ----
+//
+// tree_attention(queries, keys, values, scale, visible): queries (1, H, T, D), keys and values
+// (1, KV, S + T, D) (the cache's strided views, read in place), visible None or (T, T) bool
+// over the last T keys. Each K/V head's query group (rows i * T + t) reads each key and value
+// once: scores for 16 keys at a time (partial sums over D in vector lanes, reduced 16 at once
+// by a transposing tree of shuffles), their softmax and the weighted values per chunk of
+// CHUNK keys, chunks combined in key order (their maxima, sums and outputs), so the result
+// does not depend on how many threads ran the chunks.
+
+constexpr int CHUNK = 512;  // keys per work item
+constexpr int MAX_ROWS = 32;  // query rows per K/V head (group * T)
+
+inline vf shuffle(vf a, vf b, vi mask) { return __builtin_shuffle(a, b, mask); }
+
+// The 16 lane sums of acc[0..15] as one vector (lane k: the sum of acc[k]'s lanes).
+inline vf lane_sums(vf* acc) {
+  const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vf c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: 8 partials of acc[2i], 8-15: of acc[2i + 1]
+    c[i] = shuffle(acc[2 * i], acc[2 * i + 1], lo8) + shuffle(acc[2 * i], acc[2 * i + 1], hi8);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 lanes per key, keys 4i .. 4i + 3
+    d[i] = shuffle(c[2 * i], c[2 * i + 1], lo4) + shuffle(c[2 * i], c[2 * i + 1], hi4);
+  }
+  for (int i = 0; i < 2; ++i) {  // 2 lanes per key, keys 8i .. 8i + 7
+    e[i] = shuffle(d[2 * i], d[2 * i + 1], lo2) + shuffle(d[2 * i], d[2 * i + 1], hi2);
+  }
+  return shuffle(e[0], e[1], even) + shuffle(e[0], e[1], odd);
+}
+
+struct TreeJob {
+  const float* q;  // (H, T, D) contiguous, scale folded in
+  const float* k;  // key (h, j, d) at k[h * k_head + j * k_row + d]
+  const float* v;
+  long k_head, k_row, v_head, v_row;
+  const bool* visible;  // (T, T) or null
+  float* out;  // (H, T, D)
+  int heads, kv_heads, t, d, keys;  // keys: S + T
+};
+
+// A chunk's share of one K/V head: for each of its rows the chunk's maximum score, the sum of
+// exp(score - maximum) and the sum of those weights times the values (rows x d).
+struct Partial {
+  float peak[MAX_ROWS];
+  float total[MAX_ROWS];
+  std::vector<float> out;
+};
+
+template <int D>
+#if defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
+  constexpr int V = D / LANES;
+  const int group = job.heads / job.kv_heads, t = job.t, rows = group * t;
+  const int begin = c * CHUNK, end = std::min(job.keys, begin + CHUNK), n = end - begin;
+  const int cached = job.keys - t;
+  const float* k = job.k + g * job.k_head;
+  const float* v = job.v + g * job.v_head;
+  alignas(64) float scores[MAX_ROWS][CHUNK];
+  auto query = [&](int r) { return job.q + ((g * group + r / t) * t + r % t) * D; };
+  int j = 0;
+  for (; j + LANES <= n; j += LANES) {  // 16 keys (in L1) against every row
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = query(r);
+      vf q[V];
+      for (int x = 0; x < V; ++x) q[x] = load(qr + x * LANES);
+      vf acc[LANES];
+      for (int i = 0; i < LANES; ++i) {
+        const float* kj = k + (begin + j + i) * job.k_row;
+        vf a = q[0] * load(kj);
+        for (int x = 1; x < V; ++x) a += q[x] * load(kj + x * LANES);
+        acc[i] = a;
+      }
+      store(&scores[r][j], lane_sums(acc));
+    }
+  }
+  for (; j < n; ++j) {
+    const float* kj = k + (begin + j) * job.k_row;
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = query(r);
+      vf a = load(qr) * load(kj);
+      for (int x = 1; x < V; ++x) a += load(qr + x * LANES) * load(kj + x * LANES);
+      float s = 0.0f;
+      for (int i = 0; i < LANES; ++i) s += a[i];
+      scores[r][j] = s;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    if (job.visible != nullptr && end > cached) {  // the new tokens' block
+      const bool* seen = job.visible + (r % t) * t;
+      for (int jj = std::max(begin, cached); jj < end; ++jj) {
+        if (!seen[jj - cached]) scores[r][jj - begin] = -INFINITY;
+      }
+    }
+    float peak = -INFINITY;
+    for (int jj = 0; jj < n; ++jj) peak = std::max(peak, scores[r][jj]);
+    part.peak[r] = peak;
+    float total = 0.0f;
+    if (peak == -INFINITY) {
+      for (int jj = 0; jj < n; ++jj) scores[r][jj] = 0.0f;
+    } else {
+      int jj = 0;
+      vf total_v = vf{};
+      for (; jj + LANES <= n; jj += LANES) {
+        vf e = exp_nonpositive<vf>(load(&scores[r][jj]) - peak);
+        store(&scores[r][jj], e);
+        total_v += e;
+      }
+      for (int i = 0; i < LANES; ++i) total += total_v[i];
+      for (; jj < n; ++jj) {
+        scores[r][jj] = exp_nonpositive<float>(scores[r][jj] - peak);
+        total += scores[r][jj];
+      }
+    }
+    part.total[r] = total;
+  }
+  part.out.assign(static_cast<size_t>(rows) * D, 0.0f);
+  constexpr int BLOCK = 4;  // rows whose outputs stay in registers while the values stream
+  for (int r0 = 0; r0 < rows; r0 += BLOCK) {
+    const int m = std::min(BLOCK, rows - r0);
+    vf o[BLOCK][V] = {};
+    for (int j = 0; j < n; ++j) {
+      const float* vj = v + (begin + j) * job.v_row;
+      vf vals[V];
+      for (int x = 0; x < V; ++x) vals[x] = load(vj + x * LANES);
+      for (int i = 0; i < m; ++i) {
+        float p = scores[r0 + i][j];
+        for (int x = 0; x < V; ++x) o[i][x] += p * vals[x];
+      }
+    }
+    for (int i = 0; i < m; ++i) {
+      for (int x = 0; x < V; ++x) store(&part.out[(r0 + i) * D + x * LANES], o[i][x]);
+    }
+  }
+}
+
+// Below this many key-rows one thread runs every chunk.
+constexpr long TREE_THREADED_MIN = 1 << 15;
+
+template <int D>
+void tree_attention_run(const TreeJob& job) {
+  const int group = job.heads / job.kv_heads, rows = group * job.t;
+  const int chunks = (job.keys + CHUNK - 1) / CHUNK, items = job.kv_heads * chunks;
+  std::vector<Partial> parts(items);
+  auto run = [&](int first, int step) {
+    for (int w = first; w < items; w += step) tree_chunk<D>(job, w / chunks, w % chunks, parts[w]);
+  };
+  int workers = static_cast<int>(std::min(std::max(1u, std::thread::hardware_concurrency()), 8u));
+  workers = std::min(workers, items);
+  if (static_cast<long>(job.keys) * rows * job.kv_heads < TREE_THREADED_MIN) workers = 1;
+  std::vector<std::thread> threads;
+  for (int w = 1; w < workers; ++w) threads.emplace_back(run, w, workers);
+  run(0, workers);
+  for (auto& th : threads) th.join();
+  for (int g = 0; g < job.kv_heads; ++g) {
+    for (int r = 0; r < rows; ++r) {
+      float peak = -INFINITY;
+      for (int c = 0; c < chunks; ++c) peak = std::max(peak, parts[g * chunks + c].peak[r]);
+      float total = 0.0f, out[D] = {};
+      for (int c = 0; c < chunks; ++c) {
+        const Partial& part = parts[g * chunks + c];
+        if (part.peak[r] == -INFINITY) continue;
+        float w = exp_nonpositive<float>(part.peak[r] - peak);
+        total += part.total[r] * w;
+        for (int x = 0; x < D; ++x) out[x] += part.out[r * D + x] * w;
+      }
+      float inverse = 1.0f / total;
+      float* dst = job.out + ((g * group + r / job.t) * job.t + r % job.t) * D;
+      for (int x = 0; x < D; ++x) dst[x] = out[x] * inverse;
+    }
+  }
+}
+
+class TreeAttention : public mx::UnaryPrimitive {
+ public:
+  TreeAttention(mx::Stream stream, int t) : mx::UnaryPrimitive(stream), t_(t) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& x : inputs) encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    if (k.strides(3) != 1 || v.strides(3) != 1) {
+      throw std::runtime_error("tree_attention: keys and values need unit strides along D");
+    }
+    TreeJob job{q.data<float>(), k.data<float>(), v.data<float>(),
+                static_cast<long>(k.strides(1)), static_cast<long>(k.strides(2)),
+                static_cast<long>(v.strides(1)), static_cast<long>(v.strides(2)),
+                inputs.size() > 3 ? inputs[3].data<bool>() : nullptr, out.data<float>(),
+                q.shape(1), k.shape(1), q.shape(2), q.shape(3), k.shape(2)};
+    encoder.dispatch([job]() {
+      if (job.d == 64) {
+        tree_attention_run<64>(job);
+      } else {
+        tree_attention_run<128>(job);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("tree_attention runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "TreeAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return t_ == static_cast<const TreeAttention&>(other).t_;
+  }
+
+ private:
+  int t_;
+};
+
+mx::array tree_attention(const mx::array& queries, const mx::array& keys,
+                         const mx::array& values, float scale, std::optional<mx::array> visible) {
+  mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  for (const auto* x : {&queries, &keys, &values}) {
+    if (x->dtype() != mx::float32 || x->ndim() != 4 || x->shape(0) != 1) {
+      throw std::invalid_argument("queries, keys and values must be float32 (1, heads, n, D)");
+    }
+  }
+  int heads = queries.shape(1), t = queries.shape(2), d = queries.shape(3);
+  int kv_heads = keys.shape(1);
+  if (d != 64 && d != 128) throw std::invalid_argument("head size D must be 64 or 128");
+  if (keys.shape() != values.shape() || keys.shape(3) != d || keys.shape(2) < t ||
+      heads % kv_heads != 0 || heads / kv_heads * t > MAX_ROWS) {
+    throw std::invalid_argument("shapes: keys = values (1, KV, S + T, D), heads / KV * T <= 32");
+  }
+  std::vector<mx::array> inputs = {
+      mx::contiguous(mx::multiply(queries, mx::array(scale), cpu), false, cpu), keys, values};
+  if (visible) {
+    if (visible->ndim() != 2 || visible->shape(0) != t || visible->shape(1) != t) {
+      throw std::invalid_argument("visible must be (T, T)");
+    }
+    inputs.push_back(mx::contiguous(mx::astype(*visible, mx::bool_, cpu), false, cpu));
+  }
+  return mx::array(queries.shape(), mx::float32, std::make_shared<TreeAttention>(cpu, t),
+                   std::move(inputs));
+}
+
+}  // namespace
+
+NB_MODULE(_attention, m) {
+  m.doc() = "Attention primitives for MLX's CPU backend";
+  m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("visible") = nb::none(),
+        "Softmax over the last axis of float32 scores (..., R, N); visible (T, T) masks the "
+        "last T columns of row r by visible[r % T].");
+  m.def("tree_attention", &tree_attention, nb::arg("queries"), nb::arg("keys"),
+        nb::arg("values"), nb::arg("scale"), nb::arg("visible") = nb::none(),
+        "Attention of queries (1, H, T, D) over keys and values (1, KV, S + T, D), the last T "
+        "keys masked by visible (T, T).");
+}
