@@ -9,6 +9,7 @@ import pytest
 from support import decoder_for, decoding_of, tiny_llama
 
 from redrafter_mlx.core import llm
+from redrafter_mlx.core.cache import KVStore
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
 from redrafter_mlx.core.lookup import NgramIndex
@@ -127,3 +128,43 @@ def test_taps_of_a_verified_tree_step():
     n = len(PROMPT) - 1
     forward(mx.array(PROMPT[-1:]), mx.array([n]), None, sequence, taps=last)
     np.testing.assert_allclose(last[1][0], taps[1][-1], atol=1e-4)
+
+
+def _store_after_forward(offset: int, capacity: int = 4096):
+    """A 2-layer KVStore ``(1, 4, capacity, 64)`` with a 3-node forward written at ``offset``
+    -> (store, the written keys per layer, a path that depends on the forward's output)."""
+    store = KVStore(2, mx.float32)
+    store.capacity = capacity
+    for buffers in (store.keys, store.values):
+        buffers[:] = [mx.zeros((1, 4, capacity, 64)) for _ in range(2)]
+    written = [mx.random.normal((1, 4, 3, 64), key=mx.random.key(i)) for i in range(2)]
+    views = [store.write(i, offset, written[i], -written[i]) for i in range(2)]
+    read = mx.sum(mx.stack([keys.sum() for keys, _ in views]))
+    path = mx.array([0, 2]) + (read > 1e30).astype(mx.int32)  # [0, 2], lazily
+    mx.eval(store.arrays(), path)
+    return store, written, path
+
+
+@pytest.mark.parametrize("forgotten", [False, True])
+def test_compaction_moves_the_path_and_updates_in_place(forgotten):
+    """The accepted path lands at the offset; gathered from the forward's own K/V, the update
+    reuses the buffers (no buffer-sized allocation: copying them was most of a tree step's
+    overhead at long contexts); without them (``forgotten``) it still moves the right rows."""
+    offset = 4000
+    store, written, path = _store_after_forward(offset)
+    if forgotten:
+        store._written = [None, None]
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    store.compact(offset, path)
+    mx.eval(store.arrays())
+    for i in range(2):
+        np.testing.assert_array_equal(
+            store.keys[i][..., offset : offset + 2, :], written[i][..., [0, 2], :]
+        )
+        np.testing.assert_array_equal(
+            store.values[i][..., offset : offset + 2, :], -written[i][..., [0, 2], :]
+        )
+    buffer = 4 * 4096 * 64 * 4
+    if not forgotten:
+        assert mx.get_peak_memory() - before < buffer / 8

@@ -10,6 +10,12 @@ committed prefix (``[offset, offset + T)``) without committing them. ``compact(o
 then moves the accepted root-to-leaf path to ``[offset, offset + L)``; the sequence commits
 only the accepted count once the host knows it. Slots past the prefix are dead and get
 overwritten by the next forward.
+
+The accepted path is gathered from the forward's own new K/V (kept by ``write``), not from the
+buffer it is moved within: MLX updates a buffer in place only when nothing else holds it, and
+a gather from the buffer still holds it (its CPU task retains its inputs until it runs), so
+the update would copy the whole buffer, every layer, every step (at 8K cached tokens here as
+long as the verify forward itself: benchmarks/README.md, run 126).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class KVStore:
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.capacity = 0
+        # per layer: the last forward's (offset, keys, values) as written, for ``compact``
+        self._written: list[tuple[int, mx.array, mx.array] | None] = [None] * num_layers
 
     def reserve(self, offset: int, num_new: int) -> None:
         """Room for ``num_new`` tokens after ``offset`` (grows in steps of 256)."""
@@ -56,20 +64,26 @@ class KVStore:
         end = offset + keys.shape[2]
         if self.keys[layer] is None:
             self._allocate(layer, keys, values)
-        self.keys[layer][..., offset:end, :] = keys.astype(self.dtype)
-        self.values[layer][..., offset:end, :] = values.astype(self.dtype)
+        keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        self.keys[layer][..., offset:end, :] = keys
+        self.values[layer][..., offset:end, :] = values
+        self._written[layer] = (offset, keys, values)
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
 
     def compact(self, offset: int, path: mx.array) -> None:
         """Move scratch nodes ``path (L,)`` (relative to ``offset``) to ``[offset, offset + L)``.
         Lazy: ``path`` may be an unevaluated device array."""
-        src = offset + path
         end = offset + path.shape[0]
         for i in range(len(self.keys)):
             if self.keys[i] is None:
                 continue
-            self.keys[i][..., offset:end, :] = mx.take(self.keys[i], src, axis=2)
-            self.values[i][..., offset:end, :] = mx.take(self.values[i], src, axis=2)
+            written, self._written[i] = self._written[i], None
+            if written is not None and written[0] == offset:  # the scratch as written
+                keys, values, nodes = written[1], written[2], path
+            else:
+                keys, values, nodes = self.keys[i], self.values[i], offset + path
+            self.keys[i][..., offset:end, :] = mx.take(keys, nodes, axis=2)
+            self.values[i][..., offset:end, :] = mx.take(values, nodes, axis=2)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
