@@ -215,3 +215,17 @@ def test_preloaded_openblas_runs_the_chosen_kernels():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().lower() == coretype.lower()
+
+
+def test_preload_env_asks_for_huge_pages(kernel):
+    """The re-executed process gets malloc's transparent huge pages, beside a user's own
+    tunables, unless opted out; a process that has them is not re-executed again."""
+    base = {"PATH": os.environ["PATH"]}
+    env = blas.preload_env(base)
+    assert env["GLIBC_TUNABLES"] == blas.HUGE_PAGES
+    assert blas.preload_env(env) is None
+    mine = blas.preload_env({**base, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert mine["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{blas.HUGE_PAGES}"
+    theirs = blas.preload_env({**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert theirs["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    assert "GLIBC_TUNABLES" not in blas.preload_env({**base, "REDRAFTER_NO_HUGEPAGES": "1"})

@@ -12,6 +12,11 @@ faster here (benchmarks/README.md):
   against a weight matrix, faster there than OpenBLAS on x86-64 with AVX2) and passes every
   other product on.
 
+With them the re-executed process asks glibc's malloc for transparent huge pages
+(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``; ``REDRAFTER_NO_HUGEPAGES=1`` opts out): the
+weights and a long context's K/V are read in full every step, and with 4 KB pages a page-table
+walk comes every 4 KB of them (benchmarks/README.md, run 128).
+
 ``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either;
 ``REDRAFTER_CPU_TUNING=0`` out of both, and so does an installed CUDA backend with an NVIDIA
 driver (MLX then multiplies on the GPU). This module must not import MLX.
@@ -41,6 +46,7 @@ SMALLROWS_SOURCE = Path(__file__).parent / "csrc" / "smallrows.c"
 # When no BLAS is preloaded after the kernel, it finds the one to pass products on to here.
 NEXT_ENV = "REDRAFTER_SMALLROWS_NEXT"
 CORETYPE_ENV = "OPENBLAS_CORETYPE"  # OpenBLAS reads it when it loads
+TUNABLES_ENV, HUGE_PAGES = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"  # read at process start
 
 
 # OpenBLAS's kernels for what the CPU's flags say it runs, best first: where its own detection
@@ -155,9 +161,13 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     coretype = None  # a user's OPENBLAS_CORETYPE stands
     if openblas and CORETYPE_ENV not in env:
         coretype = openblas_coretype()
-    if wanted == current and next_blas == env.get(NEXT_ENV) and coretype is None:
+    tunables = _with_huge_pages(env) if wanted else env.get(TUNABLES_ENV)
+    unchanged = next_blas == env.get(NEXT_ENV) and tunables == env.get(TUNABLES_ENV)
+    if wanted == current and unchanged and coretype is None:
         return None
     env = dict(env, LD_PRELOAD=":".join(wanted))
+    if tunables:
+        env[TUNABLES_ENV] = tunables
     if coretype:
         env[CORETYPE_ENV] = coretype
     if next_blas:
@@ -165,6 +175,15 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     if _failed:
         env["REDRAFTER_NO_SMALLROWS"] = "1"  # noted once: no second build in the child
     return env
+
+
+def _with_huge_pages(env: dict[str, str]) -> str | None:
+    """``GLIBC_TUNABLES`` of ``env`` with malloc's huge pages on, unless opted out or set by
+    the user (either way)."""
+    tunables = env.get(TUNABLES_ENV)
+    if env.get("REDRAFTER_NO_HUGEPAGES") or "glibc.malloc.hugetlb" in (tunables or ""):
+        return tunables
+    return f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES
 
 
 def reexec_with_blas() -> None:
