@@ -11,6 +11,13 @@ cache trimmed back), so a repetition costs only the answer. Writes JSON:
 
     .venv/bin/python benchmarks/long_context.py --out benchmarks/results/long_context.json
     .venv/bin/python benchmarks/long_context.py --quick    # a dry run: short prompts, 8 tokens
+
+Past the embedded model's 8K (``--stand-in 4``): the same weights with linear RoPE scaling
+(position interpolation) by 4, so 32K positions fall inside the 8K it was trained on, with the
+shipped drafter; mlx-lm answers only up to ``--mlx-lm-up-to`` tokens (its prefill of 32K
+tokens here would take about an hour):
+
+    .venv/bin/python benchmarks/long_context.py --stand-in 4 --lengths 32000 --mlx-lm-up-to 8000
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,11 +41,17 @@ from redrafter_mlx.core.mode import Mode  # noqa: E402
 from redrafter_mlx.core.session import Session  # noqa: E402
 from redrafter_mlx.core.shape import BeamShape  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
+from redrafter_mlx.io.embedded import default_drafter_path, default_model_path  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 from redrafter_mlx.tuning.profiles import follow_context, resolve_shape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+# appended sources leave shorter prompts as they were (the body is cut from the start)
+SOURCES = [
+    "README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+    "benchmarks/README.md",  # for the stand-in's 32K
+]
 ASK = "Summarise the following documentation in five short bullet points.\n\n"
 DEFAULT, REDRAFTER, AUTOREGRESSIVE, MLX_LM = "default", "redrafter", "autoregressive", "mlx-lm"
 
@@ -118,6 +132,20 @@ class MlxLm:
         }
 
 
+def stand_in(factor: float, folder: Path) -> Path:
+    """The embedded model in ``folder`` (its files linked) with linear RoPE scaling by
+    ``factor`` and a context ``factor`` times as long."""
+    source = default_model_path()
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    config["rope_scaling"] = {"type": "linear", "factor": factor}
+    config["max_position_embeddings"] = int(config["max_position_embeddings"] * factor)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
 def run_length(runtime, length: int, shape: BeamShape, source: str, args) -> dict:
     prompt = docs_prompt(runtime, length)
     ours_ar = rt.decoding(runtime, shape, mode=Mode.AUTOREGRESSIVE)
@@ -133,6 +161,8 @@ def run_length(runtime, length: int, shape: BeamShape, source: str, args) -> dic
         AUTOREGRESSIVE: lambda: ours.answer(prompt, ours_ar, args.max_tokens),
         MLX_LM: lambda: mlx.answer(prompt, args.max_tokens),
     }
+    if args.mlx_lm_up_to is not None and len(prompt) > args.mlx_lm_up_to:
+        del methods[MLX_LM]
     names = list(methods)
     runs = {name: [] for name in names}
     for rep in range(args.repetitions + 1):  # rep 0 pays for the prompts and warms up
@@ -165,7 +195,7 @@ def summarize(prompt: list[int], runs: dict) -> dict:
         "exact": all(
             r["tokens"] == reference for name in (DEFAULT, REDRAFTER) for r in timed[name]
         ),
-        "mlx_lm_same_tokens": all(r["tokens"] == reference for r in timed[MLX_LM]),
+        "mlx_lm_same_tokens": all(r["tokens"] == reference for r in timed.get(MLX_LM, [])),
         "methods": {},
     }
     ours_first = max((runs[name][0] for name in runs if name != MLX_LM), key=_fed)
@@ -201,11 +231,27 @@ def main() -> None:
     p.add_argument(
         "--quick", action="store_true", help="a dry run: 2 short prompts, 8 tokens, 1 rep"
     )
+    p.add_argument(
+        "--stand-in",
+        type=float,
+        metavar="FACTOR",
+        help="the embedded model with linear RoPE scaling by FACTOR (a context FACTOR x 8K)",
+    )
+    p.add_argument(
+        "--mlx-lm-up-to", type=int, metavar="TOKENS", help="run mlx-lm only up to this prompt"
+    )
     p.add_argument("--out")
     args = p.parse_args()
     if args.quick:
         args.lengths, args.max_tokens, args.repetitions = "200,600", 8, 1
-    runtime = rt.load_runtime(None, None, need_drafter=True)
+    with tempfile.TemporaryDirectory() as folder:
+        model = None if args.stand_in is None else str(stand_in(args.stand_in, Path(folder)))
+        drafter = None if args.stand_in is None else str(default_drafter_path())
+        runtime = rt.load_runtime(model, drafter, need_drafter=True)
+        run(runtime, args)
+
+
+def run(runtime, args) -> None:
     overrides = {"width": args.beam_width, "length": args.beam_length, "lookup": args.lookup}
     shape, source = resolve_shape(runtime, overrides=overrides)
     for decoding in (
@@ -219,14 +265,18 @@ def main() -> None:
         rows[length] = run_length(runtime, length, shape, source, args)
         mx.clear_cache()
         m = rows[length]["methods"]
+        peer = (
+            f"mlx-lm {m[MLX_LM]['tps']:.2f} tok/s, prefill {m[MLX_LM]['prefill_tps']:.0f}"
+            if MLX_LM in m
+            else "mlx-lm not run"
+        )
         print(
             f"{rows[length]['prompt_tokens']:5d} tokens: default "
             f"({rows[length]['default_decoding']}) {m[DEFAULT]['tps']:.2f} "
             f"({m[DEFAULT]['x_autoregressive']:.2f}x), ReDrafter {m[REDRAFTER]['tps']:.2f} "
             f"({m[REDRAFTER]['x_autoregressive']:.2f}x, {m[REDRAFTER]['tokens_per_step']:.2f} "
-            f"tok/step), AR {m[AUTOREGRESSIVE]['tps']:.2f}, mlx-lm {m[MLX_LM]['tps']:.2f} tok/s; "
-            f"prefill ours {m[AUTOREGRESSIVE]['prefill_tps']:.0f}, mlx-lm "
-            f"{m[MLX_LM]['prefill_tps']:.0f} tok/s; exact {rows[length]['exact']}",
+            f"tok/step), AR {m[AUTOREGRESSIVE]['tps']:.2f} tok/s, prefill ours "
+            f"{m[AUTOREGRESSIVE]['prefill_tps']:.0f}; {peer}; exact {rows[length]['exact']}",
             flush=True,
         )
     report = {
