@@ -1,17 +1,17 @@
 """Speculation that proves itself at long contexts: past a context length, an answer's steps
 run in blocks of its speculative decoding or of plain decoding, and the one that has emitted
 more tokens per second in this context band (this session's answers so far; the tree by a
-``margin``) runs the next block; every so many blocks the other runs, so a change (a summary
-that starts copying its source, a machine that got busy) is seen: after ``explore`` blocks at
-first, twice as many each time the other stayed slower (up to ``explore_max``), since each
-such block costs time.
+``margin``, none by default) runs the next block; every so many blocks the other runs, so a
+change (a summary that starts copying its source, a machine that got busy) is seen: after
+``explore`` blocks at first, twice as many each time the other stayed slower (up to
+``explore_max``), since each such block costs time.
 
 Why measured and not predicted: a verified tree's cost over a long cache and the tokens a
 step accepts both vary with the prompt (how much of it the answer copies), the model and the
-machine, by more than the gain at stake (on a 2-core CPU at 2K cached tokens the default
-shape ran 1.38x plain decoding at 1.80 tokens/step and 0.82x at 4K with 1.62; benchmarks
-README, run 117). Either way the answer is the target's own: switching changes how many
-tokens a forward verifies, not which (``Decoder.switch``).
+machine, by more than the gain at stake (on a 2-core CPU at 4K cached tokens the default
+shape ran 0.82x plain decoding at 1.62 tokens/step before the CPU attention kernels and 1.17x
+after them; benchmarks README, runs 117 and 126). Either way the answer is the target's own:
+switching changes how many tokens a forward verifies, not which (``Decoder.switch``).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ class Adaptive:
     block: int = 8
     explore: int = 8
     explore_max: int = 64
-    # The tree runs only where it measured this much faster: past ``start`` it is slower on
-    # average, and a few blocks' timings swing by about as much as the two modes differ.
-    margin: float = 0.1
+    # How much faster the tree must measure to run, none by default: since the CPU kernels
+    # the tree is ahead to 8K (benchmarks README, run 126), and a margin there kept plain
+    # blocks running where the tree alone was 1.08x (the default 0.96x with 0.1).
+    margin: float = 0.0
     rates: dict[tuple[int, bool], Rate] = field(default_factory=dict)
     bands: dict[int, _Band] = field(default_factory=dict)
     left: int = 0  # steps left in the current block
