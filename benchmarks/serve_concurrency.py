@@ -167,6 +167,7 @@ def environment() -> dict:
         "mlx_lm": mlx_lm.__version__,
         "blas": blas,
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "cpus": os.cpu_count(),
         "device": str(mx.default_device()),
     }

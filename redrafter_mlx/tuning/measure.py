@@ -567,6 +567,7 @@ def environment(runtime: Runtime) -> dict:
         "metal_available": mx.metal.is_available(),
         "cuda_available": bool(getattr(mx, "cuda", None) and mx.cuda.is_available()),
         "blas": blas_in_use(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # malloc's huge pages (blas.py)
         "cpu_count": os.cpu_count(),
         "dtype": str(llm.compute_dtype(runtime.model)).replace("mlx.core.", ""),
         "quantization": quant,
