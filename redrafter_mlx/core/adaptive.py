@@ -72,8 +72,8 @@ class Adaptive:
     explore: int = 8
     explore_max: int = 64
     # How much faster the tree must measure to run, none by default: since the CPU kernels
-    # the tree is ahead to 8K (benchmarks README, run 126), and a margin there kept plain
-    # blocks running where the tree alone was 1.08x (the default 0.96x with 0.1).
+    # the tree is ahead to 4K and level or ahead at 8K (benchmarks README, runs 126 and 128),
+    # and a margin kept plain blocks running where the tree alone was 1.08x (run 126).
     margin: float = 0.0
     rates: dict[tuple[int, bool], Rate] = field(default_factory=dict)
     bands: dict[int, _Band] = field(default_factory=dict)
