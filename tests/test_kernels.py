@@ -141,6 +141,25 @@ def test_tree_attention_matches_float64(built, heads, kv_heads, t, cached, d):
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-6)
 
 
+def test_threaded_calls_repeat_bit_for_bit(built):
+    """The kept threads take each call's chunks afresh (a stale claim from the call before
+    would compute a chunk of the wrong job): many calls in a row, threaded and alone, every
+    one the same bits as the first, as a decode step's 30 layers run them."""
+    rng = np.random.default_rng(7)
+    q = mx.array(rng.standard_normal((1, 9, 3, 64)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((1, 3, 4099, 64)).astype(np.float32)) for _ in "kv")
+    visible = mx.array(np.tril(np.ones((3, 3), bool)))
+    small = [x[..., :40, :] for x in (k, v)]  # below the threaded size: one thread
+    outs = [
+        built.tree_attention(q, *(small if i % 3 == 2 else (k, v)), 0.125, visible)
+        for i in range(60)
+    ]
+    mx.eval(outs)
+    first, first_small = np.array(outs[0]), np.array(outs[2])
+    for i, out in enumerate(outs):
+        assert np.array_equal(np.array(out), first_small if i % 3 == 2 else first)
+
+
 def test_tree_attention_rejects_what_it_cannot_run(built):
     q, kv = mx.zeros((1, 9, 4, 64)), mx.zeros((1, 3, 10, 64))
     with pytest.raises(ValueError, match="32"):  # 3 x 12 = 36 rows per K/V head

@@ -13,8 +13,14 @@
 // Built on first use by redrafter_mlx/backend/kernels.py against the installed MLX.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <immintrin.h>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -141,7 +147,99 @@ void softmax_row(const float* x, float* y, int n, const bool* visible, int t) {
   for (int j = full; j < n; ++j) y[j] *= inverse;
 }
 
-// Below this many scores one thread does it all: starting threads costs more.
+// ---- Threads kept from call to call ----
+//
+// A thread started per call costs its start and, as glibc gives a finished thread's stack
+// pages back to the kernel, a page fault for every stack page the next one touches (a tree
+// chunk's scores: 2 KB a row): 4-7 faults per call, 30 calls per forward. These threads stay:
+// after a job each spins a while (the next layer's call comes within a millisecond), then
+// sleeps until the next.
+
+class Pool {
+ public:
+  // fn(i) for every i < items, on the calling thread and the pool's; items are claimed one at
+  // a time, so which thread runs which does not matter to the caller. A second caller while a
+  // job runs (another stream) runs its items alone.
+  void run(int items, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> busy(run_lock_, std::try_to_lock);
+    if (items < 2 || !busy.owns_lock() || workers() == 0) {
+      for (int i = 0; i < items; ++i) fn(i);
+      return;
+    }
+    // Close the last generation before rewriting the job (a worker still claiming from it
+    // then fails its compare-and-swap), then publish the job with the next generation.
+    counter_.fetch_or(0xFFFFFFFFull, std::memory_order_acq_rel);
+    job_ = &fn;
+    items_ = items;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (counter_.load(std::memory_order_relaxed) >> 32) + 1;
+    counter_.store(gen << 32, std::memory_order_release);
+    wake_.fetch_add(1, std::memory_order_release);
+    wake_.notify_all();
+    claim(static_cast<uint32_t>(gen));
+    while (done_.load(std::memory_order_acquire) < items) _mm_pause();
+  }
+
+ private:
+  int workers() {
+    std::call_once(started_, [this] {
+      int n = static_cast<int>(std::min(std::max(1u, std::thread::hardware_concurrency()), 8u));
+      for (int i = 1; i < n; ++i) std::thread([this] { serve(); }).detach();
+      workers_ = n - 1;
+    });
+    return workers_;
+  }
+
+  void claim(uint32_t gen) {
+    for (;;) {
+      uint64_t v = counter_.load(std::memory_order_acquire);
+      if (static_cast<uint32_t>(v >> 32) != gen || static_cast<int>(v & 0xFFFFFFFFu) >= items_) {
+        return;
+      }
+      if (!counter_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      (*job_)(static_cast<int>(v & 0xFFFFFFFFu));
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void serve() {
+    uint32_t seen = 0;
+    for (;;) {
+      const uint32_t asleep = wake_.load(std::memory_order_acquire);
+      const auto idle_since = std::chrono::steady_clock::now();
+      for (unsigned spins = 1;; ++spins) {
+        const auto gen = static_cast<uint32_t>(counter_.load(std::memory_order_acquire) >> 32);
+        if (gen != seen) {
+          seen = gen;
+          claim(gen);
+          break;
+        }
+        if (spins % 256 == 0 &&
+            std::chrono::steady_clock::now() - idle_since > std::chrono::microseconds(50)) {
+          wake_.wait(asleep, std::memory_order_acquire);
+          break;
+        }
+        _mm_pause();
+      }
+    }
+  }
+
+  std::mutex run_lock_;
+  std::once_flag started_;
+  int workers_ = 0;
+  const std::function<void(int)>* job_ = nullptr;
+  int items_ = 0;
+  std::atomic<uint64_t> counter_{0};  // high 32 bits: the job's generation; low: next item
+  std::atomic<int> done_{0};
+  std::atomic<uint32_t> wake_{0};  // bumped with each job: what sleeping workers wait on
+};
+
+Pool& pool() {
+  static Pool* threads = new Pool;  // never destroyed: its threads outlive static teardown
+  return *threads;
+}
+
+// Below this many scores one thread does it all: waking threads costs more.
 constexpr long THREADED_MIN = 1 << 20;
 
 void softmax_rows(const float* x, float* y, long rows, int n, const bool* visible, int t) {
@@ -151,20 +249,13 @@ void softmax_rows(const float* x, float* y, long rows, int n, const bool* visibl
       softmax_row(x + r * n, y + r * n, n, row_visible, t);
     }
   };
-  long workers = std::min<long>(std::max(1u, std::thread::hardware_concurrency()), 8);
-  if (rows * n < THREADED_MIN || rows < 2 || workers < 2) {
+  if (rows * n < THREADED_MIN || rows < 2) {
     run(0, rows);
     return;
   }
-  workers = std::min(workers, rows);
-  std::vector<std::thread> threads;
-  long per = (rows + workers - 1) / workers;
-  for (long w = 1; w < workers; ++w) {
-    long begin = w * per, end = std::min(rows, begin + per);
-    if (begin < end) threads.emplace_back(run, begin, end);
-  }
-  run(0, std::min(rows, per));
-  for (auto& th : threads) th.join();
+  const long per = std::max<long>(1, rows / 16);  // 16 blocks of rows, claimed by the threads
+  const int blocks = static_cast<int>((rows + per - 1) / per);
+  pool().run(blocks, [&](int b) { run(b * per, std::min(rows, (b + 1) * per)); });
 }
 
 class MaskedSoftmax : public mx::UnaryPrimitive {
@@ -405,16 +496,12 @@ void tree_attention_run(const TreeJob& job) {
   const int group = job.heads / job.kv_heads, rows = group * job.t;
   const int chunks = (job.keys + CHUNK - 1) / CHUNK, items = job.kv_heads * chunks;
   std::vector<Partial> parts(items);
-  auto run = [&](int first, int step) {
-    for (int w = first; w < items; w += step) tree_chunk<D>(job, w / chunks, w % chunks, parts[w]);
-  };
-  int workers = static_cast<int>(std::min(std::max(1u, std::thread::hardware_concurrency()), 8u));
-  workers = std::min(workers, items);
-  if (static_cast<long>(job.keys) * rows * job.kv_heads < TREE_THREADED_MIN) workers = 1;
-  std::vector<std::thread> threads;
-  for (int w = 1; w < workers; ++w) threads.emplace_back(run, w, workers);
-  run(0, workers);
-  for (auto& th : threads) th.join();
+  auto chunk = [&](int w) { tree_chunk<D>(job, w / chunks, w % chunks, parts[w]); };
+  if (static_cast<long>(job.keys) * rows * job.kv_heads < TREE_THREADED_MIN) {
+    for (int w = 0; w < items; ++w) chunk(w);
+  } else {
+    pool().run(items, chunk);
+  }
   for (int g = 0; g < job.kv_heads; ++g) {
     for (int r = 0; r < rows; ++r) {
       float peak = -INFINITY;
