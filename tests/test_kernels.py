@@ -141,6 +141,26 @@ def test_tree_attention_matches_float64(built, heads, kv_heads, t, cached, d):
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("cached", [0, 5, 13, 509, 510, 1021, 4093])
+def test_tree_rows_equal_one_token_steps_bit_for_bit(built, cached):
+    """A chain's node t, verified in a tree, attends as the one-token step after cached + t
+    tokens does, to the bit: plain decoding and a verified tree then choose the same tokens
+    even where two logits nearly tie. The tree's masked keys (after each row's own) must not
+    move a key into another place of its vector block, nor change the order a row's weights
+    are summed in (the cache lengths put the chunk's end before, in and after a block)."""
+    rng = np.random.default_rng(cached)
+    t = 3
+    q = mx.array(rng.standard_normal((1, 9, t, 64)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((1, 3, cached + t, 64)).astype(np.float32)) for _ in "kv")
+    tree = built.tree_attention(q, k, v, 0.125, mx.array(np.tril(np.ones((t, t), bool))))
+    for node in range(t):
+        keys = cached + node + 1
+        step = built.tree_attention(
+            q[:, :, node : node + 1], k[..., :keys, :], v[..., :keys, :], 0.125, None
+        )
+        assert np.array_equal(np.array(step), np.array(tree[:, :, node : node + 1])), node
+
+
 def test_threaded_calls_repeat_bit_for_bit(built):
     """The kept threads take each call's chunks afresh (a stale claim from the call before
     would compute a chunk of the wrong job): many calls in a row, threaded and alone, every

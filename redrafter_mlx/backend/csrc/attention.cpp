@@ -44,6 +44,25 @@ namespace {
 constexpr int LANES = 16;
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int vi __attribute__((vector_size(LANES * sizeof(int))));
+// AVX2's width, which the tree kernel computes in where AVX-512 is missing: there a 16-float
+// vector is a pair of registers, 16 accumulators and a query spill, and 16-lane shuffles turn
+// into moves through memory (23 ns a key and query row against 1.5 with AVX-512).
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int vi8 __attribute__((vector_size(8 * sizeof(int))));
+
+template <typename V>
+struct IntsOf;
+template <>
+struct IntsOf<vf> {
+  using type = vi;
+};
+template <>
+struct IntsOf<vf8> {
+  using type = vi8;
+};
+
+// Helpers are always inlined: an out-of-line copy would miss its caller's ISA.
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 constexpr float LOG2E = 1.44269504088896341f;
 constexpr float LN2_HI = 0.693359375f;
@@ -54,9 +73,12 @@ constexpr float P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 // 2**n for integral n >= -126 (the caller clamps), from the exponent bits.
-inline vf power_of_two(vf n) { return (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
+template <typename V>
+ALWAYS_INLINE V power_of_two(V n) {
+  return (V)((__builtin_convertvector(n, typename IntsOf<V>::type) + 127) << 23);
+}
 
-inline float power_of_two(float n) {
+ALWAYS_INLINE float power_of_two(float n) {
   int bits = (static_cast<int>(n) + 127) << 23;
   float out;
   std::memcpy(&out, &bits, sizeof out);
@@ -64,20 +86,26 @@ inline float power_of_two(float n) {
 }
 
 // e where x >= UNDER, else 0 (-inf and NaN garbage included).
-inline vf zero_below(vf e, vf x) { return (vf)((vi)e & (x >= UNDER)); }
+template <typename V>
+ALWAYS_INLINE V zero_below(V e, V x) {
+  return (V)((typename IntsOf<V>::type)e & (x >= UNDER));
+}
 
-inline float zero_below(float e, float x) { return x >= UNDER ? e : 0.0f; }
+ALWAYS_INLINE float zero_below(float e, float x) { return x >= UNDER ? e : 0.0f; }
 
-inline vf at_least(vf n, float low) { return n < low ? vf{} + low : n; }
+template <typename V>
+ALWAYS_INLINE V at_least(V n, float low) {
+  return n < low ? V{} + low : n;
+}
 
-inline float at_least(float n, float low) { return n < low ? low : n; }
+ALWAYS_INLINE float at_least(float n, float low) { return n < low ? low : n; }
 
 // exp(x) for x <= 0 (the scores less their row's maximum), 0 below UNDER and for -inf.
 // Written once for one float and once for LANES of them with the same operations in the same
 // order (contracted into fused multiply-adds alike where the ISA has them), so both give the
 // same bits.
 template <typename V>
-inline V exp_nonpositive(V x) {
+ALWAYS_INLINE V exp_nonpositive(V x) {
   V n = at_least((x * LOG2E + ROUND) - ROUND, -126.0f);
   V r = (x - n * LN2_HI) - n * LN2_LO;
   V p = V{} + P[0];
@@ -90,25 +118,31 @@ inline V exp_nonpositive(V x) {
   return zero_below(p * power_of_two(n), x);
 }
 
-inline vf load(const float* p) {
-  vf v;
+template <typename V = vf>
+ALWAYS_INLINE V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+ALWAYS_INLINE void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 // The largest of x[0 .. n): lanes first (a serial max waits on each compare), the order
 // immaterial (a maximum is exact).
-inline float row_peak(const float* x, int n) {
-  vf peak_v = vf{} - INFINITY;
+template <typename V = vf>
+ALWAYS_INLINE float row_peak(const float* x, int n) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V peak_v = V{} - INFINITY;
   int j = 0;
-  for (; j + LANES <= n; j += LANES) {
-    vf v = load(x + j);
+  for (; j + W <= n; j += W) {
+    V v = load<V>(x + j);
     peak_v = v > peak_v ? v : peak_v;
   }
   float peak = -INFINITY;
-  for (int k = 0; k < LANES; ++k) peak = std::max(peak, peak_v[k]);
+  for (int k = 0; k < W; ++k) peak = std::max(peak, peak_v[k]);
   for (; j < n; ++j) peak = std::max(peak, x[j]);
   return peak;
 }
@@ -317,18 +351,25 @@ mx::array masked_softmax(const mx::array& scores, std::optional<mx::array> visib
 // tree_attention(queries, keys, values, scale, visible): queries (1, H, T, D), keys and values
 // (1, KV, S + T, D) (the cache's strided views, read in place), visible None or (T, T) bool
 // over the last T keys. Each K/V head's query group (rows i * T + t) reads each key and value
-// once: scores for 16 keys at a time (partial sums over D in vector lanes, reduced 16 at once
-// by a transposing tree of shuffles), their softmax and the weighted values per chunk of
-// CHUNK keys, chunks combined in key order (their maxima, sums and outputs), so the result
-// does not depend on how many threads ran the chunks.
+// once: scores for a vector's width of keys at a time (16 with AVX-512, else 8: partial sums
+// over D in vector lanes, reduced together by a transposing tree of shuffles), their softmax
+// and the weighted values per chunk of CHUNK keys, chunks combined in key order (their maxima,
+// sums and outputs), so the result does not depend on how many threads ran the chunks, nor a
+// row's on how many masked keys follow its own (a verified tree's row and a one-token step
+// agree bit for bit).
 
 constexpr int CHUNK = 512;  // keys per work item
 constexpr int MAX_ROWS = 32;  // query rows per K/V head (group * T)
 
-inline vf shuffle(vf a, vf b, vi mask) { return __builtin_shuffle(a, b, mask); }
+template <typename V>
+ALWAYS_INLINE V shuffle(V a, V b, typename IntsOf<V>::type mask) {
+  return __builtin_shuffle(a, b, mask);
+}
 
-// The 16 lane sums of acc[0..15] as one vector (lane k: the sum of acc[k]'s lanes).
-inline vf lane_sums(vf* acc) {
+// The 16 lane sums of acc[0..15] as one vector (lane k: the sum of acc[k]'s lanes). Every
+// lane is summed by the same tree ((x0 + x8) + (x4 + x12)) ..., whichever acc it sits in: a
+// key's score does not depend on its place in a block.
+ALWAYS_INLINE vf lane_sums(vf* acc) {
   const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -348,6 +389,28 @@ inline vf lane_sums(vf* acc) {
     e[i] = shuffle(d[2 * i], d[2 * i + 1], lo2) + shuffle(d[2 * i], d[2 * i + 1], hi2);
   }
   return shuffle(e[0], e[1], even) + shuffle(e[0], e[1], odd);
+}
+
+// The 8 lane sums of acc[0..7] (lane k: acc[k]'s), by the same tree for every lane: halves
+// (vperm2f128 on AVX2), pairs and neighbours (vshufps, within 128-bit lanes), which leave the
+// keys in the order 0 2 4 6 1 3 5 7, then one permutation back.
+ALWAYS_INLINE vf8 lane_sums(vf8* acc) {
+  const vi8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const vi8 hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  const vi8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13};
+  const vi8 hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi8 even = {0, 2, 8, 10, 4, 6, 12, 14};
+  const vi8 odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  const vi8 keys = {0, 4, 1, 5, 2, 6, 3, 7};
+  vf8 c[4], d[2];
+  for (int i = 0; i < 4; ++i) {  // lanes 0-3: 4 partials of acc[2i], 4-7: of acc[2i + 1]
+    c[i] = shuffle(acc[2 * i], acc[2 * i + 1], lo4) + shuffle(acc[2 * i], acc[2 * i + 1], hi4);
+  }
+  for (int i = 0; i < 2; ++i) {  // lane pairs: keys 4i, 4i + 2, 4i + 1, 4i + 3
+    d[i] = shuffle(c[2 * i], c[2 * i + 1], lo2) + shuffle(c[2 * i], c[2 * i + 1], hi2);
+  }
+  vf8 e = shuffle(d[0], d[1], even) + shuffle(d[0], d[1], odd);
+  return __builtin_shuffle(e, keys);
 }
 
 struct TreeJob {
@@ -371,36 +434,76 @@ struct Partial {
 constexpr int VALUE_TILE = 64;  // keys whose values (16-32 KB) stay in L1 across row blocks
 
 // out[i] += sum over keys j of weights[i * CHUNK + j] * values[j] for M rows (M x D floats),
-// the keys in order. Always inlined: an out-of-line copy would miss its caller's ISA.
-template <int D, int M>
-__attribute__((always_inline)) inline void weigh_values(const float* values, long row,
-                                                        const float* weights, int keys,
-                                                        float* out) {
-  constexpr int V = D / LANES;
-  vf o[M][V];
+// the keys in order.
+template <int D, int M, typename V>
+ALWAYS_INLINE void weigh_values(const float* values, long row, const float* weights, int keys,
+                                float* out) {
+  constexpr int W = sizeof(V) / sizeof(float), X = D / W;
+  V o[M][X];
   for (int i = 0; i < M; ++i) {
-    for (int x = 0; x < V; ++x) o[i][x] = load(out + i * D + x * LANES);
+    for (int x = 0; x < X; ++x) o[i][x] = load<V>(out + i * D + x * W);
   }
   for (int j = 0; j < keys; ++j) {
     const float* vj = values + j * row;
-    vf vals[V];
-    for (int x = 0; x < V; ++x) vals[x] = load(vj + x * LANES);
+    V vals[X];
+    for (int x = 0; x < X; ++x) vals[x] = load<V>(vj + x * W);
     for (int i = 0; i < M; ++i) {
       float p = weights[i * CHUNK + j];
-      for (int x = 0; x < V; ++x) o[i][x] += p * vals[x];
+      for (int x = 0; x < X; ++x) o[i][x] += p * vals[x];
     }
   }
   for (int i = 0; i < M; ++i) {
-    for (int x = 0; x < V; ++x) store(out + i * D + x * LANES, o[i][x]);
+    for (int x = 0; x < X; ++x) store(out + i * D + x * W, o[i][x]);
   }
 }
 
-template <int D>
-#if defined(__x86_64__)
-__attribute__((target_clones("avx512f", "arch=haswell", "default")))
-#endif
-void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
-  constexpr int V = D / LANES;
+// W keys' scores against one query row (scale folded in) into scores[0 .. n), n <= W keys
+// (the chunk's last block zero-filled: its scores come out as a full block's would).
+template <int D, typename V, bool FULL>
+ALWAYS_INLINE void block_scores(const float* qr, const float* k, long k_row, int n,
+                                float* scores) {
+  constexpr int W = sizeof(V) / sizeof(float), X = D / W;
+  if (FULL) n = W;
+  V acc[W];
+  const V q0 = load<V>(qr);
+  for (int i = 0; i < W; ++i) acc[i] = i < n ? q0 * load<V>(k + i * k_row) : V{};
+  for (int x = 1; x < X; ++x) {  // one query slice against the W keys' (memory operands)
+    const V qx = load<V>(qr + x * W);
+    for (int i = 0; i < W; ++i) {
+      if (i < n) acc[i] += qx * load<V>(k + i * k_row + x * W);
+    }
+  }
+  const V sums = lane_sums(acc);
+  if (FULL) {
+    store(scores, sums);
+  } else {
+    for (int i = 0; i < n; ++i) scores[i] = sums[i];
+  }
+}
+
+// exp(scores - peak) in place over n scores (n rounded up to W is within the row: the pad is
+// -inf, so it weighs 0) -> their sum, its lanes added in one order whatever n is: a row's
+// total is the same whether the chunk ends at its key or later keys are masked.
+template <typename V>
+ALWAYS_INLINE float exp_and_total(float* scores, int n, float peak) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  const int padded = (n + W - 1) / W * W;
+  for (int j = n; j < padded; ++j) scores[j] = -INFINITY;
+  V total_v = V{};
+  for (int j = 0; j < padded; j += W) {
+    V e = exp_nonpositive<V>(load<V>(scores + j) - peak);
+    store(scores + j, e);
+    total_v += e;
+  }
+  float total = 0.0f;
+  for (int i = 0; i < W; ++i) total += total_v[i];
+  return total;
+}
+
+// One chunk of one K/V head in vectors V (16 floats where AVX-512 is, else 8).
+template <int D, typename V>
+ALWAYS_INLINE void chunk_in(const TreeJob& job, int g, int c, Partial& part) {
+  constexpr int W = sizeof(V) / sizeof(float);
   const int group = job.heads / job.kv_heads, t = job.t, rows = group * t;
   const int begin = c * CHUNK, end = std::min(job.keys, begin + CHUNK), n = end - begin;
   const int cached = job.keys - t;
@@ -409,30 +512,16 @@ void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
   alignas(64) float scores[MAX_ROWS][CHUNK];
   auto query = [&](int r) { return job.q + ((g * group + r / t) * t + r % t) * D; };
   int j = 0;
-  for (; j + LANES <= n; j += LANES) {  // 16 keys (in L1) against every row
-    for (int r = 0; r < rows; ++r) {
-      const float* qr = query(r);
-      vf q[V];
-      for (int x = 0; x < V; ++x) q[x] = load(qr + x * LANES);
-      vf acc[LANES];
-      for (int i = 0; i < LANES; ++i) {
-        const float* kj = k + (begin + j + i) * job.k_row;
-        vf a = q[0] * load(kj);
-        for (int x = 1; x < V; ++x) a += q[x] * load(kj + x * LANES);
-        acc[i] = a;
-      }
-      store(&scores[r][j], lane_sums(acc));
-    }
-  }
-  for (; j < n; ++j) {
+  for (; j + W <= n; j += W) {  // W keys (in L1) against every row
     const float* kj = k + (begin + j) * job.k_row;
     for (int r = 0; r < rows; ++r) {
-      const float* qr = query(r);
-      vf a = load(qr) * load(kj);
-      for (int x = 1; x < V; ++x) a += load(qr + x * LANES) * load(kj + x * LANES);
-      float s = 0.0f;
-      for (int i = 0; i < LANES; ++i) s += a[i];
-      scores[r][j] = s;
+      block_scores<D, V, true>(query(r), kj, job.k_row, W, &scores[r][j]);
+    }
+  }
+  if (j < n) {
+    const float* kj = k + (begin + j) * job.k_row;
+    for (int r = 0; r < rows; ++r) {
+      block_scores<D, V, false>(query(r), kj, job.k_row, n - j, &scores[r][j]);
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -442,31 +531,20 @@ void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
         if (!seen[jj - cached]) scores[r][jj - begin] = -INFINITY;
       }
     }
-    float peak = row_peak(scores[r], n);
+    const float peak = row_peak<V>(scores[r], n);
     part.peak[r] = peak;
-    float total = 0.0f;
     if (peak == -INFINITY) {
       for (int jj = 0; jj < n; ++jj) scores[r][jj] = 0.0f;
+      part.total[r] = 0.0f;
     } else {
-      int jj = 0;
-      vf total_v = vf{};
-      for (; jj + LANES <= n; jj += LANES) {
-        vf e = exp_nonpositive<vf>(load(&scores[r][jj]) - peak);
-        store(&scores[r][jj], e);
-        total_v += e;
-      }
-      for (int i = 0; i < LANES; ++i) total += total_v[i];
-      for (; jj < n; ++jj) {
-        scores[r][jj] = exp_nonpositive<float>(scores[r][jj] - peak);
-        total += scores[r][jj];
-      }
+      part.total[r] = exp_and_total<V>(scores[r], n, peak);
     }
-    part.total[r] = total;
   }
   part.out.assign(static_cast<size_t>(rows) * D, 0.0f);
-  // Rows in blocks whose outputs stay in registers, the values in tiles that stay in L1 while
-  // every block passes over them; each row still sums its keys in order.
-  constexpr int BLOCK = D == 64 ? 6 : 3;
+  // Rows in blocks whose outputs stay in registers (AVX2's 16 hold one row of D = 64), the
+  // values in tiles that stay in L1 while every block passes over them; each row still sums
+  // its keys in order.
+  constexpr int BLOCK = W == 16 ? (D == 64 ? 6 : 3) : 1;
   const int blocks = (rows + BLOCK - 1) / BLOCK;
   for (int t0 = 0; t0 < n; t0 += VALUE_TILE) {
     const int keys = std::min(VALUE_TILE, n - t0);
@@ -476,16 +554,48 @@ void tree_chunk(const TreeJob& job, int g, int c, Partial& part) {
       const float* weights = &scores[r0][t0];
       float* out = &part.out[r0 * D];
       switch (m) {
-        case 1: weigh_values<D, 1>(vt, job.v_row, weights, keys, out); break;
-        case 2: weigh_values<D, 2>(vt, job.v_row, weights, keys, out); break;
-        case 3: weigh_values<D, 3>(vt, job.v_row, weights, keys, out); break;
-        case 4: weigh_values<D, 4>(vt, job.v_row, weights, keys, out); break;
-        case 5: weigh_values<D, 5>(vt, job.v_row, weights, keys, out); break;
-        default: weigh_values<D, 6>(vt, job.v_row, weights, keys, out); break;
+        case 1: weigh_values<D, 1, V>(vt, job.v_row, weights, keys, out); break;
+        case 2: weigh_values<D, 2, V>(vt, job.v_row, weights, keys, out); break;
+        case 3: weigh_values<D, 3, V>(vt, job.v_row, weights, keys, out); break;
+        case 4: weigh_values<D, 4, V>(vt, job.v_row, weights, keys, out); break;
+        case 5: weigh_values<D, 5, V>(vt, job.v_row, weights, keys, out); break;
+        default: weigh_values<D, 6, V>(vt, job.v_row, weights, keys, out); break;
       }
       r0 += m;
     }
   }
+}
+
+// The chunk function per ISA, chosen once at run time (``target_clones`` would compile one
+// vector width for all: 16-float vectors cost AVX2 pairs of registers and memory shuffles).
+using ChunkFn = void (*)(const TreeJob&, int, int, Partial&);
+
+#if defined(__x86_64__)
+template <int D>
+__attribute__((target("avx512f"))) void chunk_avx512(const TreeJob& job, int g, int c,
+                                                     Partial& part) {
+  chunk_in<D, vf>(job, g, c, part);
+}
+
+template <int D>
+__attribute__((target("avx2,fma"))) void chunk_avx2(const TreeJob& job, int g, int c,
+                                                    Partial& part) {
+  chunk_in<D, vf8>(job, g, c, part);
+}
+#endif
+
+template <int D>
+void chunk_default(const TreeJob& job, int g, int c, Partial& part) {
+  chunk_in<D, vf8>(job, g, c, part);
+}
+
+template <int D>
+ChunkFn chunk_for_this_cpu() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512f")) return chunk_avx512<D>;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return chunk_avx2<D>;
+#endif
+  return chunk_default<D>;
 }
 
 // Below this many key-rows one thread runs every chunk.
@@ -496,7 +606,8 @@ void tree_attention_run(const TreeJob& job) {
   const int group = job.heads / job.kv_heads, rows = group * job.t;
   const int chunks = (job.keys + CHUNK - 1) / CHUNK, items = job.kv_heads * chunks;
   std::vector<Partial> parts(items);
-  auto chunk = [&](int w) { tree_chunk<D>(job, w / chunks, w % chunks, parts[w]); };
+  static const ChunkFn run_chunk = chunk_for_this_cpu<D>();
+  auto chunk = [&](int w) { run_chunk(job, w / chunks, w % chunks, parts[w]); };
   if (static_cast<long>(job.keys) * rows * job.kv_heads < TREE_THREADED_MIN) {
     for (int w = 0; w < items; ++w) chunk(w);
   } else {
