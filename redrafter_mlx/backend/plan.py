@@ -32,7 +32,9 @@ from redrafter_mlx.core.shape import BeamShape
 # but for the blocks of steps a session measures the tree faster (at 2K it ran 1.38x at 1.80
 # tokens/step, at 4K and 8K 0.82x and 0.77x at 1.62-1.66: run 117). Since the attention kernels
 # and in-place compaction (runs 123-126) the tree alone ran 1.42x / 1.17x / 1.08x plain decoding
-# at 2K / 4K / 8K; past plain_from the adaptive rule keeps whichever measures faster.
+# at 2K / 4K / 8K, and with threads kept and AVX2's own kernel width the default 1.39x / 1.16x /
+# 1.47x on an AVX2 machine (run 134); past plain_from the adaptive rule keeps whichever
+# measures faster.
 # A batch's products turn compute-bound past a few rows here: 2 members' trees emit as many
 # tokens per second as their plain steps, while 4 members' 2-node trees (8 rows) emit 0.8x
 # what their roots alone do (run 107), so a batch verifies at most 4 rows.
