@@ -46,7 +46,7 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int vi __attribute__((vector_size(LANES * sizeof(int))));
 // AVX2's width, which the tree kernel computes in where AVX-512 is missing: there a 16-float
 // vector is a pair of registers, 16 accumulators and a query spill, and 16-lane shuffles turn
-// into moves through memory (23 ns a key and query row against 1.5 with AVX-512).
+// into moves through memory (benchmarks/README.md, run 132).
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int vi8 __attribute__((vector_size(8 * sizeof(int))));
 
