@@ -6,11 +6,13 @@ issue 45) and mlx-lm's `mlx_lm.server` (continuous batching, no draft model).
 Each round sends the same ``--requests`` greedy chat requests (MT-Bench first turns, streamed,
 ``--max-tokens`` each) from ``c`` client threads that each take the next prompt when their
 answer ends; the servers take turns round by round (c = 1, then 2, ...; the server order
-rotates each concurrency level). Per round: aggregate output tokens/s (all completion tokens
-over the round's wall time), median and p95 request latency, median and p95 time to first
-token (the first content chunk), and how many answers' texts equal the same server's answers
-at the first concurrency level, and each other server's there. Only one server computes at a
-time; the others idle.
+rotates each round). Per round: aggregate output tokens/s (all completion tokens over the
+round's wall time), median and p95 request latency, median and p95 time to first token (the
+first content chunk), and how many answers' texts equal the same server's answers at the first
+concurrency level, and each other server's there. Only one server computes at a time; the
+others idle. With ``--repetitions R`` each level runs R rounds per server, interleaved (the
+order rotating), and a server's figures at a level are the medians of its R rounds (each
+round's own under ``"runs"``): this machine's speed drifts 10-20 % within minutes.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve_concurrency.py \\
         --out benchmarks/results/serve_concurrency.json
@@ -154,6 +156,19 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
+def summary(name: str, rounds: list[dict]) -> dict:
+    """A server's rounds at one level -> the medians of their figures, the fewest texts equal
+    to each server's first answers (``same_texts_as_alone``: its own), and the rounds."""
+    figures = {
+        k: statistics.median(r[k] for r in rounds)
+        for k, v in rounds[0].items()
+        if isinstance(v, float | int)
+    }
+    same = {o: min(r["same_texts_as"][o] for r in rounds) for o in rounds[0]["same_texts_as"]}
+    figures |= {"same_texts_as_alone": same[name], "same_texts_as": same}
+    return figures | ({"runs": rounds} if len(rounds) > 1 else {})
+
+
 def environment() -> dict:
     """What the numbers depend on: versions, BLAS, cores (the machine was shared: say so)."""
     import os
@@ -179,6 +194,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per round")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8, help="our batching server's")
+    parser.add_argument("--repetitions", type=int, default=1, help="rounds per server and level")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = str(default_model_path())
@@ -193,32 +209,36 @@ def main() -> None:
     servers = {name: start(name, command) for name, command in commands.items()}
     for _, port in servers.values():  # a first request may build what a server builds lazily
         ask(port, "Hello", 8)
-    rounds: dict[str, dict[int, dict]] = {name: {} for name in servers}
+    runs: dict[str, dict[int, list[dict]]] = {name: {} for name in servers}
+    turn = 0
     try:
-        for level, clients in enumerate(args.clients):
-            names = list(servers)
-            names = names[level % len(names) :] + names[: level % len(names)]
-            for name in names:
-                rounds[name][clients] = round_of(
-                    servers[name][1], prompts, clients, args.max_tokens
-                )
-                figures = {k: v for k, v in rounds[name][clients].items() if k != "texts"}
-                print(name, clients, json.dumps(figures), file=sys.stderr, flush=True)
+        for clients in args.clients:
+            for _ in range(args.repetitions):
+                names = list(servers)
+                names = names[turn % len(names) :] + names[: turn % len(names)]
+                turn += 1
+                for name in names:
+                    figures = round_of(servers[name][1], prompts, clients, args.max_tokens)
+                    runs[name].setdefault(clients, []).append(figures)
+                    shown = {k: v for k, v in figures.items() if k != "texts"}
+                    print(name, clients, json.dumps(shown), file=sys.stderr, flush=True)
     finally:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
-    first = {name: by_clients[args.clients[0]]["texts"] for name, by_clients in rounds.items()}
-    for name, by_clients in rounds.items():
-        for figures in by_clients.values():
-            texts = figures.pop("texts")
-            figures["same_texts_as_alone"] = sum(
-                a == b for a, b in zip(texts, first[name], strict=True)
-            )
-            figures["same_texts_as"] = {
-                other: sum(a == b for a, b in zip(texts, theirs, strict=True))
-                for other, theirs in first.items()
-            }
+    first = {name: by_clients[args.clients[0]][0]["texts"] for name, by_clients in runs.items()}
+    for by_clients in runs.values():
+        for rounds in by_clients.values():
+            for figures in rounds:
+                texts = figures.pop("texts")
+                figures["same_texts_as"] = {
+                    other: sum(a == b for a, b in zip(texts, theirs, strict=True))
+                    for other, theirs in first.items()
+                }
+    rounds = {
+        name: {clients: summary(name, rs) for clients, rs in by_clients.items()}
+        for name, by_clients in runs.items()
+    }
     report = {
         "environment": environment(),
         "args": vars(args) | {"out": str(args.out)},

@@ -1,5 +1,6 @@
-"""The CPU attention primitives (backend/kernels.py, csrc/attention.cpp): built, loaded,
-exact to float32 precision, masked as attention masks, and built atomically."""
+"""The CPU primitives (backend/kernels.py, csrc/primitives.cpp): built, loaded, exact to
+float32 precision, masked as attention masks, elementwise where they should be, and built
+atomically."""
 
 import platform
 import sys
@@ -190,6 +191,40 @@ def test_tree_attention_rejects_what_it_cannot_run(built):
         built.tree_attention(q.astype(mx.float16), kv, kv, 1.0, None)
     with pytest.raises(ValueError, match=r"\(T, T\)"):
         built.tree_attention(q, kv, kv, 1.0, mx.ones((4, 5), mx.bool_))
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (3, 1536), (5, 37), (2, 8), (1, 3)])
+def test_swiglu_is_silu_gate_times_up(built, rows, width):
+    """silu(gate) * up to float32 rounding (float64 reference), over gates from far below to
+    far above zero (where exp under- and overflows), widths with and without a partial
+    vector at the end."""
+    rng = np.random.default_rng(width + rows)
+    gate = rng.normal(0, 6, (rows, width)).astype(np.float32)
+    gate.flat[:3] = [-200.0, 200.0, 0.0][: gate.size]
+    up = rng.normal(0, 2, (rows, width)).astype(np.float32)
+    got = np.array(built.swiglu(mx.array(np.concatenate([gate, up], axis=1))))
+    g = gate.astype(np.float64)
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * up, rtol=1e-6, atol=1e-30)
+
+
+def test_swiglu_rows_do_not_depend_on_their_neighbours(built):
+    """Each row of a batch gets the bits it gets alone, in any leading shape (a tree's row and
+    a one-token step run the same MLP), and a strided view (a transposed product) is read as
+    its values."""
+    rng = np.random.default_rng(3)
+    gate_up = mx.array(rng.normal(0, 4, (6, 2 * 45)).astype(np.float32))
+    batch = np.array(built.swiglu(gate_up[None]))
+    for r in range(6):
+        assert np.array_equal(np.array(built.swiglu(gate_up[r : r + 1]))[0], batch[0, r])
+    strided = mx.array(np.ascontiguousarray(np.array(gate_up).T)).T
+    assert np.array_equal(np.array(built.swiglu(strided)), batch[0])
+
+
+def test_swiglu_rejects_what_it_cannot_run(built):
+    with pytest.raises(ValueError, match="float32"):
+        built.swiglu(mx.zeros((2, 8), mx.float16))
+    with pytest.raises(ValueError, match="even"):
+        built.swiglu(mx.zeros((2, 7)))
 
 
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The CPU plan's verify forward: plain Llama/Qwen2 blocks as compiled halves around attention,
-with fused projections, RoPE from shared cos/sin tables and grouped attention. Numerically it
-is the generic forward (:class:`redrafter_mlx.core.llm.Forward`); only how it runs differs.
+with fused projections, RoPE from shared cos/sin tables, grouped attention and the CPU kernels
+(:mod:`~redrafter_mlx.backend.kernels`). Numerically it is the generic forward
+(:class:`redrafter_mlx.core.llm.Forward`) to float32 rounding; only how it runs differs.
 
 Legend: T new tokens, S cached tokens, H hidden size, D head dim.
 
@@ -69,15 +70,19 @@ def _split_rows(linears: list[nn.Module]) -> list[int]:
     return [sum(ends[: i + 1]) for i in range(len(ends) - 1)]
 
 
-def _mlp(mlp: nn.Module, gate_up: mx.array | None, x: mx.array, transposed: bool) -> mx.array:
+def _mlp(mlp: nn.Module, gate_up: mx.array | None, x: mx.array, transposed: bool, swiglu):
     """The layer's MLP; mlx-lm's Llama MLP (SiLU-gated) runs its own projections here when
-    they are fused (gate and up as one ``gate_up`` matmul) or transposed."""
+    they are fused (gate and up as one ``gate_up`` matmul) or transposed, and its gate as the
+    CPU kernel ``swiglu`` (float32) where that is given."""
     if not isinstance(mlp, llama.MLP) or (gate_up is None and not transposed):
         return mlp(x)
     if gate_up is None:
         gate, up = _project(mlp.gate_proj, x, transposed), _project(mlp.up_proj, x, transposed)
-    else:
-        gate, up = mx.split(_matmul(gate_up, x, transposed), 2, axis=-1)
+        return _project(mlp.down_proj, nn.silu(gate) * up, transposed)
+    fused = _matmul(gate_up, x, transposed)
+    if swiglu is not None and fused.dtype == mx.float32:
+        return _project(mlp.down_proj, swiglu(fused), transposed)
+    gate, up = mx.split(fused, 2, axis=-1)
     return _project(mlp.down_proj, nn.silu(gate) * up, transposed)
 
 
@@ -135,13 +140,14 @@ def _before_attention(layer, plan: Plan, qkv: mx.array | None, h: mx.array, *rop
 
 
 def _after_attention(
-    layer, plan: Plan, gate_up: mx.array | None, h: mx.array, out: mx.array
+    layer, plan: Plan, gate_up: mx.array | None, swiglu, h: mx.array, out: mx.array
 ) -> mx.array:
-    """Residual stream h (1, T, H) and attention output (1, heads, T, D) -> the layer's output."""
+    """Residual stream h (1, T, H) and attention output (1, heads, T, D) -> the layer's output
+    (``gate_up`` and ``swiglu``: :func:`_mlp`'s)."""
     attn, t = layer.self_attn, h.shape[1]
     transposed = t in plan.transposed_rows
     h = h + _project(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(1, t, -1), transposed)
-    return h + _mlp(layer.mlp, gate_up, layer.post_attention_layernorm(h), transposed)
+    return h + _mlp(layer.mlp, gate_up, layer.post_attention_layernorm(h), transposed, swiglu)
 
 
 def attention(
@@ -326,10 +332,11 @@ class _CompiledLayers:
     with q/k/v and gate/up fused into one matmul each where the layers allow (``_fuse``).
 
     The traces capture the layer's weights: a model changed after its first small forward (new
-    weights, quantized in place) would keep computing with the old ones.
+    weights, quantized in place) would keep computing with the old ones. ``swiglu``: the CPU
+    kernel for the MLP's gate, or None (MLX ops).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan):
+    def __init__(self, model: nn.Module, plan: Plan, swiglu=None):
         self.before, self.after = [], []
         self.qkv, self.gate_up = [], []  # per layer: the stacked weights, or None
         for x in model.model.layers:
@@ -338,7 +345,8 @@ class _CompiledLayers:
             llama_mlp = isinstance(mlp, llama.MLP)
             self.gate_up.append(_fuse([mlp.gate_proj, mlp.up_proj]) if llama_mlp else None)
             self.before.append(mx.compile(partial(_before_attention, x, plan, self.qkv[-1])))
-            self.after.append(mx.compile(partial(_after_attention, x, plan, self.gate_up[-1])))
+            after = partial(_after_attention, x, plan, self.gate_up[-1], swiglu)
+            self.after.append(mx.compile(after))
 
 
 class FusedForward(Forward):
@@ -349,15 +357,20 @@ class FusedForward(Forward):
     def __init__(self, model: nn.Module, plan: Plan):
         super().__init__(model)
         self.plan = plan
-        self.layers = _CompiledLayers(self.model, plan)  # re-points the copy's weights
-        self.eager = (
-            [partial(_before_attention, x, GENERIC, None) for x in self.model.model.layers],
-            [partial(_after_attention, x, GENERIC, None) for x in self.model.model.layers],
-        )
+        kernels = cpu_kernels() if plan.cpu_kernels else None
+        self.kernels = kernels if plan.grouped_attention else None  # attention's
+        swiglu = kernels.swiglu if kernels else None
+        self.layers = _CompiledLayers(self.model, plan, swiglu)  # re-points the copy's weights
         layers = self.model.model.layers
+        # prompts: the generic halves, but for the gate's kernel (over the fused gate/up)
+        gate_ups = self.layers.gate_up if swiglu else [None] * len(layers)
+        pairs = zip(layers, gate_ups, strict=True)
+        self.eager = (
+            [partial(_before_attention, x, GENERIC, None) for x in layers],
+            [partial(_after_attention, x, GENERIC, g, swiglu) for x, g in pairs],
+        )
         self.shared_rope = plan.rope_tables and _one_rope(layers)
         self.dtype = compute_dtype(self.model)
-        self.kernels = cpu_kernels() if plan.grouped_attention and plan.cpu_kernels else None
 
     def run(self, tokens: mx.array, view: View, compiled: bool) -> mx.array:
         plan, mask = self.plan, view.mask

@@ -1,13 +1,14 @@
 """MLX primitives of our own for the CPU backend, built on first use against the installed MLX.
 
-``csrc/attention.cpp``: a masked softmax over attention scores, one vectorised pass per row
-(MLX's CPU backend computes ``exp`` one element at a time on x86), and the attention of a few
-query rows (decode steps, trees) reading each cached key and value once. They are C++ MLX
+``csrc/primitives.cpp``: a masked softmax over attention scores, one vectorised pass per row
+(MLX's CPU backend computes ``exp`` one element at a time on x86), the attention of a few
+query rows (decode steps, trees) reading each cached key and value once, and the MLP's SiLU
+gate (its sigmoid's ``exp`` vectorised too). They are C++ MLX
 primitives, so they stay in the lazy graph like any MLX op. Their Python binding is built with
 nanobind (the version MLX's own binding uses: their type registries must match to pass
 ``mx.array``) into ``<cache>/kernels/<hash>/``, once per source, MLX and Python version.
 
-``REDRAFTER_NO_CPU_KERNELS=1`` opts out (attention then runs in MLX ops).
+``REDRAFTER_NO_CPU_KERNELS=1`` opts out (attention and the gate then run in MLX ops).
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ import mlx.core as mx
 
 from redrafter_mlx.core.paths import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "primitives.cpp"
 OPT_OUT_ENV = "REDRAFTER_NO_CPU_KERNELS"
-MODULE = "_attention"  # NB_MODULE's name in the source
+MODULE = "_primitives"  # NB_MODULE's name in the source
 # MLX's binding registers its types in nanobind's "mlx" domain: ours must join it
 NB_DOMAIN = "mlx"
 
 
 class CpuKernels(NamedTuple):
-    """The extension's two primitives (both on the CPU stream, float32).
+    """The extension's primitives (all on the CPU stream, float32).
 
     ``masked_softmax(scores, visible)``: softmax over the last axis of scores ``(..., R, N)``,
     the last T columns of row r masked by ``visible[r % T]`` (``visible`` (T, T) bool, or
@@ -50,10 +51,14 @@ class CpuKernels(NamedTuple):
     against keys and values ``(1, KV, S + T, D)`` (read in place: cache views need no copy),
     every query seeing the S cached keys and the new T under ``visible`` -> ``(1, H, T, D)``;
     D 64 or 128 and ``H / KV * T <= TREE_ROWS`` (else ValueError).
+
+    ``swiglu(gate_up)``: ``gate_up (..., 2 I)``, each row its gate's I columns then its up's
+    (the fused gate/up product) -> ``silu(gate) * up (..., I)``.
     """
 
     masked_softmax: Callable[[mx.array, mx.array | None], mx.array]
     tree_attention: Callable[..., mx.array]
+    swiglu: Callable[[mx.array], mx.array]
 
 
 TREE_ROWS = 32  # MAX_ROWS in the source
@@ -64,7 +69,9 @@ def cpu_kernels() -> CpuKernels | None:
     """The kernels, built on first use; None where they cannot run (not Linux x86-64, opted
     out, no compiler or nanobind, a failed build or self-check: those print one note)."""
     module = _module()
-    return None if module is None else CpuKernels(module.masked_softmax, module.tree_attention)
+    if module is None:
+        return None
+    return CpuKernels(module.masked_softmax, module.tree_attention, module.swiglu)
 
 
 @functools.cache
@@ -78,7 +85,7 @@ def _module():
         module = _load(_build())
         _check(module)
     except (OSError, ImportError, RuntimeError, TypeError, ValueError) as e:
-        print(f"note: attention runs without its CPU kernels ({e})", file=sys.stderr)
+        print(f"note: the CPU plan runs without its kernels ({e})", file=sys.stderr)
         return None
     return module
 
@@ -113,7 +120,7 @@ def _build() -> Path:
     if path.exists():
         return path
     folder.parent.mkdir(parents=True, exist_ok=True)
-    print("note: building the CPU attention kernels (once, about 20 s)", file=sys.stderr)
+    print("note: building the CPU kernels (once, about 20 s)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".build-"))
     try:
         _compile(tmp, nanobind, mlx_root, path.name)
@@ -137,7 +144,7 @@ def _compile(tmp: Path, nanobind: Path, mlx_root: Path, name: str) -> None:
         f"-DNB_DOMAIN={NB_DOMAIN}",
     ]
     common = [*compiler, "-std=c++20", "-fPIC", "-fvisibility=hidden", "-DNDEBUG", *includes]
-    runtime, kernel = tmp / "nanobind.o", tmp / "attention.o"
+    runtime, kernel = tmp / "nanobind.o", tmp / "primitives.o"
     _run([*common, "-O2", "-fno-strict-aliasing", "-DNB_BUILD", "-c",
           str(nanobind / "src" / "nb_combined.cpp"), "-o", str(runtime)])  # fmt: skip
     # fused multiply-adds wherever the clone's ISA has them, in the vector and the scalar exp
@@ -177,9 +184,11 @@ def _check(module) -> None:
     keys = mx.cos(mx.arange(10 * 64, dtype=mx.float32)).reshape(1, 1, 10, 64)
     values = mx.sin(mx.arange(10 * 64, dtype=mx.float32)).reshape(1, 1, 10, 64)
     attended = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.5, mask=mask)
+    gate, up = mx.linspace(-12, 12, 21), mx.linspace(-1, 2, 21)
     checks = [
         (module.masked_softmax(scores, visible), expected),
         (module.tree_attention(queries, keys, values, 0.5, visible), attended),
+        (module.swiglu(mx.concatenate([gate, up])[None]), (gate * mx.sigmoid(gate) * up)[None]),
     ]
     if not all(mx.allclose(got, want, rtol=1e-5, atol=1e-6).item() for got, want in checks):
         raise RuntimeError("its self-check disagrees with MLX's own ops")
