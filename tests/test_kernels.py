@@ -193,6 +193,44 @@ def test_tree_attention_rejects_what_it_cannot_run(built):
         built.tree_attention(q, kv, kv, 1.0, mx.ones((4, 5), mx.bool_))
 
 
+def test_joint_attention_attends_each_segment_as_alone(built):
+    """A joint forward's layer in one call: each segment (one-token steps and masked trees,
+    caches short and long enough to thread, strided cache views) gets the bits
+    ``tree_attention`` gives it alone, and the padding rows after the last are zeros."""
+    rng = np.random.default_rng(11)
+    counts, cached = [1, 3, 1, 4], [5, 700, 130, 4100]
+    q = mx.array(rng.standard_normal((1, 9, sum(counts) + 3, 64)).astype(np.float32))
+    caches = [
+        [mx.array(rng.standard_normal((1, 3, s + t + 20, 64)).astype(np.float32))[:, :, : s + t]
+         for _ in "kv"]
+        for s, t in zip(cached, counts, strict=True)
+    ]  # fmt: skip
+    visible = [
+        None if t == 1 else mx.array((rng.random((t, t)) < 0.5) | np.eye(t, dtype=bool))
+        for t in counts
+    ]
+    keys, values = [k for k, _ in caches], [v for _, v in caches]
+    joint = np.array(built.joint_attention(q, keys, values, counts, 0.125, visible))
+    start = 0
+    for (k, v), t, mask in zip(caches, counts, visible, strict=True):
+        alone = built.tree_attention(q[:, :, start : start + t], k, v, 0.125, mask)
+        assert np.array_equal(np.array(alone), joint[:, :, start : start + t])
+        start += t
+    assert not joint[:, :, start:].any()
+
+
+def test_joint_attention_rejects_what_it_cannot_run(built):
+    q, kv = mx.zeros((1, 9, 4, 64)), mx.zeros((1, 3, 10, 64))
+    with pytest.raises(ValueError, match="per segment"):
+        built.joint_attention(q, [kv], [kv, kv], [1, 1], 1.0, [None, None])
+    with pytest.raises(ValueError, match="counts' sum"):
+        built.joint_attention(q, [kv, kv], [kv, kv], [3, 2], 1.0, [None, None])
+    with pytest.raises(ValueError, match="32"):
+        built.joint_attention(mx.zeros((1, 9, 12, 64)), [kv], [kv], [11], 1.0, [None])
+    with pytest.raises(ValueError, match=r"\(T, T\)"):
+        built.joint_attention(q, [kv], [kv], [2], 1.0, [mx.ones((3, 3), mx.bool_)])
+
+
 @pytest.mark.parametrize(("rows", "width"), [(1, 1536), (3, 1536), (5, 37), (2, 8), (1, 3)])
 def test_swiglu_is_silu_gate_times_up(built, rows, width):
     """silu(gate) * up to float32 rounding (float64 reference), over gates from far below to

@@ -426,17 +426,45 @@ class FusedForward(Forward):
 
     def _joint_attention(self, i, layer, joint: JointView, queries, keys, values, padding: int):
         """Each segment's attention ``(1, heads, T_i, D)`` over its own sequence, side by
-        side, then zeros for the padding rows -> ``(1, heads, N', D)``."""
+        side, then zeros for the padding rows -> ``(1, heads, N', D)``: one
+        ``joint_attention`` call where every segment fits the tree kernel (each attended as
+        alone, to the bit), else one attention per segment."""
         scale, grouped = layer.self_attn.scale, self.plan.grouped_attention
+        written = [
+            view.write(i, keys[:, :, start:stop], values[:, :, start:stop])
+            for view, (start, stop) in zip(joint.views, joint.bounds, strict=True)
+        ]
+        if self.kernels is not None and _joint_kernel_fits(queries, joint, written):
+            ks, vs = (list(x) for x in zip(*written, strict=True))
+            counts = [stop - start for start, stop in joint.bounds]
+            visible = [
+                None if view.mask is None else view.mask[:, -count:]
+                for view, count in zip(joint.views, counts, strict=True)
+            ]
+            return self.kernels.joint_attention(queries, ks, vs, counts, scale, visible)
         outs = []
-        for view, (start, stop) in zip(joint.views, joint.bounds, strict=True):
-            k, v = view.write(i, keys[:, :, start:stop], values[:, :, start:stop])
+        for view, (start, stop), (k, v) in zip(joint.views, joint.bounds, written, strict=True):
             q = queries[:, :, start:stop]
             outs.append(attention(q, k, v, scale, view.mask, grouped, self.kernels))
         if padding:
             b, heads, _, d = queries.shape
             outs.append(mx.zeros((b, heads, padding, d), queries.dtype))
         return mx.concatenate(outs, axis=2)
+
+
+def _joint_kernel_fits(queries, joint: JointView, written) -> bool:
+    """Whether every segment's attention is one the tree kernel runs (float32, its head
+    sizes, at most ``TREE_ROWS`` query rows per K/V head): what :func:`kernel_attention`
+    runs it with alone."""
+    _, heads, _, d = queries.shape
+    if queries.dtype != mx.float32 or d not in TREE_HEAD_SIZES:
+        return False
+    for (start, stop), (k, v) in zip(joint.bounds, written, strict=True):
+        if k.dtype != mx.float32 or v.dtype != mx.float32:
+            return False
+        if heads // k.shape[1] * (stop - start) > TREE_ROWS:
+            return False
+    return True
 
 
 def _rope_key(rope: nn.Module) -> tuple:

@@ -52,12 +52,19 @@ class CpuKernels(NamedTuple):
     every query seeing the S cached keys and the new T under ``visible`` -> ``(1, H, T, D)``;
     D 64 or 128 and ``H / KV * T <= TREE_ROWS`` (else ValueError).
 
+    ``joint_attention(queries, keys, values, counts, scale, visible)``: a joint forward's
+    queries ``(1, H, N, D)`` in segments of ``counts[i]`` rows, each attended over its own
+    sequence's ``keys[i]`` and ``values[i]`` ``(1, KV, S_i + T_i, D)`` under ``visible[i]``
+    (``(T_i, T_i)`` or None) as ``tree_attention`` attends it alone, to the bit; rows past the
+    counts' sum (padding) are 0. One call per layer instead of one per sequence.
+
     ``swiglu(gate_up)``: ``gate_up (..., 2 I)``, each row its gate's I columns then its up's
     (the fused gate/up product) -> ``silu(gate) * up (..., I)``.
     """
 
     masked_softmax: Callable[[mx.array, mx.array | None], mx.array]
     tree_attention: Callable[..., mx.array]
+    joint_attention: Callable[..., mx.array]
     swiglu: Callable[[mx.array], mx.array]
 
 
@@ -71,7 +78,9 @@ def cpu_kernels() -> CpuKernels | None:
     module = _module()
     if module is None:
         return None
-    return CpuKernels(module.masked_softmax, module.tree_attention, module.swiglu)
+    return CpuKernels(
+        module.masked_softmax, module.tree_attention, module.joint_attention, module.swiglu
+    )
 
 
 @functools.cache
@@ -185,9 +194,15 @@ def _check(module) -> None:
     values = mx.sin(mx.arange(10 * 64, dtype=mx.float32)).reshape(1, 1, 10, 64)
     attended = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.5, mask=mask)
     gate, up = mx.linspace(-12, 12, 21), mx.linspace(-1, 2, 21)
+    alone = module.tree_attention(queries[:, :, :1], keys[:, :, :9], values[:, :, :9], 0.5, None)
+    joint = module.joint_attention(
+        queries, [keys[:, :, :9], keys], [values[:, :, :9], values], [1, 1], 0.5, [None, None]
+    )
+    last = module.tree_attention(queries[:, :, 1:], keys, values, 0.5, None)
     checks = [
         (module.masked_softmax(scores, visible), expected),
         (module.tree_attention(queries, keys, values, 0.5, visible), attended),
+        (joint, mx.concatenate([alone, last], axis=2)),
         (module.swiglu(mx.concatenate([gate, up])[None]), (gate * mx.sigmoid(gate) * up)[None]),
     ]
     if not all(mx.allclose(got, want, rtol=1e-5, atol=1e-6).item() for got, want in checks):

@@ -29,6 +29,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -415,13 +416,14 @@ ALWAYS_INLINE vf8 lane_sums(vf8* acc) {
 }
 
 struct TreeJob {
-  const float* q;  // (H, T, D) contiguous, scale folded in
+  const float* q;  // query row t of head h at q[(h * q_rows + t) * D], scale folded in
   const float* k;  // key (h, j, d) at k[h * k_head + j * k_row + d]
   const float* v;
   long k_head, k_row, v_head, v_row;
   const bool* visible;  // (T, T) or null
-  float* out;  // (H, T, D)
+  float* out;  // laid out as q
   int heads, kv_heads, t, d, keys;  // keys: S + T
+  int q_rows;  // rows per head in q and out: T, or a joint forward's N (q and out offset)
 };
 
 // A chunk's share of one K/V head: for each of its rows the chunk's maximum score, the sum of
@@ -511,7 +513,7 @@ ALWAYS_INLINE void chunk_in(const TreeJob& job, int g, int c, Partial& part) {
   const float* k = job.k + g * job.k_head;
   const float* v = job.v + g * job.v_head;
   alignas(64) float scores[MAX_ROWS][CHUNK];
-  auto query = [&](int r) { return job.q + ((g * group + r / t) * t + r % t) * D; };
+  auto query = [&](int r) { return job.q + ((g * group + r / t) * job.q_rows + r % t) * D; };
   int j = 0;
   for (; j + W <= n; j += W) {  // W keys (in L1) against every row
     const float* kj = k + (begin + j) * job.k_row;
@@ -627,9 +629,17 @@ void tree_attention_run(const TreeJob& job) {
         for (int x = 0; x < D; ++x) out[x] += part.out[r * D + x] * w;
       }
       float inverse = 1.0f / total;
-      float* dst = job.out + ((g * group + r / job.t) * job.t + r % job.t) * D;
+      float* dst = job.out + ((g * group + r / job.t) * job.q_rows + r % job.t) * D;
       for (int x = 0; x < D; ++x) dst[x] = out[x] * inverse;
     }
+  }
+}
+
+void run_tree_job(const TreeJob& job) {
+  if (job.d == 64) {
+    tree_attention_run<64>(job);
+  } else {
+    tree_attention_run<128>(job);
   }
 }
 
@@ -650,14 +660,8 @@ class TreeAttention : public mx::UnaryPrimitive {
                 static_cast<long>(k.strides(1)), static_cast<long>(k.strides(2)),
                 static_cast<long>(v.strides(1)), static_cast<long>(v.strides(2)),
                 inputs.size() > 3 ? inputs[3].data<bool>() : nullptr, out.data<float>(),
-                q.shape(1), k.shape(1), q.shape(2), q.shape(3), k.shape(2)};
-    encoder.dispatch([job]() {
-      if (job.d == 64) {
-        tree_attention_run<64>(job);
-      } else {
-        tree_attention_run<128>(job);
-      }
-    });
+                q.shape(1), k.shape(1), q.shape(2), q.shape(3), k.shape(2), q.shape(2)};
+    encoder.dispatch([job]() { run_tree_job(job); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -674,30 +678,134 @@ class TreeAttention : public mx::UnaryPrimitive {
   int t_;
 };
 
-mx::array tree_attention(const mx::array& queries, const mx::array& keys,
-                         const mx::array& values, float scale, std::optional<mx::array> visible) {
-  mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+// ValueError unless keys and values (1, KV, S + T, D) can serve T query rows of queries
+// (1, H, *, D) float32, and visible is None or (T, T).
+void check_tree(const mx::array& queries, const mx::array& keys, const mx::array& values, int t,
+                const std::optional<mx::array>& visible) {
   for (const auto* x : {&queries, &keys, &values}) {
     if (x->dtype() != mx::float32 || x->ndim() != 4 || x->shape(0) != 1) {
       throw std::invalid_argument("queries, keys and values must be float32 (1, heads, n, D)");
     }
   }
-  int heads = queries.shape(1), t = queries.shape(2), d = queries.shape(3);
-  int kv_heads = keys.shape(1);
+  int heads = queries.shape(1), d = queries.shape(3), kv_heads = keys.shape(1);
   if (d != 64 && d != 128) throw std::invalid_argument("head size D must be 64 or 128");
   if (keys.shape() != values.shape() || keys.shape(3) != d || keys.shape(2) < t ||
       heads % kv_heads != 0 || heads / kv_heads * t > MAX_ROWS) {
     throw std::invalid_argument("shapes: keys = values (1, KV, S + T, D), heads / KV * T <= 32");
   }
-  std::vector<mx::array> inputs = {
-      mx::contiguous(mx::multiply(queries, mx::array(scale), cpu), false, cpu), keys, values};
-  if (visible) {
-    if (visible->ndim() != 2 || visible->shape(0) != t || visible->shape(1) != t) {
-      throw std::invalid_argument("visible must be (T, T)");
-    }
-    inputs.push_back(mx::contiguous(mx::astype(*visible, mx::bool_, cpu), false, cpu));
+  if (visible && (visible->ndim() != 2 || visible->shape(0) != t || visible->shape(1) != t)) {
+    throw std::invalid_argument("visible must be (T, T)");
   }
+}
+
+mx::array scaled_queries(const mx::array& queries, float scale, mx::Stream cpu) {
+  return mx::contiguous(mx::multiply(queries, mx::array(scale), cpu), false, cpu);
+}
+
+mx::array visible_input(const mx::array& visible, mx::Stream cpu) {
+  return mx::contiguous(mx::astype(visible, mx::bool_, cpu), false, cpu);
+}
+
+mx::array tree_attention(const mx::array& queries, const mx::array& keys,
+                         const mx::array& values, float scale, std::optional<mx::array> visible) {
+  mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  int t = queries.ndim() == 4 ? queries.shape(2) : 0;
+  check_tree(queries, keys, values, t, visible);
+  std::vector<mx::array> inputs = {scaled_queries(queries, scale, cpu), keys, values};
+  if (visible) inputs.push_back(visible_input(*visible, cpu));
   return mx::array(queries.shape(), mx::float32, std::make_shared<TreeAttention>(cpu, t),
+                   std::move(inputs));
+}
+
+// ---- Several sequences' trees in one call (a joint forward's layer) ----
+//
+// joint_attention(queries, keys, values, counts, scale, visible): queries (1, H, N, D), the
+// rows of segment i the counts[i] after those before it; keys[i], values[i] (1, KV, S_i + T_i,
+// D) its sequence's cache; visible[i] None or (T_i, T_i). Each segment is attended as
+// tree_attention attends it alone (the same bits); rows past the counts' sum (padding) are 0.
+
+class JointAttention : public mx::UnaryPrimitive {
+ public:
+  JointAttention(mx::Stream stream, std::vector<int> counts, std::vector<bool> masked)
+      : mx::UnaryPrimitive(stream), counts_(std::move(counts)), masked_(std::move(masked)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& q = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& x : inputs) encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    const int n = q.shape(2), d = q.shape(3);
+    std::vector<TreeJob> jobs;
+    size_t next_visible = 1 + 2 * counts_.size();
+    int start = 0;
+    for (size_t i = 0; i < counts_.size(); ++i) {
+      const mx::array &k = inputs[1 + 2 * i], &v = inputs[2 + 2 * i];
+      if (k.strides(3) != 1 || v.strides(3) != 1) {
+        throw std::runtime_error("joint_attention: keys and values need unit strides along D");
+      }
+      const bool* visible = masked_[i] ? inputs[next_visible++].data<bool>() : nullptr;
+      jobs.push_back(TreeJob{q.data<float>() + start * d, k.data<float>(), v.data<float>(),
+                             static_cast<long>(k.strides(1)), static_cast<long>(k.strides(2)),
+                             static_cast<long>(v.strides(1)), static_cast<long>(v.strides(2)),
+                             visible, out.data<float>() + start * d, q.shape(1), k.shape(1),
+                             counts_[i], d, k.shape(2), n});
+      start += counts_[i];
+    }
+    encoder.dispatch([jobs = std::move(jobs), y = out.data<float>(), heads = q.shape(1), n, d,
+                      used = start]() {
+      for (int h = 0; h < heads; ++h) {  // padding rows
+        std::memset(y + (static_cast<long>(h) * n + used) * d, 0, sizeof(float) * (n - used) * d);
+      }
+      for (const TreeJob& job : jobs) run_tree_job(job);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("joint_attention runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "JointAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const JointAttention&>(other);
+    return counts_ == o.counts_ && masked_ == o.masked_;
+  }
+
+ private:
+  std::vector<int> counts_;
+  std::vector<bool> masked_;
+};
+
+mx::array joint_attention(const mx::array& queries, const std::vector<mx::array>& keys,
+                          const std::vector<mx::array>& values, const std::vector<int>& counts,
+                          float scale, const std::vector<std::optional<mx::array>>& visible) {
+  const size_t b = counts.size();
+  if (b == 0 || keys.size() != b || values.size() != b || visible.size() != b) {
+    throw std::invalid_argument("one count, keys, values and visible per segment");
+  }
+  long total = 0;
+  for (int c : counts) {
+    if (c < 1) throw std::invalid_argument("every segment needs a row");
+    total += c;
+  }
+  if (queries.ndim() != 4 || total > queries.shape(2)) {
+    throw std::invalid_argument("queries must be (1, H, N, D), N at least the counts' sum");
+  }
+  mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {scaled_queries(queries, scale, cpu)};
+  std::vector<bool> masked;
+  for (size_t i = 0; i < b; ++i) {
+    check_tree(queries, keys[i], values[i], counts[i], visible[i]);
+    inputs.push_back(keys[i]);
+    inputs.push_back(values[i]);
+    masked.push_back(visible[i].has_value());
+  }
+  for (const auto& x : visible) {
+    if (x) inputs.push_back(visible_input(*x, cpu));
+  }
+  return mx::array(queries.shape(), mx::float32,
+                   std::make_shared<JointAttention>(cpu, counts, std::move(masked)),
                    std::move(inputs));
 }
 
@@ -808,6 +916,10 @@ NB_MODULE(_primitives, m) {
         nb::arg("values"), nb::arg("scale"), nb::arg("visible") = nb::none(),
         "Attention of queries (1, H, T, D) over keys and values (1, KV, S + T, D), the last T "
         "keys masked by visible (T, T).");
+  m.def("joint_attention", &joint_attention, nb::arg("queries"), nb::arg("keys"),
+        nb::arg("values"), nb::arg("counts"), nb::arg("scale"), nb::arg("visible"),
+        "Segments of queries (1, H, N, D), counts[i] rows each, attended over their own keys[i] "
+        "and values[i] (1, KV, S_i + T_i, D) as tree_attention attends each; padding rows 0.");
   m.def("swiglu", &swiglu, nb::arg("gate_up"),
         "silu(gate) * up from float32 gate_up (..., 2 I): each row's gate, then its up.");
 }
