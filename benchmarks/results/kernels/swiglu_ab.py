@@ -8,7 +8,6 @@ single sequence's default (tree) decode tok/s, a 4-member batch's plain decode t
 """
 
 import argparse
-import statistics
 import time
 
 from redrafter_mlx.backend.blas import reexec_with_blas
