@@ -1,10 +1,10 @@
 // MLX primitives of our own for MLX's CPU backend: a masked softmax, the attention of a few
 // query rows over a long cache, and the MLP's SiLU gate.
 //
-// MLX's CPU backend computes exp one element at a time on x86 (no SIMD type there): 20-35 ns
-// an element, where a prompt chunk's SiLU gates take 30 x T x 1,536 of them. These primitives
-// run a vectorised exp (Cephes' expf: range reduction by ln 2, a degree-6 polynomial, the
-// power of two in the exponent bits).
+// MLX's CPU backend computes exp one element at a time on x86 (no SIMD type there), and a
+// forward of T tokens takes layers x T x intermediate of them in its SiLU gates alone
+// (benchmarks/README.md, run 136). These primitives run a vectorised exp (Cephes' expf: range
+// reduction by ln 2, a degree-6 polynomial, the power of two in the exponent bits).
 //
 // masked_softmax(scores, visible): scores (..., R, N) float32; visible None or (T, T) bool,
 // which masks the last T columns: row r sees column N - T + j where visible[r % T, j] (the
