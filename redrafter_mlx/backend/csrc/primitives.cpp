@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <immintrin.h>
@@ -361,6 +362,7 @@ mx::array masked_softmax(const mx::array& scores, std::optional<mx::array> visib
 // agree bit for bit).
 
 constexpr int CHUNK = 512;  // keys per work item
+static_assert(CHUNK % 16 == 0, "a chunk holds whole vector blocks of keys");
 constexpr int MAX_ROWS = 32;  // query rows per K/V head (group * T)
 
 template <typename V>
@@ -460,28 +462,18 @@ ALWAYS_INLINE void weigh_values(const float* values, long row, const float* weig
   }
 }
 
-// W keys' scores against one query row (scale folded in) into scores[0 .. n), n <= W keys
-// (the chunk's last block zero-filled: its scores come out as a full block's would).
-template <int D, typename V, bool FULL>
-ALWAYS_INLINE void block_scores(const float* qr, const float* k, long k_row, int n,
-                                float* scores) {
+// W keys' scores against one query row (scale folded in) into scores[0 .. W).
+template <int D, typename V>
+ALWAYS_INLINE void block_scores(const float* qr, const float* k, long k_row, float* scores) {
   constexpr int W = sizeof(V) / sizeof(float), X = D / W;
-  if (FULL) n = W;
   V acc[W];
   const V q0 = load<V>(qr);
-  for (int i = 0; i < W; ++i) acc[i] = i < n ? q0 * load<V>(k + i * k_row) : V{};
+  for (int i = 0; i < W; ++i) acc[i] = q0 * load<V>(k + i * k_row);
   for (int x = 1; x < X; ++x) {  // one query slice against the W keys' (memory operands)
     const V qx = load<V>(qr + x * W);
-    for (int i = 0; i < W; ++i) {
-      if (i < n) acc[i] += qx * load<V>(k + i * k_row + x * W);
-    }
+    for (int i = 0; i < W; ++i) acc[i] += qx * load<V>(k + i * k_row + x * W);
   }
-  const V sums = lane_sums(acc);
-  if (FULL) {
-    store(scores, sums);
-  } else {
-    for (int i = 0; i < n; ++i) scores[i] = sums[i];
-  }
+  store(scores, lane_sums(acc));
 }
 
 // exp(scores - peak) in place over n scores (n rounded up to W is within the row: the pad is
@@ -514,18 +506,24 @@ ALWAYS_INLINE void chunk_in(const TreeJob& job, int g, int c, Partial& part) {
   const float* v = job.v + g * job.v_head;
   alignas(64) float scores[MAX_ROWS][CHUNK];
   auto query = [&](int r) { return job.q + ((g * group + r / t) * job.q_rows + r % t) * D; };
-  int j = 0;
-  for (; j + W <= n; j += W) {  // W keys (in L1) against every row
-    const float* kj = k + (begin + j) * job.k_row;
-    for (int r = 0; r < rows; ++r) {
-      block_scores<D, V, true>(query(r), kj, job.k_row, W, &scores[r][j]);
+  // The last n % W keys are scored as a full block of keys zero-padded, and by the same
+  // inlined code as every other block: two copies could contract q0 * k0 + q1 * k1 into a
+  // fused multiply-add of different products, and a key's score would then depend on whether
+  // later keys follow it (a one-token step's last keys are a tree row's unmasked ones).
+  alignas(64) float tail[W * D];
+  const int whole = n - n % W;
+  if (whole < n) {
+    std::fill_n(tail, W * D, 0.0f);
+    for (int i = 0; i < n - whole; ++i) {
+      std::copy_n(k + (begin + whole + i) * job.k_row, D, tail + i * D);
     }
   }
-  if (j < n) {
-    const float* kj = k + (begin + j) * job.k_row;
-    for (int r = 0; r < rows; ++r) {
-      block_scores<D, V, false>(query(r), kj, job.k_row, n - j, &scores[r][j]);
-    }
+  for (int j = 0; j < n; j += W) {  // W keys (in L1) against every row (CHUNK % W == 0: a
+    // padded block's W scores fit in the row)
+    const bool padded = j == whole;
+    const float* kj = padded ? tail : k + (begin + j) * job.k_row;
+    const long k_row = padded ? D : job.k_row;
+    for (int r = 0; r < rows; ++r) block_scores<D, V>(query(r), kj, k_row, &scores[r][j]);
   }
   for (int r = 0; r < rows; ++r) {
     if (job.visible != nullptr && end > cached) {  // the new tokens' block
@@ -592,10 +590,19 @@ void chunk_default(const TreeJob& job, int g, int c, Partial& part) {
   chunk_in<D, vf8>(job, g, c, part);
 }
 
+#if defined(__x86_64__)
+// AVX-512's 16-float code where the CPU has it, unless REDRAFTER_KERNEL_VECTORS=8 asks for the
+// 8-float code (so tests on an AVX-512 machine run both).
+bool use_avx512() {
+  const char* asked = std::getenv("REDRAFTER_KERNEL_VECTORS");
+  return __builtin_cpu_supports("avx512f") && !(asked != nullptr && std::strcmp(asked, "8") == 0);
+}
+#endif
+
 template <int D>
 ChunkFn chunk_for_this_cpu() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return chunk_avx512<D>;
+  if (use_avx512()) return chunk_avx512<D>;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return chunk_avx2<D>;
 #endif
   return chunk_default<D>;
@@ -862,7 +869,7 @@ void swiglu_default(const float* x, float* y, long rows, int n) { swiglu_in<vf8>
 
 SwigluFn swiglu_for_this_cpu() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return swiglu_avx512;
+  if (use_avx512()) return swiglu_avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return swiglu_avx2;
 #endif
   return swiglu_default;
