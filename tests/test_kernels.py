@@ -181,7 +181,10 @@ def test_the_8_float_code_where_avx512_is_passes_these_tests_too():
     tests = "bit_for_bit or float64 or threaded or joint or swiglu"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert " passed" in done.stdout
