@@ -188,7 +188,7 @@ def test_openblas_gets_the_kernels_the_flags_allow(monkeypatch, tmp_path, flags,
     openblas = tmp_path / "libopenblas.so.0"
     openblas.write_bytes(b"")
     monkeypatch.setattr(blas, "OPENBLAS", str(openblas))
-    monkeypatch.setattr(blas, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(blas, "cpu_flags", lambda: flags)
     monkeypatch.setattr(blas.platform, "machine", lambda: "x86_64")
     base = {"PATH": os.environ["PATH"], "REDRAFTER_NO_SMALLROWS": "1"}
     env = blas.preload_env(base)

@@ -58,7 +58,9 @@ CORETYPES = (
 )
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's flags as /proc/cpuinfo lists them ("avx2", "avx512f", ...); empty where there
+    is none."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
@@ -68,7 +70,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _cpu_has_avx2_fma() -> bool:
-    return {"avx2", "fma"} <= _cpu_flags()
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def openblas_coretype() -> str | None:
@@ -76,7 +78,7 @@ def openblas_coretype() -> str | None:
     x86-64, or no AVX2: OpenBLAS's own detection stands)."""
     if platform.machine() != "x86_64":
         return None
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return next((name for name, needs in CORETYPES if needs <= flags), None)
 
 
