@@ -28,7 +28,7 @@ help:
 	@echo "redrafter-mlx: lossless speculative decoding (ReDrafter) with MLX"
 	@echo
 	@echo "  make chat       set up, then chat in the terminal with the embedded model (ARGS=...)"
-	@echo "  make test       set up, then run the whole test suite (about 15 min on 2 cores)"
+	@echo "  make test       set up, then run the test suite (about 10 min on 2 cores)"
 	@echo "  make setup      create .venv and install redrafter-mlx, MLX and the embedded model"
 	@echo "  make generate   one answer: make generate ARGS='--prompt \"Hi\"'"
 	@echo "  make serve      the OpenAI API on http://127.0.0.1:8080/v1 (ARGS='--port 9000')"
@@ -95,15 +95,15 @@ generate: setup
 	$(VENV)/bin/redrafter-mlx generate $(ARGS)
 
 # The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
-# specialisation: REDRAFTER_CPU_TUNING=0), but for their chi-square tests of sampled answers
-# (marker `distribution`), which .ci/run runs there after make test, as the `soak` tests; `make
-# test ARGS=...` runs only what ARGS names.
+# specialisation: REDRAFTER_CPU_TUNING=0). The chi-square tests of sampled answers (marker
+# `distribution`, minutes each) run after make test in .ci/run, on both plans, as the `soak`
+# tests do; `make test ARGS=...` runs only what ARGS names.
 EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
 	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py tests/test_sequence.py \
 	tests/test_eagle3.py tests/test_dflash.py tests/test_mtp.py
 
 test: setup test-deps
-	$(RUN) $(PY) -m pytest -q $(ARGS)
+	$(RUN) $(PY) -m pytest -q $(if $(ARGS),$(ARGS),-m "not distribution")
 	$(if $(ARGS),,$(RUN) REDRAFTER_CPU_TUNING=0 $(PY) -m pytest -q -m "not distribution" $(EXACTNESS))
 
 # Test-only: the reference drafters our EAGLE-3 / DFlash / MTP are checked against

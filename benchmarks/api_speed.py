@@ -19,7 +19,7 @@ PROMPT = "Write a short story about a robot who learns to paint."
 API = """
 import json, sys
 from redrafter_mlx import load, stream_generate
-from redrafter_mlx.backend.blas import blas_in_use
+from redrafter_mlx.backend.cpu.blas import blas_in_use
 model, tokenizer = load()
 messages = [{"role": "user", "content": sys.argv[1]}]
 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

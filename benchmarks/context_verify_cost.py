@@ -2,7 +2,7 @@
 tokens, against a one-token forward at the same S, on the CPU plan and the generic plan.
 
 The cache holds S zero keys/values (timing does not depend on their values), so no prefill is
-needed. ``cpu`` is the CPU plan as it runs (its attention kernels, ``backend/kernels.py``);
+needed. ``cpu`` is the CPU plan as it runs (its attention kernels, ``backend/cpu/kernels.py``);
 ``cpu-split`` the same plan without them (attention in MLX ops, as through run 120);
 ``cpu-before`` its attention as it was before issue 46 (grouped query heads against all S + T
 keys under the whole mask, ``mx.softmax``); each swapped in within the same process, so they
@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 if __name__ == "__main__":
     reexec_with_blas()  # before MLX loads: the BLAS the console script runs with
@@ -29,8 +29,8 @@ if __name__ == "__main__":
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from redrafter_mlx.backend import fused  # noqa: E402
-from redrafter_mlx.backend.kernels import cpu_kernels  # noqa: E402
+from redrafter_mlx.backend.cpu import fused  # noqa: E402
+from redrafter_mlx.backend.cpu.kernels import cpu_kernels  # noqa: E402
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN  # noqa: E402
 from redrafter_mlx.core.tree import pack_beams, tree_mask  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402

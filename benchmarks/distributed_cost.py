@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads: the BLAS the console script runs with
 
@@ -40,7 +40,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from redrafter_mlx.backend.blas import blas_in_use  # noqa: E402
+from redrafter_mlx.backend.cpu.blas import blas_in_use  # noqa: E402
 from redrafter_mlx.cli import train as cli  # noqa: E402
 from redrafter_mlx.io.embedded import default_model_path  # noqa: E402
 from redrafter_mlx.io.load import load_target  # noqa: E402

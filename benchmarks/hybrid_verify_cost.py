@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.backend.blas import blas_in_use
+from redrafter_mlx.backend.cpu.blas import blas_in_use
 from redrafter_mlx.backend.plan import GENERIC_PLAN, make_forward
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.tree import Tree, tree_mask

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 if __name__ == "__main__":
     reexec_with_blas()  # before MLX loads: the BLAS the console script runs with

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads: the servers inherit the same BLAS
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads: the BLAS the console script (and so the server) runs with
 

@@ -24,14 +24,14 @@ import statistics
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 if __name__ == "__main__":
     reexec_with_blas()
 
 import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloaded BLAS)
 
-from redrafter_mlx.backend.fused import attention  # noqa: E402
+from redrafter_mlx.backend.cpu.fused import attention  # noqa: E402
 from redrafter_mlx.backend.plan import CPU_PLAN  # noqa: E402
 from redrafter_mlx.core import llm  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402

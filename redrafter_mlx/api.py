@@ -12,7 +12,8 @@ The beam shape comes from keywords, else this chip's autotune profile, else the 
 default: the same rule as the command line's.
 
 Imported before MLX, this module loads the CPU backend's fast BLAS into the process (the console
-script's re-exec does the same for the command line); imported after, it warns once with the fix.
+script's re-exec does the same for the command line), compiling nothing: the small-row kernel
+comes where a decoder built it earlier; imported after MLX, it warns once with the fix.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import warnings
 import weakref
 
-from redrafter_mlx.backend.blas import preload_in_process
+from redrafter_mlx.backend.cpu.blas import preload_in_process
 
 _TOO_LATE = preload_in_process()  # before MLX is imported: the BLAS it will multiply with
 if _TOO_LATE:

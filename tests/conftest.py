@@ -30,13 +30,16 @@ def pytest_collection_modifyitems(config, items):
 def own_redrafter_cache(tmp_path_factory):
     """A cache of the test session's own (``$REDRAFTER_CACHE``, subprocesses too): `train`
     records every drafter it writes there for discovery, and a test's must not be found by
-    the user's commands. Its ``models`` is the user's (the embedded model converts once)."""
+    the user's commands. Its ``models`` and native builds are the user's: the embedded model
+    converts once, and the CPU kernels build once per source and compiler, not per session
+    (builds are keyed by both and checked before use: backend/cpu/native.py)."""
     from redrafter_mlx.core.paths import cache_dir
 
-    models = cache_dir() / "models"
-    models.mkdir(parents=True, exist_ok=True)
     own = tmp_path_factory.mktemp("redrafter-cache")
-    (own / "models").symlink_to(models.resolve(), target_is_directory=True)
+    for shared in ("models", "kernels", "blas"):
+        folder = cache_dir() / shared
+        folder.mkdir(parents=True, exist_ok=True)
+        (own / shared).symlink_to(folder.resolve(), target_is_directory=True)
     before = os.environ.get("REDRAFTER_CACHE")
     os.environ["REDRAFTER_CACHE"] = str(own)
     yield own

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from redrafter_mlx.backend.blas import OPENBLAS
+from redrafter_mlx.backend.cpu.blas import OPENBLAS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -38,7 +38,7 @@ def test_importing_the_api_before_mlx_loads_openblas_in_process():
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     for name in ("REDRAFTER_SMALLROWS_NEXT", "REDRAFTER_CPU_TUNING", "REDRAFTER_NO_OPENBLAS"):
         env.pop(name, None)  # as a user starts Python (the generic plan's pass sets one)
-    first = "import redrafter_mlx.api; from redrafter_mlx.backend.blas import blas_in_use; "
+    first = "import redrafter_mlx.api; from redrafter_mlx.backend.cpu.blas import blas_in_use; "
     first += "print(blas_in_use())"
     done = subprocess.run([sys.executable, "-c", first], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

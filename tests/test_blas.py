@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from redrafter_mlx.backend import blas
+from redrafter_mlx.backend.cpu import blas
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def run_preloaded(kernel, code: str, **extra_env) -> str:
 
 PRODUCTS = """
     import json, numpy as np, mlx.core as mx
-    from redrafter_mlx.backend import blas
+    from redrafter_mlx.backend.cpu import blas
 
     rng = np.random.default_rng(0)
     before = blas.smallrows_counts()
@@ -131,7 +131,7 @@ def test_kernel_behind_another_blas_is_not_reported(kernel):
     dead code, and the process must not claim (or benchmark) it."""
     if not os.path.exists(blas.OPENBLAS):
         pytest.skip("needs Debian's OpenBLAS")
-    code = "from redrafter_mlx.backend import blas; "
+    code = "from redrafter_mlx.backend.cpu import blas; "
     code += "print(blas.blas_in_use(), blas.smallrows_loaded())"
     env = dict(os.environ, LD_PRELOAD=f"{blas.OPENBLAS}:{kernel}")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -140,7 +140,7 @@ def test_kernel_behind_another_blas_is_not_reported(kernel):
 
 FAILED_BUILD = """
     import os, sys
-    from redrafter_mlx.backend import blas
+    from redrafter_mlx.backend.cpu import blas
 
     blas.OPENBLAS = sys.argv[1]  # a BLAS to preload: the child's environment is returned
     print(blas.smallrows_library())

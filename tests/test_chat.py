@@ -18,7 +18,7 @@ import pytest
 from support import chat_session, decoder_for, decoding_of, make_runtime, tiny_llama
 from support.chat import EOS, ToyTokenizer, ask, encode_text, session, toy_template
 
-from redrafter_mlx.backend import blas
+from redrafter_mlx.backend.cpu import blas
 from redrafter_mlx.cli.chat import (
     ChatSession,
     Command,

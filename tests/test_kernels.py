@@ -1,4 +1,4 @@
-"""The CPU primitives (backend/kernels.py, csrc/primitives.cpp): built, loaded, exact to
+"""The CPU primitives (backend/cpu/kernels.py, csrc/primitives.cpp): built, loaded, exact to
 float32 precision, masked as attention masks, elementwise where they should be, and built
 atomically."""
 
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from redrafter_mlx.backend import blas, kernels
+from redrafter_mlx.backend.cpu import blas, kernels
 
 BUILDS_HERE = sys.platform.startswith("linux") and platform.machine() == "x86_64"
 AVX512 = "avx512f" in blas.cpu_flags()

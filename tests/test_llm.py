@@ -13,8 +13,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from support import run_steps, tiny_llama
 
-from redrafter_mlx.backend.fused import ONE_TOKEN_EXP2_MIN, attention, exp2, rope_tables
-from redrafter_mlx.backend.kernels import cpu_kernels
+from redrafter_mlx.backend.cpu.fused import ONE_TOKEN_EXP2_MIN, attention, exp2, rope_tables
+from redrafter_mlx.backend.cpu.kernels import cpu_kernels
 from redrafter_mlx.backend.plan import CPU_PLAN, make_forward
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.plan import Plan

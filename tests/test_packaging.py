@@ -87,13 +87,41 @@ def test_main_runs_in_process_without_reexec(monkeypatch, capsys):
     assert result["mode"] == "redrafter" and "Paris" in result["text"]
 
 
-def test_entry_reexecs_before_main(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("argv", "reexecs"),
+    [
+        (["generate", "--help"], True),
+        (["serve"], True),
+        (["--version"], False),
+        (["--help"], False),
+        ([], False),
+        (["convert", "x"], False),
+        (["upload"], False),
+        (["demo-model", "--out", "x"], False),
+    ],
+)
+def test_entry_reexecs_before_main_only_to_decode(monkeypatch, argv, reexecs):
+    """Only commands that decode are worth a second process; the rest start one."""
     calls = []
     monkeypatch.setattr(cli, "reexec_with_blas", lambda: calls.append("reexec"))
     monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv))
-    monkeypatch.setattr(sys, "argv", ["redrafter-mlx", "generate", "--help"])
+    monkeypatch.setattr(sys, "argv", ["redrafter-mlx", *argv])
     cli.entry()
-    assert calls == ["reexec", ["generate", "--help"]]
+    assert calls == (["reexec"] if reexecs else []) + [argv]
+
+
+def test_version_starts_one_process():
+    """``--version`` prints from the first process: a re-exec would run the code again (the
+    same pid printed twice)."""
+    code = "import os, sys; print(os.getpid(), flush=True); sys.argv[0] = 'redrafter-mlx'; "
+    code += "from redrafter_mlx.cli import entry; entry()"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    done = subprocess.Popen(
+        [sys.executable, "-c", code, "--version"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    out, _ = done.communicate(timeout=60)
+    assert out.splitlines()[:-1] == [str(done.pid)], out
+    assert out.splitlines()[-1].startswith("redrafter-mlx "), out
 
 
 def run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300):
@@ -140,7 +168,8 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
         metadata = whl.read(f"{info}/METADATA").decode()
     for name in DRAFTER_FILES:
         assert f"redrafter_mlx/weights/{DRAFTER}/{name}" in names
-    assert {"redrafter_mlx/data/mt_bench.jsonl", "redrafter_mlx/backend/csrc/smallrows.c"} <= names
+    sources = {"redrafter_mlx/data/mt_bench.jsonl", "redrafter_mlx/backend/cpu/csrc/smallrows.c"}
+    assert sources <= names
     for package in source_packages():
         assert f"{package.replace('.', '/')}/__init__.py" in names
     assert "redrafter-mlx = redrafter_mlx.cli:entry" in entry_points
@@ -163,7 +192,7 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
 
     probe = (
         "import json, redrafter_mlx\n"
-        "from redrafter_mlx.backend.blas import SMALLROWS_SOURCE\n"
+        "from redrafter_mlx.backend.cpu.blas import SMALLROWS_SOURCE\n"
         "from redrafter_mlx.io.embedded import default_drafter_path\n"
         "from redrafter_mlx.io.prompts import MT_BENCH\n"
         "from redrafter_mlx.io.runtime import load_runtime\n"

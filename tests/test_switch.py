@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from support import run_steps, tiny_llama
 
-from redrafter_mlx.backend import blas
-from redrafter_mlx.backend.fused import FusedForward
+from redrafter_mlx.backend.cpu import blas
+from redrafter_mlx.backend.cpu.fused import FusedForward
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, plan_for
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.draft import BeamDrafter

@@ -1,11 +1,14 @@
 """`redrafter-mlx <command>`: dispatch to one module per command.
 
-On Linux the CPU backend's matmul speed depends on BLAS: the console script (:func:`entry`, and
-``python -m redrafter_mlx``) re-executes the process with Debian's OpenBLAS and the small-row
-decode kernel in ``LD_PRELOAD`` when they are available and not yet preloaded
-(``backend/blas.py``; ``REDRAFTER_NO_OPENBLAS=1`` / ``REDRAFTER_NO_SMALLROWS=1`` opt out). This
-must happen before MLX is imported. :func:`main` called from Python never re-executes: in a
-notebook that would replace the kernel, from another script it would rerun that script.
+On Linux the CPU backend's matmul speed depends on BLAS: for the commands that decode
+(:data:`DECODING`) the console script (:func:`entry`, and ``python -m redrafter_mlx``)
+re-executes the process once with Debian's OpenBLAS and the small-row decode kernel in
+``LD_PRELOAD`` and malloc's huge pages on, when they are available and not yet set
+(``backend/cpu/blas.py``; ``REDRAFTER_CPU_TUNING=0`` opts out of all of it). That must happen
+before MLX is imported, and the huge pages' tunable is read only when a process starts: hence
+a new process, not a library loaded into this one. Every other command (``--version``,
+``--help``, ``convert``, ...) runs in the first process. :func:`main` called from Python never
+re-executes: in a notebook that would replace the kernel, from another script rerun that script.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 # It imports no MLX: the re-exec must come before MLX is loaded.
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 COMMANDS = {
     "generate": ("redrafter_mlx.cli.generate", "generate text (ReDrafter by default)"),
@@ -32,6 +35,9 @@ COMMANDS = {
     "demo-model": ("redrafter_mlx.cli.demo_model", "a tiny random model to try commands offline"),
     "launch": ("redrafter_mlx.cli.launch", "mlx.launch, exiting non-zero when a rank failed"),
 }
+
+# The commands that run a model's forward many times: only these are worth a second process.
+DECODING = frozenset({"generate", "chat", "serve", "bench", "autotune", "train", "eval-drafter"})
 
 USAGE = """usage: redrafter-mlx <command> [options]
 
@@ -52,8 +58,10 @@ examples (in a clone after `make setup`: .venv/bin/redrafter-mlx, or redrafter-m
 
 
 def entry() -> None:
-    """The console script: preload the fast BLAS (re-executing once), then :func:`main`."""
-    reexec_with_blas()
+    """The console script: for a decoding command, preload the fast BLAS (re-executing once);
+    then :func:`main`."""
+    if len(sys.argv) > 1 and sys.argv[1] in DECODING:
+        reexec_with_blas()
     main(sys.argv[1:])
 
 

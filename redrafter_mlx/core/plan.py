@@ -21,7 +21,7 @@ class Plan:
     rope_tables: bool = False
     # Attention as one matmul per K/V head's query group instead of MLX's fused SDPA kernel.
     grouped_attention: bool = False
-    # With grouped attention, attention by primitives of our own (``backend.kernels``, built on
+    # With grouped attention, attention by primitives of our own (``backend.cpu.kernels``, built on
     # first use; MLX ops where they cannot be built).
     cpu_kernels: bool = False
     # Hand the graph to MLX every this many layers (``mx.async_eval``) while Python builds the

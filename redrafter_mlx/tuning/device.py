@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.backend.blas import blas_in_use
+from redrafter_mlx.backend.cpu.blas import blas_in_use
 
 
 @cache

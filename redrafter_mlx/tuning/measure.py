@@ -8,7 +8,7 @@ drift of a shared machine hits all methods alike; figures are medians of per-pro
 Tokens/s is computed the same way for every method from the stream's own timestamps:
 ``(tokens - 1) / (time of last token - time of first token)``. Library code: returns numbers.
 
-When the small-row BLAS kernel is preloaded (``backend/blas.py``, Linux x86-64), mlx-lm runs
+When the small-row BLAS kernel is preloaded (``backend/cpu/blas.py``, Linux x86-64), mlx-lm runs
 twice: with it, as everything else in the process does (``mlx-lm``: the same matmuls as ours,
 so the ratio is the decoding's alone), and with it switched off (``mlx-lm-stock``: the BLAS
 behind it alone, OpenBLAS where it is installed).
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.backend.blas import blas_in_use, smallrows_loaded, smallrows_off
+from redrafter_mlx.backend.cpu.blas import blas_in_use, smallrows_loaded, smallrows_off
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.mode import Mode

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from redrafter_mlx.backend import blas
+from redrafter_mlx.backend.cpu import blas
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.service import Engine, GenerationService

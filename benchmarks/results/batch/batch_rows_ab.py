@@ -14,7 +14,7 @@ import dataclasses
 import statistics
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 

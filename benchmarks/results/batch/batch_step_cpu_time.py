@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 

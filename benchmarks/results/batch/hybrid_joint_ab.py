@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 

@@ -9,7 +9,7 @@ per batch step, medians of 10 steps per turn.
 import statistics
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 

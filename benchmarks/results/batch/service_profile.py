@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX is imported: OpenBLAS and the small-row kernel
 

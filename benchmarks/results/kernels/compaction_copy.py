@@ -8,13 +8,13 @@ K/V (as now), or not at all, after S = 512 and 8,000 cached keys; medians of 12,
 import statistics
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend.kernels import cpu_kernels  # noqa: E402
+from redrafter_mlx.backend.cpu.kernels import cpu_kernels  # noqa: E402
 
 LAYERS = 30
 

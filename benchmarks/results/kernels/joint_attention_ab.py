@@ -13,11 +13,11 @@ import statistics
 import sys
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 
-from redrafter_mlx.backend import fused  # noqa: E402
+from redrafter_mlx.backend.cpu import fused  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
 from redrafter_mlx.core.batch import Member, batch_step  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402

@@ -11,11 +11,11 @@ import runpy
 import sys
 from pathlib import Path
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads (the re-exec keeps these arguments)
 
-from redrafter_mlx.backend import kernels  # noqa: E402
+from redrafter_mlx.backend.cpu import kernels  # noqa: E402
 
 if sys.argv.pop(1) == "old":
     kernels.SOURCE = Path(__file__).with_name("attention_run123.cpp")

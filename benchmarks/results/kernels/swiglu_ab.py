@@ -1,4 +1,4 @@
-"""The MLP gate's CPU kernel (``swiglu`` in ``backend/csrc/primitives.cpp``) against MLX's
+"""The MLP gate's CPU kernel (``swiglu`` in ``backend/cpu/csrc/primitives.cpp``) against MLX's
 ``silu(gate) * up``, in one process: two decoders on the embedded model, one whose fused
 forward runs the kernel and one built with it withheld, interleaved round by round on MT-Bench
 first turns (the same greedy answers either way). Per decoder: prompt prefill tokens/s, a
@@ -10,11 +10,11 @@ single sequence's default (tree) decode tok/s, a 4-member batch's plain decode t
 import argparse
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 
-from redrafter_mlx.backend import fused  # noqa: E402
+from redrafter_mlx.backend.cpu import fused  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
 from redrafter_mlx.core.batch import Member, batch_step  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402

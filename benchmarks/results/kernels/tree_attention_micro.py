@@ -11,13 +11,13 @@ import statistics
 import sys
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend.kernels import cpu_kernels  # noqa: E402
+from redrafter_mlx.backend.cpu.kernels import cpu_kernels  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, D = 30, 9, 3, 64
 SIZES = (1, 3, 4, 8)

@@ -21,7 +21,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.backend import fused
+from redrafter_mlx.backend.cpu import fused
 from redrafter_mlx.core.tree import pack_beams, tree_mask
 
 

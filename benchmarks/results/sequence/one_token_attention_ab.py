@@ -7,7 +7,7 @@ import statistics
 import time
 
 import redrafter_mlx  # noqa: F401  (BLAS first)
-from redrafter_mlx.backend import fused
+from redrafter_mlx.backend.cpu import fused
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape

@@ -11,11 +11,11 @@ import statistics
 import subprocess
 import sys
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 
-from redrafter_mlx.backend import fused  # noqa: E402
+from redrafter_mlx.backend.cpu import fused  # noqa: E402
 from redrafter_mlx.core.accept import greedy  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
 from redrafter_mlx.core.session import Session  # noqa: E402
@@ -27,7 +27,7 @@ from redrafter_mlx.tuning.measure import time_steps  # noqa: E402
 
 def old_split_attention(rev: str):
     """``split_attention`` as commit ``rev`` wrote it, over this checkout's helpers."""
-    show = ["git", "show", f"{rev}:redrafter_mlx/backend/fused.py"]
+    show = ["git", "show", f"{rev}:redrafter_mlx/backend/cpu/fused.py"]
     src = subprocess.run(show, capture_output=True, text=True, check=True).stdout
     namespace = dict(vars(fused))
     exec(src[src.index("def split_attention(") : src.index("def softmax_attention(")], namespace)

@@ -10,13 +10,13 @@ import statistics
 import sys
 import time
 
-from redrafter_mlx.backend.blas import reexec_with_blas
+from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.backend import fused  # noqa: E402
+from redrafter_mlx.backend.cpu import fused  # noqa: E402
 from redrafter_mlx.core.llm import chain_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

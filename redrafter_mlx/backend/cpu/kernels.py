@@ -19,7 +19,6 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from redrafter_mlx.backend.cpu import native
 from redrafter_mlx.core.paths import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "primitives.cpp"
@@ -112,8 +112,9 @@ def _mlx_root() -> Path:
 
 
 def _build() -> Path:
-    """The built extension's path, building it first where no build of these versions is in
-    the cache (into a temporary folder, renamed into place when whole)."""
+    """The built extension's path, building it first where no intact build of these versions
+    (source, MLX, nanobind, Python, compiler) is in the cache (into a temporary folder, renamed
+    into place when whole)."""
     nanobind, mlx_root = _nanobind(), _mlx_root()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     key = "\n".join(
@@ -122,21 +123,27 @@ def _build() -> Path:
             mx.__version__,
             importlib.metadata.version("nanobind"),
             suffix,
+            native.compiler_identity(native.compiler("CXX", "c++")),
         ]
     )
     folder = cache_dir() / "kernels" / hashlib.sha256(key.encode()).hexdigest()[:16]
     path = folder / f"{MODULE}{suffix}"
-    if path.exists():
+    if native.intact(path):
         return path
     folder.parent.mkdir(parents=True, exist_ok=True)
+    native.remove_stale(folder.parent)
     print("note: building the CPU kernels (once, about 20 s)", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".build-"))
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=native.build_name()))
     try:
         _compile(tmp, nanobind, mlx_root, path.name)
+        for objects in tmp.glob("*.o"):  # only the library and its digest are kept
+            objects.unlink()
+        native.seal(tmp / path.name)
+        shutil.rmtree(folder, ignore_errors=True)  # a damaged build of these versions
         try:
             os.replace(tmp, folder)  # whole, or not at all
         except OSError:
-            if not path.exists():  # not another process's build landing first
+            if not native.intact(path):  # not another process's build landing first
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,7 +152,7 @@ def _build() -> Path:
 
 def _compile(tmp: Path, nanobind: Path, mlx_root: Path, name: str) -> None:
     """Compile nanobind's runtime and the kernel into ``tmp / name``."""
-    compiler = shlex.split(os.environ.get("CXX") or "") or [shutil.which("c++") or "g++"]
+    compiler = native.compiler("CXX", "c++")
     includes = [
         f"-I{nanobind / 'include'}",
         f"-I{nanobind / 'ext' / 'robin_map' / 'include'}",
@@ -167,7 +174,7 @@ def _compile(tmp: Path, nanobind: Path, mlx_root: Path, name: str) -> None:
 
 def _run(cmd: list[str]) -> None:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        done = native.compile_command(cmd, timeout=300)
     except subprocess.SubprocessError as e:
         raise RuntimeError(f"{cmd[0]}: {e}") from e
     if done.returncode != 0:

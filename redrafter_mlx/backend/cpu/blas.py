@@ -31,14 +31,12 @@ import hashlib
 import importlib.util
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from redrafter_mlx.backend.switches import cpu_tuning_enabled, cuda_backend_installed
+from redrafter_mlx.backend.cpu import cuda_backend_installed, enabled, native
 from redrafter_mlx.core.paths import cache_dir
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -82,38 +80,59 @@ def openblas_coretype() -> str | None:
     return next((name for name, needs in CORETYPES if needs <= flags), None)
 
 
-def smallrows_library() -> Path | None:
+def smallrows_library(build: bool = True) -> Path | None:
     """The small-row kernel's shared library, built once per source version (atomically, into
-    ``<cache>/blas``); None where it cannot run (not Linux x86-64 with AVX2 + FMA, opted out,
-    no C compiler, a failed build or an unusable cache folder: those print one note)."""
+    ``<cache>/blas``, rebuilt where the cached copy is damaged: :mod:`.native`); None where it
+    cannot run (not Linux x86-64 with AVX2 + FMA, opted out, no C compiler, a failed build or
+    an unusable cache folder: those print one note) or, with ``build=False``, is not built."""
     if os.environ.get("REDRAFTER_NO_SMALLROWS") or not sys.platform.startswith("linux"):
         return None
     if platform.machine() != "x86_64" or not _cpu_has_avx2_fma():
         return None
-    source = SMALLROWS_SOURCE.read_bytes()
-    path = cache_dir() / "blas" / f"smallrows-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    key = SMALLROWS_SOURCE.read_bytes() + native.compiler_identity(_cc()).encode()
+    path = cache_dir() / "blas" / f"smallrows-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if any(c in str(path) for c in " :"):  # LD_PRELOAD splits on both
         return _note(f"{path.parent}: a space or ':' in the path cannot be preloaded")
-    compiler = shlex.split(os.environ.get("CC") or "") or [shutil.which("cc") or "gcc"]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if native.intact(path):
+        return path
+    return _build_smallrows(path) if build else None
+
+
+def _build_smallrows(path: Path) -> Path | None:
+    """Compile ``csrc/smallrows.c`` into ``path`` (a damaged copy there is replaced)."""
+    compiler = _cc()
+    tmp = path.with_name(native.build_name(path.name))
     try:
-        if path.exists():
-            return path
         path.parent.mkdir(parents=True, exist_ok=True)
+        native.remove_stale(path.parent)
+        native.discard(path)
         cmd = [*compiler, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SMALLROWS_SOURCE)]
-        done = subprocess.run(
-            [*cmd, "-ldl", "-lpthread"], capture_output=True, text=True, timeout=60
-        )
+        done = native.compile_command([*cmd, "-ldl", "-lpthread"], timeout=60)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             return _note(f"{compiler[0]} failed: {last}")
+        native.seal(tmp)
+        os.replace(native.digest_path(tmp), native.digest_path(path))
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as e:
         return _note(str(e))
     finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        for leftover in (tmp, native.digest_path(tmp)):
+            with contextlib.suppress(OSError):
+                leftover.unlink(missing_ok=True)
     return path
+
+
+@functools.cache
+def prepare() -> None:
+    """Build the small-row kernel where it is missing, for the next process's preload (a
+    process loads its BLAS before MLX, so a library import cannot use it at once)."""
+    if enabled() and not cuda_backend_installed():
+        smallrows_library()
+
+
+def _cc() -> list[str]:
+    return native.compiler("CC", "cc")
 
 
 _failed = False  # a build failed in this process: the re-executed one should not try again
@@ -137,20 +156,21 @@ def bundled_blas() -> str | None:
     return None
 
 
-def preload_env(env: dict[str, str]) -> dict[str, str] | None:
+def preload_env(env: dict[str, str], *, build: bool = True) -> dict[str, str] | None:
     """``env`` with ``LD_PRELOAD`` listing the kernel, then OpenBLAS, then whatever it held
     (the first library that defines ``cblas_sgemm`` is the one MLX calls); None when that is
-    what it holds already. The kernel comes only with a BLAS to pass other products on to."""
+    what it holds already. The kernel comes only with a BLAS to pass other products on to, and
+    with ``build=False`` only when it is built already."""
     if not sys.platform.startswith("linux"):
         return None
-    if not cpu_tuning_enabled(env) or cuda_backend_installed():
+    if not enabled(env) or cuda_backend_installed():
         env = {**env, "REDRAFTER_NO_SMALLROWS": "1", "REDRAFTER_NO_OPENBLAS": "1"}
     current = _preload_list(env)
     kept = current
     if env.get("REDRAFTER_NO_SMALLROWS"):  # also when inherited from a parent that had it
         kept = [p for p in current if "smallrows" not in Path(p).name]
     ours = []
-    kernel = None if env.get("REDRAFTER_NO_SMALLROWS") else smallrows_library()
+    kernel = None if env.get("REDRAFTER_NO_SMALLROWS") else smallrows_library(build)
     openblas = not env.get("REDRAFTER_NO_OPENBLAS") and os.path.exists(OPENBLAS)
     bundled = None if openblas else env.get(NEXT_ENV) or bundled_blas()
     if kernel and (openblas or bundled):
@@ -210,9 +230,10 @@ TOO_LATE = (
 def preload_in_process() -> str | None:
     """Load :func:`preload_env`'s libraries into this process (``RTLD_GLOBAL``, kernel first)
     so that MLX, imported afterwards, multiplies with them: what the console script's re-exec
-    does, for a library import. None when done or nothing is missing; a one-line note with the
+    does, for a library import, but compiling nothing (the kernel comes where a command or
+    :func:`prepare` built it). None when done or nothing is missing; a one-line note with the
     fix when MLX is already loaded (a process cannot change its BLAS after that)."""
-    env = preload_env(dict(os.environ))
+    env = preload_env(dict(os.environ), build=False)
     if env is None:
         return None
     present = set(_preload_list(os.environ)) | set(_LOADED)

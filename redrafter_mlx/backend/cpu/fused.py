@@ -1,6 +1,6 @@
 """The CPU plan's verify forward: plain Llama/Qwen2 blocks as compiled halves around attention,
 with fused projections, RoPE from shared cos/sin tables, grouped attention and the CPU kernels
-(:mod:`~redrafter_mlx.backend.kernels`). Numerically it is the generic forward
+(:mod:`~redrafter_mlx.backend.cpu.kernels`). Numerically it is the generic forward
 (:class:`redrafter_mlx.core.llm.Forward`) to float32 rounding; only how it runs differs.
 
 Legend: T new tokens, S cached tokens, H hidden size, D head dim.
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
-from redrafter_mlx.backend.kernels import TREE_HEAD_SIZES, TREE_ROWS, CpuKernels, cpu_kernels
+from redrafter_mlx.backend.cpu.kernels import TREE_HEAD_SIZES, TREE_ROWS, CpuKernels, cpu_kernels
 from redrafter_mlx.core.joint import JointView
 from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
 from redrafter_mlx.core.plan import Plan
@@ -178,7 +178,7 @@ def attention(
 
 
 def kernel_attention(queries, keys, values, scale: float, mask, kernels: CpuKernels):
-    """Attention by our CPU primitives (``backend/kernels.py``): a few query rows per K/V head
+    """Attention by our CPU primitives (``backend/cpu/kernels.py``): a few query rows per K/V head
     (decode steps, trees) as one ``tree_attention``, which reads each cached key and value
     once; more (prompt chunks) as :func:`split_attention`'s grouped products around one
     ``masked_softmax``, a vectorised pass per row where the MLX-op softmax takes a dozen or
@@ -272,7 +272,7 @@ def _pow2(x: mx.array) -> mx.array:
     return exp2(x) if EXP2_MIN <= x.size <= EXP2_MAX else mx.exp(x * LN_2)
 
 
-SMALL_ROWS = 8  # the most rows the small-row BLAS kernel takes (backend/csrc/smallrows.c)
+SMALL_ROWS = 8  # the most rows the small-row BLAS kernel takes (backend/cpu/csrc/smallrows.c)
 
 
 def product_rows(t: int, group: int) -> int | None:

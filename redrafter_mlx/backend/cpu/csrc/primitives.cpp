@@ -11,7 +11,7 @@
 // attention's query groups are rows h * T + t). Returns probs of the shape of scores. One pass
 // per row in cache, rows split over threads when there are many (prompt chunks).
 //
-// Built on first use by redrafter_mlx/backend/kernels.py against the installed MLX.
+// Built on first use by redrafter_mlx/backend/cpu/kernels.py against the installed MLX.
 
 #include <algorithm>
 #include <atomic>
