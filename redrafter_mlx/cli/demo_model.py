@@ -19,6 +19,10 @@ EPILOG = """examples:
   # a hybrid: Gated DeltaNet (qwen3_5), short convolutions (lfm2) or Mamba2 (nemotron_h,
   # falcon_h1) layers among attention layers, speculated on exactly
   redrafter-mlx demo-model --out models/demo-hybrid --family qwen3_5
+  # a model coding agents can be pointed at offline (a tools chat template, a 128K context;
+  # docs/serving.md has each agent's set-up)
+  redrafter-mlx demo-model --out models/demo-agent --agent
+  redrafter-mlx serve --model models/demo-agent --drafter none
 """
 
 
@@ -39,6 +43,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="mlx-lm family: attention only (llama, qwen3) or a hybrid with recurrent layers "
         "(qwen3_5, lfm2, nemotron_h, falcon_h1)",
     )
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="with a chat template that takes tools and a 128K context: a model coding agents "
+        "(Claude Code, Codex CLI, opencode, ...) can be served offline",
+    )
     p.add_argument("--seed", type=flags.at_least(0), default=0, help="seed of the random weights")
     p.add_argument("--force", action="store_true", help="replace an earlier demo-model folder")
     return p
@@ -46,6 +56,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 @flags.reports_errors
 def main(args: argparse.Namespace) -> None:
-    out = write_demo_model(args.out, family=args.family, seed=args.seed, force=args.force)
-    print(f"wrote {out}: a tiny random {args.family} model (noise, for trying commands)")
+    out = write_demo_model(
+        args.out, family=args.family, seed=args.seed, force=args.force, agent=args.agent
+    )
+    kind = " with a tools chat template and a 128K context" if args.agent else ""
+    print(f"wrote {out}: a tiny random {args.family} model{kind} (noise, for trying commands)")
     print(f"  redrafter-mlx generate --model {out} --prompt 'Hi!' --max-tokens 16", file=sys.stderr)

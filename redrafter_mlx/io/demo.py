@@ -8,6 +8,7 @@ Its answers are noise (its weights are random); what it shows is the path a real
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,52 @@ FAMILIES = {
         "mamba_n_groups": 1,
     },
 }
+# A Qwen/Hermes-style chat template that takes tools, for ``agent``: mlx-lm finds its
+# ``json_tools`` parser in it (``<tool_call>`` and ``tool_call.name``).
+AGENT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}
+<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+AGENT_CONTEXT = 131072  # what coding agents' 10-30K-token requests need, with room to grow
+
 # A few short conversations written beside the model, so that `train --data` has something to
 # distil offline (the default corpus is a 125 MB optional download).
 DEMO_CHATS = Path(__file__).resolve().parent.parent / "data" / "demo_chats.jsonl"
@@ -112,12 +159,24 @@ def demo_config(family: str, embedded: dict) -> dict:
     }
 
 
-def write_demo_model(out: str | Path, *, family: str = "llama", seed: int = 0, force: bool = False):
+def write_demo_model(
+    out: str | Path,
+    *,
+    family: str = "llama",
+    seed: int = 0,
+    force: bool = False,
+    agent: bool = False,
+):
     """Write the demo model folder ``out`` (``config.json``, ``model.safetensors``, the
-    tokenizer files and ``chats.jsonl``) atomically; returns its path."""
+    tokenizer files and ``chats.jsonl``) atomically; returns its path. ``agent``: with a chat
+    template that takes tools (:data:`AGENT_TEMPLATE`) and a context of
+    :data:`AGENT_CONTEXT` tokens, so that coding agents' requests are served (their answers
+    are noise too)."""
     gguf = embedded_gguf()
     tensors, meta = read_gguf(gguf)
     config = demo_config(family, gguf_config(meta, tensors, gguf))
+    if agent:
+        config["max_position_embeddings"] = AGENT_CONTEXT
     model_class, args_class = model_classes(config, Path(out))
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -125,5 +184,13 @@ def write_demo_model(out: str | Path, *, family: str = "llama", seed: int = 0, f
     with staged_output(out, force=force) as tmp:
         save_folder(tmp, model, config)
         write_gguf_tokenizer(meta, config, tmp, gguf)
+        if agent:
+            _set_chat_template(tmp, AGENT_TEMPLATE)
         shutil.copy(DEMO_CHATS, tmp / CHATS_NAME)
     return Path(out)
+
+
+def _set_chat_template(folder: Path, template: str) -> None:
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "chat_template": template}, indent=2))

@@ -22,50 +22,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from redrafter_mlx.io.demo import AGENT_TEMPLATE
 from support import tiny_llama
 from support.families import save
 
-TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
-
-{% endif %}# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0]['role'] == 'system' %}<|im_start|>system
-{{ messages[0]['content'] }}<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'assistant' %}<|im_start|>assistant
-{{ message.content or '' }}
-{%- for tool_call in message.tool_calls or [] %}
-{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}
-<tool_call>
-{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+TEMPLATE = AGENT_TEMPLATE  # the package's own: demo-model --agent writes it
 
 WEATHER = {
     "type": "function",
@@ -182,16 +143,9 @@ def learned(model, tokens: mx.array, weights: mx.array, margin: float = 2.0) -> 
     return not ((wanted - others < margin) * weights).any().item()
 
 
-def agent_model(out: Path, *, family: str = "llama", context: int = 131072) -> Path:
-    """A demo model (random weights, the embedded SmolLM2's tokenizer) whose chat template
-    takes tools (:data:`TEMPLATE`) and whose context holds a coding agent's 12,000-token
-    requests: what the coding agents' test points them at. Its answers are noise."""
+def agent_model(out: Path, *, family: str = "llama") -> Path:
+    """``demo-model --agent``'s folder (random weights, a tools chat template, a 128K context):
+    what the coding agents' test points them at."""
     from redrafter_mlx.io.demo import write_demo_model
 
-    write_demo_model(out, family=family, force=True)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
-    model_config = json.loads((out / "config.json").read_text())
-    model_config["max_position_embeddings"] = context
-    (out / "config.json").write_text(json.dumps(model_config))
-    return out
+    return write_demo_model(out, family=family, force=True, agent=True)
