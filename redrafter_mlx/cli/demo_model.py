@@ -8,6 +8,7 @@ import sys
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.io.demo import CHATS_NAME, FAMILIES, write_demo_model
+from redrafter_mlx.io.demo_drafters import KINDS, write_demo_drafter
 
 EPILOG = """examples:
   redrafter-mlx demo-model --out models/demo
@@ -22,6 +23,9 @@ EPILOG = """examples:
   # a model coding agents can be pointed at offline (a tools chat template, a 128K context;
   # docs/serving.md has each agent's set-up)
   redrafter-mlx demo-model --out models/demo-agent --agent
+  # rehearse a field drafter type offline: the model and a random drafter of that type
+  redrafter-mlx demo-model --out models/demo-e3 --drafter eagle3
+  redrafter-mlx generate --model models/demo-e3 --drafter models/demo-e3-eagle3 --prompt Hi!
   redrafter-mlx serve --model models/demo-agent --drafter none
 """
 
@@ -49,6 +53,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="with a chat template that takes tools and a 128K context: a model coding agents "
         "(Claude Code, Codex CLI, opencode, ...) can be served offline",
     )
+    p.add_argument(
+        "--drafter",
+        choices=KINDS,
+        help="also write a random drafter of this type for the model, as its authors' "
+        "repositories lay one out, into OUT-TYPE (or --drafter-out): rehearse loading, "
+        "generating, serving and bench with it before downloading a real one",
+    )
+    p.add_argument("--drafter-out", help="where --drafter writes (default: OUT-TYPE)")
     p.add_argument("--seed", type=flags.at_least(0), default=0, help="seed of the random weights")
     p.add_argument("--force", action="store_true", help="replace an earlier demo-model folder")
     return p
@@ -61,4 +73,13 @@ def main(args: argparse.Namespace) -> None:
     )
     kind = " with a tools chat template and a 128K context" if args.agent else ""
     print(f"wrote {out}: a tiny random {args.family} model{kind} (noise, for trying commands)")
-    print(f"  redrafter-mlx generate --model {out} --prompt 'Hi!' --max-tokens 16", file=sys.stderr)
+    drafter = ""
+    if args.drafter:
+        where = args.drafter_out or f"{str(args.out).rstrip('/')}-{args.drafter}"
+        path = write_demo_drafter(where, out, args.drafter, seed=args.seed)
+        print(f"wrote {path}: a random {args.drafter} drafter for it (its drafts are noise)")
+        drafter = f" --drafter {path}"
+    print(
+        f"  redrafter-mlx generate --model {out}{drafter} --prompt 'Hi!' --max-tokens 16",
+        file=sys.stderr,
+    )
