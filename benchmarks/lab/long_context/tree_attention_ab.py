@@ -7,7 +7,7 @@ rounds, in ms. Not shipped: the verify forward with "per-head" measured no consi
 at load 14 (benchmarks/README.md, run 88).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 PYTHONPATH=. \\
-        .venv/bin/python benchmarks/results/long_context/tree_attention_ab.py 5 256,1024,8000
+        .venv/bin/python benchmarks/lab/long_context/tree_attention_ab.py 5 256,1024,8000
 """
 
 from __future__ import annotations
