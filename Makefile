@@ -17,7 +17,7 @@ EXTRAS  := dev$(if $(filter cpu cuda,$(BACKEND)),$(comma)$(BACKEND))
 PY      := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 # On Linux the CPU backend runs much faster with OpenBLAS preloaded (prompts ~13x, decoding ~1.7x
-# here; see benchmarks/README.md). A shell test run by the recipe, not a make-time $(wildcard):
+# here; see benchmarks/HISTORY.md). A shell test run by the recipe, not a make-time $(wildcard):
 # `setup`, a prerequisite of the same run, may have just installed OpenBLAS.
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
