@@ -188,3 +188,46 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["mode"] == "redrafter"
     assert 1 <= len(result["tokens"]) <= 8 and result["text"].strip()
+
+
+# Stand-ins for the system tools `make setup` asks (uname, id, apt-get), so the test runs the
+# Linux x86-64 root branch anywhere; apt-get fails as under a held lock while $APT_FAILS exists.
+FAKE_TOOLS = {
+    "uname": 'case "$1" in -m) echo x86_64 ;; *) echo Linux ;; esac\n',
+    "id": "echo 0\n",
+    "apt-get": (
+        'case "$*" in *libopenblas*) ;; *) exit 0 ;; esac\n'
+        'if [ -e "$APT_FAILS" ]; then\n'
+        '  echo "E: Could not get lock /var/lib/dpkg/lock-frontend" >&2; exit 100\n'
+        "fi\n"
+        'mkdir -p "$(dirname "$FAKE_OPENBLAS")" && touch "$FAKE_OPENBLAS"\n'
+    ),
+}
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_setup_retries_a_failed_openblas_install_and_keeps_the_venv(tmp_path):
+    """A failed OpenBLAS install says how to fix it by hand, and the next ``make setup``
+    tries again, though the venv (its ``.installed`` stamp) is already there."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, body in FAKE_TOOLS.items():
+        (tools / name).write_text("#!/bin/sh\n" + body)
+        (tools / name).chmod(0o755)
+    venv, blas, fails = tmp_path / "venv", tmp_path / "lib" / "libopenblas.so.0", tmp_path / "lock"
+    venv.mkdir()
+    (venv / ".installed").touch()  # newer than pyproject.toml: the venv counts as made
+    fails.touch()
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    env |= {"FAKE_OPENBLAS": str(blas), "APT_FAILS": str(fails)}
+    make = ["make", "-s", "-C", ROOT, "setup", f"VENV={venv}", f"OPENBLAS={blas}"]
+    make.append(f"PYTHON={sys.executable}")
+
+    failed = run(make, cwd=tmp_path, env=env, timeout=60).stdout
+    assert "warning: could not install OpenBLAS" in failed
+    assert "`apt-get install -y libopenblas0-pthread` as root" in failed
+    fails.unlink()
+    retried = run(make, cwd=tmp_path, env=env, timeout=60).stdout
+    assert "installing OpenBLAS" in retried and "could not" not in retried and blas.is_file()
+    assert "OpenBLAS" not in run(make, cwd=tmp_path, env=env, timeout=60).stdout
+    assert "creating" not in failed + retried and list(venv.iterdir()) == [venv / ".installed"]
