@@ -48,4 +48,5 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> None:
     out = write_demo_model(args.out, family=args.family, seed=args.seed, force=args.force)
     print(f"wrote {out}: a tiny random {args.family} model (noise, for trying commands)")
-    print(f"  redrafter-mlx generate --model {out} --prompt 'Hi!' --max-tokens 16", file=sys.stderr)
+    hint = f"  {flags.program()} generate --model {out} --prompt 'Hi!' --max-tokens 16"
+    print(hint, file=sys.stderr)
