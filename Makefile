@@ -17,12 +17,12 @@ EXTRAS  := dev$(if $(filter cpu cuda,$(BACKEND)),$(comma)$(BACKEND))
 PY      := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 # On Linux the CPU backend runs much faster with OpenBLAS preloaded (prompts ~13x, decoding ~1.7x
-# here; see benchmarks/README.md). A shell test run by the recipe, not a make-time $(wildcard):
+# here; see benchmarks/HISTORY.md). A shell test run by the recipe, not a make-time $(wildcard):
 # `setup`, a prerequisite of the same run, may have just installed OpenBLAS.
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
-.PHONY: help setup preflight chat serve generate test test-fast test-deps bench autotune lint format clean
+.PHONY: help setup system-libs preflight chat serve generate test test-fast test-deps bench autotune lint format clean
 
 help:
 	@echo "redrafter-mlx: lossless speculative decoding (ReDrafter) with MLX"
@@ -41,7 +41,30 @@ help:
 	@echo
 	@echo "Then: .venv/bin/redrafter-mlx --help (or source .venv/bin/activate)"
 
-setup: $(VENV)/.installed
+setup: system-libs $(VENV)/.installed
+
+# OpenBLAS and a C compiler (Linux x86-64, Debian's apt, as root), tried on every `make setup`
+# while missing, so a try that failed (apt's lock held by another install) is retried next time
+# without recreating the venv. Without them MLX runs its slower built-in BLAS, and decoding
+# runs without the small-row kernel.
+APT_OPENBLAS := apt-get install -y libopenblas0-pthread
+APT_CC       := apt-get install -y gcc libc6-dev
+system-libs: | preflight
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(uname -m)" = x86_64 ] && [ ! -e $(OPENBLAS) ] \
+	   && command -v apt-get >/dev/null; then \
+	   if [ "$$(id -u)" != 0 ]; then echo "note: OpenBLAS is missing (MLX runs its slower \
+	built-in BLAS); install it with: sudo $(APT_OPENBLAS)"; \
+	   else echo "installing OpenBLAS (Debian libopenblas0-pthread)"; \
+	   (apt-get update -qq && $(APT_OPENBLAS) -qq) >/dev/null \
+	   || echo "warning: could not install OpenBLAS (is another apt-get running?); MLX runs its \
+	slower built-in BLAS until it is installed: run \`$(APT_OPENBLAS)\` as root, or \
+	\`make setup\` again to retry"; fi; fi
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(uname -m)" = x86_64 ] && ! command -v cc >/dev/null \
+	   && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	   echo "installing a C compiler (Debian gcc) for the small-row decode kernel"; \
+	   (apt-get update -qq && $(APT_CC) -qq) >/dev/null \
+	   || echo "warning: could not install gcc; decoding runs without the small-row kernel until \
+	it is installed: run \`$(APT_CC)\` as root, or \`make setup\` again to retry"; fi
 
 # What MLX's wheels need, said before anything is installed.
 preflight:
@@ -61,16 +84,6 @@ preflight:
 	not $$os"; exit 1; fi
 
 $(VENV)/.installed: pyproject.toml | preflight
-	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && [ "$$(id -u)" = 0 ] \
-	   && command -v apt-get >/dev/null; then \
-	   echo "installing OpenBLAS (Debian libopenblas0-pthread)"; \
-	   (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null \
-	   || echo "warning: could not install OpenBLAS; MLX will use its slower built-in BLAS"; fi
-	@if [ "$$(uname -s)" = Linux ] && [ "$$(uname -m)" = x86_64 ] && ! command -v cc >/dev/null \
-	   && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	   echo "installing a C compiler (Debian gcc) for the small-row decode kernel"; \
-	   (apt-get update -qq && apt-get install -y -qq gcc libc6-dev) >/dev/null \
-	   || echo "warning: could not install gcc; decoding runs without the small-row kernel"; fi
 	@echo "creating $(VENV) with $(PYTHON)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip

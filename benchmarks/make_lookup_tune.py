@@ -2,10 +2,11 @@
 
 Spec-Bench's prompts (../shared/data/specbench_dev.jsonl) and MT-Bench are what the lookup
 beams are *reported* on, so they are never tuned on. This split has the same kinds of task
-where lookup matters, built from this repository's own prose (README.md, benchmarks/README.md,
-the drafter's PROVENANCE.md): "Summarize: <passage>" (as Spec-Bench's summarisation prompts),
-"<passage>\\n<question>" (as its RAG prompts), and a few short open questions (as MT-Bench) so
-the pick is not only for document tasks. Deterministic: the same files give the same prompts.
+where lookup matters, built from this repository's own prose (README.md, benchmarks/HISTORY.md,
+which holds what benchmarks/README.md held then, and the drafter's PROVENANCE.md): "Summarize:
+<passage>" (as Spec-Bench's summarisation prompts), "<passage>\\n<question>" (as its RAG
+prompts), and a few short open questions (as MT-Bench) so the pick is not only for document
+tasks. Deterministic: the same files give the same prompts.
 The committed file (what runs 64-65 tuned on) is what those files gave at commit 3a2418f,
 which added it; the README has changed since, so rerunning now writes other passages.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (
     "README.md",
-    "benchmarks/README.md",
+    "benchmarks/HISTORY.md",
     "weights/smollm2-135m-instruct-drafter/PROVENANCE.md",
 )
 OUT = ROOT / "benchmarks" / "data" / "lookup_tune.jsonl"

@@ -10,7 +10,7 @@ verifies a full W x L tree and accepts about nothing (the cost side only)::
 
 It runs on the decode core before issue #31 (its own ``Decoder.time_steps``), after it and after
 issue #41 (``tuning.measure.time_steps`` over a ``Session``), so checkouts can be compared on one
-machine (``results/sequence/step_overhead_ab.sh BEFORE AFTER`` interleaves two).
+machine (``lab/sequence/step_overhead_ab.sh BEFORE AFTER`` interleaves two).
 """
 
 from __future__ import annotations

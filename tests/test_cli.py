@@ -311,3 +311,39 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert isinstance(progress(), PlainProgress)  # capsys: no terminal
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert isinstance(progress(), Progress)
+
+
+def test_hints_name_the_script_that_runs_when_it_is_not_on_path(tmp_path, monkeypatch, capsys):
+    """From a clone whose venv is not activated, ``demo-model`` and ``train`` end with
+    commands that run as pasted: ``.venv/bin/redrafter-mlx``, not a bare ``redrafter-mlx``."""
+    import argparse
+
+    from redrafter_mlx.cli import demo_model, flags, train
+    from redrafter_mlx.training.finish import TrainedTarget
+
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "redrafter-mlx"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr("sys.executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    monkeypatch.chdir(tmp_path)
+    script = str(Path(".venv", "bin", "redrafter-mlx"))
+    assert flags.program() == script
+
+    monkeypatch.setattr(demo_model, "write_demo_model", lambda out, **_: Path(out))
+    demo_model.main(argparse.Namespace(out="models/demo", family="llama", seed=0, force=False))
+    assert f"  {script} generate --model models/demo --prompt" in capsys.readouterr().err
+    target = TrainedTarget(None, None, {}, "models/demo")
+    train.print_summary(argparse.Namespace(out="drafters/demo"), target, {}, {})
+    said = capsys.readouterr().out
+    assert f"  {script} chat --model models/demo\n" in said
+    assert f"  {script} upload --drafter drafters/demo " in said
+
+    monkeypatch.setenv("PATH", str(bin_dir))  # the venv activated: its script is on PATH
+    assert flags.program() == "redrafter-mlx"
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the venv outside the working folder
+    assert flags.program() == str(bin_dir / "redrafter-mlx")

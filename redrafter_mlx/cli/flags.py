@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,21 @@ from redrafter_mlx.io.prompts import MT_BENCH, load_conversations
 
 # SHAPE_FIELDS' flags, in their order
 SHAPE_FLAGS = ("beam_width", "beam_length", "min_prob", "search_width", "lookup")
+
+
+def program() -> str:
+    """How a hint names this program so that it runs when pasted: ``redrafter-mlx`` where
+    that is this install's script on PATH, else the script beside the running Python (a venv
+    not activated: ``.venv/bin/redrafter-mlx`` in the clone), relative to the working folder
+    when it lies inside it."""
+    beside = Path(sys.executable).parent / "redrafter-mlx"
+    if not beside.is_file():  # ``python -m redrafter_mlx`` without an install
+        return "redrafter-mlx"
+    on_path = shutil.which("redrafter-mlx")
+    if on_path and Path(on_path).resolve() == beside.resolve():
+        return "redrafter-mlx"
+    inside = beside.absolute().is_relative_to(Path.cwd())
+    return os.path.relpath(beside) if inside else str(beside)
 
 
 def at_least(low: int) -> Callable[[str], int]:

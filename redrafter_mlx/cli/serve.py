@@ -42,7 +42,7 @@ from redrafter_mlx.server import protocol as api
 from redrafter_mlx.server.app import MAX_BODY_BYTES, App
 from redrafter_mlx.tuning.profiles import context_bands, resolve_shape
 
-MAX_BATCH = 8  # requests answered at once by default (only 8 measured: runs 88 and 92, #45)
+MAX_BATCH = 8  # requests answered at once by default: the one size the serving runs measured
 
 EXAMPLES = """examples:
   redrafter-mlx serve

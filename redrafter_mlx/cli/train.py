@@ -438,8 +438,8 @@ def print_summary(args: argparse.Namespace, target: TrainedTarget, best: dict, f
         "(and its quantized variants) use this drafter without --drafter"
     )
     print("next:")
-    print(f"  redrafter-mlx chat{target.model_flag}")
-    print(f"  redrafter-mlx upload --drafter {args.out} --repo USER/NAME --dry-run")
+    print(f"  {flags.program()} chat{target.model_flag}")
+    print(f"  {flags.program()} upload --drafter {args.out} --repo USER/NAME --dry-run")
 
 
 class Terminated(KeyboardInterrupt):

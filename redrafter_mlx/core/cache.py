@@ -14,8 +14,8 @@ overwritten by the next forward.
 The accepted path is gathered from the forward's own new K/V (kept by ``write``), not from the
 buffer it is moved within: MLX updates a buffer in place only when nothing else holds it, and
 a gather from the buffer still holds it (its CPU task retains its inputs until it runs), so
-the update would copy the whole buffer, every layer, every step (at 8K cached tokens here as
-long as the verify forward itself: benchmarks/README.md, run 126).
+the update would copy the whole buffer, every layer, every step (at long contexts that copy
+costs about as much as the verify forward itself).
 """
 
 from __future__ import annotations

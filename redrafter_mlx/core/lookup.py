@@ -22,7 +22,7 @@ import numpy as np
 
 # The n-grams matched, longest first. Not single tokens: a 1-gram match proposes a beam on the
 # strength of one token, and verifying those cost more than they gained on the tuning split
-# (benchmarks/README.md, "prompt-lookup beams").
+# (benchmarks/HISTORY.md, "Prompt-lookup beams").
 MAX_NGRAM = 3
 MIN_NGRAM = 2
 

@@ -1,4 +1,5 @@
-"""One generation at a time for many callers: a worker thread that owns the model, a bounded
+"""Generation for many callers: a worker thread that owns the model and answers one request at
+a time or up to ``max_batch`` together (:mod:`~redrafter_mlx.core.scheduler`), a bounded
 queue of requests in arrival order, and a :class:`PromptCache` of sessions (one KV cache per
 conversation, least recently used dropped first) so that a request extending any of the
 conversations held (a client resending its history plus a new message) reuses its cache.

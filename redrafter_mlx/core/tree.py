@@ -104,7 +104,7 @@ def pad_tree(tree: Tree, size: int) -> Tree:
     themselves, never an ancestor of a real node and never in ``unpack`` (so never accepted).
 
     Some BLAS kernels are much slower for some row counts than for a few more
-    (benchmarks/README.md); padding picks the cheaper shape.
+    (benchmarks/HISTORY.md, "tree padding"); padding picks the cheaper shape.
     """
     extra = size - tree.size
     if extra <= 0:

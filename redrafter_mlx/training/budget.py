@@ -3,12 +3,12 @@ tokens/step it reached, from a table measured on this project's machine.
 
 Legend: n the target's layer count.
 
-Each row is one budget measured from scratch (``benchmarks/README.md``, the run named in
-``measured``): the recipe kept is the one with the best held-out agreement on the training
-corpus's own held-out split (what training may be tuned on); ``tokens_per_step`` is what that
-drafter reached on 40 MT-Bench first turns (W4 L5, no lookup, greedy, 128 tokens), reported to
-the user as an expectation, never used to choose. A budget between rows takes the row below it
-(a longer budget buys at least as much); one below the first row takes the first.
+Each row is one budget measured from scratch (the training time curve in
+``benchmarks/HISTORY.md``): the recipe kept is the one with the best held-out agreement on the
+training corpus's own held-out split (what training may be tuned on); ``tokens_per_step`` is
+what that drafter reached on 40 MT-Bench first turns (W4 L5, no lookup, greedy, 128 tokens),
+reported to the user as an expectation, never used to choose. A budget between rows takes the
+row below it (a longer budget buys at least as much); one below the first row takes the first.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Budget:
     use, training taking the rest; ``soft_weight`` and ``hidden_weight``: the loss's soft
     targets and hidden-state regression, as ``train``'s flags of those names; ``width``: the
     drafter's width as a multiple of the target's hidden size, 0 for ``train``'s default),
-    what it reached and where that was measured."""
+    what it reached and what its run extracted and trained."""
 
     minutes: float
     layered: bool
@@ -40,20 +40,17 @@ class Budget:
     width: float = 0.0
 
 
-# Run 102 (#44), benchmarks/README.md: today's recipe and the soft one (the target's
-# distribution over the draft vocabulary as the loss's target, plus the hidden-state
-# regression; chosen on the training corpus's held-out split in a sweep on run 98's
-# extraction cache) side by side from scratch, six runs on 2 cores. Held-out agreement chose
-# the soft recipe at every budget: 15 min 0.214 against 0.206, 30 min 0.263 against 0.254,
-# 60 min 0.291 against 0.273 (run 98 had chosen today's recipe over three more layers). Run
-# 103: at 15 minutes the default width (2H) kept its lead over H (0.267 against 0.264).
+# Why these recipes: trained side by side from scratch at each budget, soft targets (the
+# target's distribution over the draft vocabulary) plus the hidden-state regression beat the
+# plain recipe on held-out agreement at every budget, as the plain recipe had beaten reading
+# three more target layers; at the shortest budget the default width (2H) beat H.
 TABLE: tuple[Budget, ...] = (
     Budget(
         15,
         False,
         0.0,
         1.34,
-        "run 102: 16,201 training tokens extracted, 232 steps",
+        "16,201 training tokens extracted, 232 steps",
         soft_weight=1.0,
         hidden_weight=1.0,
     ),
@@ -62,7 +59,7 @@ TABLE: tuple[Budget, ...] = (
         False,
         0.0,
         1.38,
-        "run 102: 35,103 training tokens extracted, 448 steps",
+        "35,103 training tokens extracted, 448 steps",
         soft_weight=1.0,
         hidden_weight=1.0,
     ),
@@ -71,7 +68,7 @@ TABLE: tuple[Budget, ...] = (
         False,
         0.0,
         1.46,
-        "run 102: 75,872 training tokens extracted, 632 steps",
+        "75,872 training tokens extracted, 632 steps",
         soft_weight=1.0,
         hidden_weight=1.0,
     ),

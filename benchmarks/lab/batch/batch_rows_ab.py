@@ -5,7 +5,7 @@ interleaved round by round (each round its own MT-Bench first turns: held-out pr
 nothing here is tuned on them, every configuration gives the same greedy answers). Per
 configuration: tokens per second over all timed batch steps, median ms per step, tokens/step.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/batch/batch_rows_ab.py \\
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/batch_rows_ab.py \\
         --batches 2,4,8 --rounds 6 > benchmarks/results/batch/batch_rows_ab.txt
 """
 

@@ -2,7 +2,7 @@
 attends (run 126): gathered from the buffer itself (as before), from the forward's own new
 K/V (as now), or not at all, after S = 512 and 8,000 cached keys; medians of 12, ms.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/kernels/compaction_copy.py
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/kernels/compaction_copy.py
 """
 
 import statistics

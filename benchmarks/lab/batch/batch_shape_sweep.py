@@ -5,7 +5,7 @@ configurations interleaved round by round; per configuration the median ms per b
 held-out MT-Bench prompts; nothing here is tuned on them: it picks between shapes that all
 give the same greedy answer).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/batch/batch_shape_sweep.py \\
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/batch_shape_sweep.py \\
         --batches 1,2,4,8 --rounds 3 > benchmarks/results/batch/batch_shape_sweep.txt
 """
 

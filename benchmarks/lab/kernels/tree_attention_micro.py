@@ -1,7 +1,7 @@
 """The tree-attention kernel alone: 30 calls (a forward's layers; 9 query heads over 3 K/V heads,
 D 64) after S keys at T = 1, 3, 4 and 8, interleaved, medians of 20 rounds.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/kernels/tree_attention_micro.py 8000 1
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/kernels/tree_attention_micro.py 8000 1
 
 The second argument 1 gives each call its own K/V (read from memory, as a forward's layers
 are), 0 one K/V for all 30 (cache-resident: the kernel's arithmetic alone).

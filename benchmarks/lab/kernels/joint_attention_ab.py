@@ -4,8 +4,8 @@ first turns stepped 15 times per round, the two paths interleaved over 6 rounds;
 batch step, tokens/s, and whether both emitted the same tokens. ``ROWS`` (argument): the plan's
 batch row bound; 4 decodes the members plainly, 8 verifies 2-node trees.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/kernels/joint_attention_ab.py 4
-    PYTHONPATH=. .venv/bin/python benchmarks/results/kernels/joint_attention_ab.py 8
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/kernels/joint_attention_ab.py 4
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/kernels/joint_attention_ab.py 8
 """
 
 import dataclasses

@@ -2,7 +2,7 @@
 model's heads: 9 query, 3 K/V, head dim 64; random float32), ``split_attention`` against one
 grouped ``softmax_attention``, interleaved, medians in ms.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/sequence/tree_attention_sweep.py \\
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/sequence/tree_attention_sweep.py \\
         64,256,512,1024,1536,2048,3000 2,3,4,8 7
 """
 

@@ -4,10 +4,10 @@ CPU plan's as it is ("now": products of at most 8 rows, per query head for T >= 
 one product per K/V head ("per-head": its whole query group, OpenBLAS) with the cached block
 split off; a one-token step's (``softmax_attention``) for scale. Medians of interleaved
 rounds, in ms. Not shipped: the verify forward with "per-head" measured no consistent gain
-at load 14 (benchmarks/README.md, run 88).
+at load 14 (benchmarks/HISTORY.md, run 88).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 PYTHONPATH=. \\
-        .venv/bin/python benchmarks/results/long_context/tree_attention_ab.py 5 256,1024,8000
+        .venv/bin/python benchmarks/lab/long_context/tree_attention_ab.py 5 256,1024,8000
 """
 
 from __future__ import annotations

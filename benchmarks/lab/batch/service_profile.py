@@ -4,7 +4,7 @@ client threads send 16 MT-Bench first turns (chat template, greedy, 64 tokens) t
 chunks and batch steps are timed, batch steps counted by their members, and each request's
 prompt and cached tokens listed.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/batch/service_profile.py 4
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/service_profile.py 4
 """
 
 import collections

@@ -4,7 +4,7 @@ the CPU plan's bound on a batch's rows: ``CLIENTS`` client threads send 16 MT-Be
 taking the next prompt when its answer ends. ``ROWS=none`` runs the plan without the bound
 (every member verifies its own tree), ``ROWS=8`` with it.
 
-    ROWS=8 PYTHONPATH=. .venv/bin/python benchmarks/results/batch/service_rows_ab.py 4
+    ROWS=8 PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/service_rows_ab.py 4
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ The target is ``benchmarks/hybrid_verify_cost.py``'s Qwen3.5-style stand-in (Gat
 3 of 4 layers, hidden 1024, 8 layers, random weights, float32); members decode with lookup
 beams (W1 L3 K2: trees of up to 5 nodes) or plainly, alternately; prompts of random ids.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/batch/hybrid_joint_ab.py --members 4
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/hybrid_joint_ab.py --members 4
 """
 
 import argparse

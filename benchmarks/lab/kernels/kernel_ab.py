@@ -1,7 +1,10 @@
-"""``benchmarks/context_verify_cost.py`` with run 123's tree-attention kernel (its source kept
-beside this file, built without contraction as it was then) or the working tree's (run 124):
+"""``benchmarks/context_verify_cost.py`` with run 123's tree-attention kernel (built without
+contraction as it was then) or the working tree's (run 124). The old source is in git only;
+put it beside this file first:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/kernels/kernel_ab.py old --contexts 8000 \\
+    git show 6639106:benchmarks/results/kernels/attention_run123.cpp \\
+        > benchmarks/lab/kernels/attention_run123.cpp
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/kernels/kernel_ab.py old --contexts 8000 \\
         --sizes 1,3 --variants cpu --out /tmp/old.json
 
 Each build lands in the kernel cache under its own source's hash, so the two alternate freely.

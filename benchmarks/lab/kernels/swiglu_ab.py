@@ -4,7 +4,7 @@ forward runs the kernel and one built with it withheld, interleaved round by rou
 first turns (the same greedy answers either way). Per decoder: prompt prefill tokens/s, a
 single sequence's default (tree) decode tok/s, a 4-member batch's plain decode tok/s.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/kernels/swiglu_ab.py --rounds 4
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/kernels/swiglu_ab.py --rounds 4
 """
 
 import argparse

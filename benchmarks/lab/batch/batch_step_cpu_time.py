@@ -4,7 +4,7 @@ shipped drafter, lookup alone, autoregressive), medians of 15 steps after 3 warm
 CPU time (``time.process_time``, all threads) rather than wall time: the machine's load
 average was 13-16 on its 2 cores while it ran, which swings wall times 2x.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/batch/batch_step_cpu_time.py 4
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/batch_step_cpu_time.py 4
 """
 
 import statistics

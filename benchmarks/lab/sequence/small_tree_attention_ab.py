@@ -3,7 +3,7 @@
 model (v5 drafter) over a one-token step (``tuning.measure.time_steps``) after a prompt of each
 length cut from README.md, W1 L2 K1 and W2 L3, medians of the ratio over rounds.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/sequence/small_tree_attention_ab.py \\
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/sequence/small_tree_attention_ab.py \\
         128,512,1024 10 380ef30
 """
 

@@ -4,11 +4,11 @@ model costs for a forward of the tree's size against one token (the floor no ver
 below) and our verify forward alone; interleaved, medians in ms over 30 rounds of 5.
 
     REDRAFTER_CPU_TUNING=0 PYTHONPATH=. .venv/bin/python \\
-        benchmarks/results/sequence/stand_in_floor.py
+        benchmarks/lab/sequence/stand_in_floor.py
     # and with OpenBLAS preloaded (MLX's bundled BLAS multiplies otherwise):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         REDRAFTER_CPU_TUNING=0 PYTHONPATH=. .venv/bin/python \\
-        benchmarks/results/sequence/stand_in_floor.py
+        benchmarks/lab/sequence/stand_in_floor.py
 """
 
 import json

@@ -3,7 +3,7 @@ members' drafter searches run as one search against one search per member (the b
 it was at 6d6c556), in one process, arms alternated 4 times; process CPU time and wall time
 per batch step, medians of 10 steps per turn.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/batch/joint_search_ab.py
+    PYTHONPATH=. .venv/bin/python benchmarks/lab/batch/joint_search_ab.py
 """
 
 import statistics
