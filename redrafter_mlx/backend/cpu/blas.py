@@ -15,7 +15,7 @@ faster here (benchmarks/README.md):
 With them the re-executed process asks glibc's malloc for transparent huge pages
 (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``; ``REDRAFTER_NO_HUGEPAGES=1`` opts out): the
 weights and a long context's K/V are read in full every step, and with 4 KB pages a page-table
-walk comes every 4 KB of them (benchmarks/README.md, run 128).
+walk comes every 4 KB of them.
 
 ``REDRAFTER_NO_OPENBLAS=1`` and ``REDRAFTER_NO_SMALLROWS=1`` opt out of either;
 ``REDRAFTER_CPU_TUNING=0`` out of both, and so does an installed CUDA backend with an NVIDIA
@@ -49,7 +49,7 @@ TUNABLES_ENV, HUGE_PAGES = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"  # read at
 
 # OpenBLAS's kernels for what the CPU's flags say it runs, best first: where its own detection
 # fails (a virtual machine's CPUID naming a "generic" Xeon, as here) it falls back to Prescott's
-# SSE3 kernels, 3-6x slower on prompt-sized products (benchmarks/README.md, run 122)
+# SSE3 kernels, several times slower on prompt-sized products
 CORETYPES = (
     ("SkylakeX", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
     ("Haswell", {"avx2", "fma"}),

@@ -212,8 +212,8 @@ def split_attention(queries, keys, values, scale: float, mask: mx.array | None) 
     rows = heads // kv_heads * t  # each K/V head's query group as rows
     # One softmax where the split cannot pay: a prompt chunk (scores too many for exp2's
     # passes to stay in cache), or scores too few for exp2 (mx.exp either way; one softmax is
-    # fewer ops: small trees, run 111; a one-token step, unmasked, has fewer ops to save and
-    # wins only from about 4.5K cached tokens on, runs 87 and 116).
+    # fewer ops for small trees; a one-token step, unmasked, has fewer ops to save and wins
+    # only past a few thousand cached tokens).
     least = EXP2_MIN if mask is not None else ONE_TOKEN_EXP2_MIN
     if t > 4 * SMALL_ROWS or kv_heads * rows * (cached + t) < least:
         return softmax_attention(queries, keys, values, scale, mask)

@@ -3,7 +3,7 @@
 //
 // MLX's CPU backend computes exp one element at a time on x86 (no SIMD type there), and a
 // forward of T tokens takes layers x T x intermediate of them in its SiLU gates alone
-// (benchmarks/README.md, run 136). These primitives run a vectorised exp (Cephes' expf: range
+// (benchmarks/HISTORY.md). These primitives run a vectorised exp (Cephes' expf: range
 // reduction by ln 2, a degree-6 polynomial, the power of two in the exponent bits).
 //
 // masked_softmax(scores, visible): scores (..., R, N) float32; visible None or (T, T) bool,
@@ -49,7 +49,7 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int vi __attribute__((vector_size(LANES * sizeof(int))));
 // AVX2's width, which the tree kernel computes in where AVX-512 is missing: there a 16-float
 // vector is a pair of registers, 16 accumulators and a query spill, and 16-lane shuffles turn
-// into moves through memory (benchmarks/README.md, run 132).
+// into moves through memory.
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int vi8 __attribute__((vector_size(8 * sizeof(int))));
 
