@@ -14,7 +14,7 @@ The generic forward runs the model's own modules over :class:`JointLayerCache`, 
 every layer the segments' caches side by side ``(1, K, sum(S_i + T_i), D)`` and a block mask
 (a segment's rows see only its own block): MLX's fused attention then does all segments in
 one call. The CPU plan's forward attends each segment against its own sequence's cache alone
-(``backend.fused.FusedForward.run_joint``), all segments of a layer in one kernel call.
+(``backend.cpu.fused.FusedForward.run_joint``), all segments of a layer in one kernel call.
 """
 
 from __future__ import annotations
