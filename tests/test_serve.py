@@ -434,10 +434,10 @@ def test_logprobs_over_http_equal_mlx_lm_s_autoregressive_ones(server, runtime):
         mlx_lm.stream_generate(runtime.model, runtime.tokenizer, mx.array(ids), max_tokens=16)
     )
     entries = done.choices[0].logprobs.content
-    ended_by_eos = done.choices[0].finish_reason == "stop"  # usage counts the end token
-    assert len(entries) == done.usage.completion_tokens - ended_by_eos
-    eos = runtime.tokenizer.eos_token_ids
-    theirs = [r for r in theirs if r.token not in eos]  # mlx-lm yields the EOS too
+    # one entry per token usage counts: the end token too, as mlx-lm's server gives it one
+    assert done.choices[0].finish_reason == "stop"
+    assert len(entries) == done.usage.completion_tokens == len(theirs)
+    assert theirs[-1].token in runtime.tokenizer.eos_token_ids  # mlx-lm yields the EOS too
     assert done.usage.redrafter["accepted_tokens"] > 0  # multi-token steps were read
     for entry, want in zip(entries, theirs, strict=True):
         row = np.array(want.logprobs)
@@ -463,6 +463,7 @@ def test_logprobs_over_http_equal_mlx_lm_s_autoregressive_ones(server, runtime):
         [e.logprob for e in streamed], [e.logprob for e in entries], atol=1e-4
     )
     text = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, logprobs=2)
+    assert len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
     np.testing.assert_allclose(
         text.choices[0].logprobs.token_logprobs, [e.logprob for e in entries], atol=1e-4
     )
