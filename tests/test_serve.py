@@ -401,6 +401,29 @@ def test_text_completion_models_health_and_a_continued_conversation(server, refe
 
 
 @pytest.mark.slow
+def test_a_continue_turn_whose_last_user_message_grew_finds_its_prompt_cached(server):
+    """Claude Code's ``--continue`` appends its new text to the last user message: the
+    replayed prompt differs from the cached one only after that message's old end (fewer
+    tokens than a new turn), and all but those last tokens come from the cache (Anthropic's
+    usage: ``cache_read_input_tokens`` read, ``input_tokens`` fed)."""
+    rivers = ", ".join(["the Nile", "the Amazon", "the Danube", "the Mekong", "the Volga"] * 6)
+    question = f"Here are some rivers I like: {rivers}. Which one is the longest?"
+
+    def ask(text: str) -> dict:
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+        status, _, reply = server.request("/v1/messages", body)
+        assert status == 200, reply
+        return reply["usage"]
+
+    first = ask(question)
+    grown = ask(question + " And count to three.")
+    prompt = grown["input_tokens"] + grown["cache_read_input_tokens"]
+    assert prompt > first["input_tokens"] + first["cache_read_input_tokens"] > 100
+    assert grown["input_tokens"] <= 12  # " And count to three." and the template's tail
+    assert grown["cache_read_input_tokens"] >= first["input_tokens"] - 6
+
+
+@pytest.mark.slow
 def test_a_stop_string_ends_the_answer_before_it(server, reference):
     client = server.client()
     full, _ = reference(FRANCE, 24)
