@@ -879,3 +879,22 @@ def test_replies_validate_strictly_as_the_sdks_declare_them(agents):
     for event in events:
         if json.loads(event)["type"] != "ping":  # a keep-alive, which the SDK's stream skips
             strictly(RawMessageStreamEvent, event)
+
+
+def test_the_agent_docs_name_a_model_with_tools_and_cap_qwen_code_s_output():
+    """docs/serving.md: the Anthropic agent example does not name the embedded model (whose
+    template takes no tools: every agent request would get a 400), and Qwen Code's settings
+    block is valid JSON capping its 32,768-token default."""
+    from pathlib import Path
+
+    from redrafter_mlx.io.embedded import default_model_path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    named = re.findall(r"ANTHROPIC_MODEL=(\S+)", docs)
+    assert named and "smollm2-135m-instruct" not in named
+    config = json.loads((default_model_path() / "tokenizer_config.json").read_text())
+    assert "tools" not in config["chat_template"]  # why the embedded model serves no agent
+    blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", docs, re.S)]
+    (qwen,) = [b for b in blocks if "generationConfig" in b.get("model", {})]
+    assert 0 < qwen["model"]["generationConfig"]["samplingParams"]["max_tokens"] < 32768
+    assert "qwen --auth-type openai --openai-base-url http://127.0.0.1:8080/v1" in docs
