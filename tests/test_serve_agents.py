@@ -390,13 +390,18 @@ def test_a_developer_message_is_the_system_prompt(agents):
 
 def test_a_text_completion_is_its_log_prob_tokens_joined(agents):
     """The detokenizer drops an answer's first space (right for chat, wrong for a
-    continuation): the text is its tokens, whole and streamed."""
+    continuation): the text is its tokens, whole and streamed; the end token that ended it
+    has the last log-prob entry (one per token counted, as mlx-lm's server gives them), and
+    no text."""
     client, model = agents.client(), model_of(agents)
     texts = []
     for prompt in ("The weather in Paris is", "Once upon a time", "1, 2, 3,", "Hello", "Q: A"):
         whole = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0)
         choice = whole.choices[0]
-        assert choice.text == "".join(choice.logprobs.tokens), prompt
+        tokens = choice.logprobs.tokens
+        assert len(tokens) == whole.usage.completion_tokens, prompt
+        ended = choice.finish_reason == "stop"
+        assert choice.text == "".join(tokens[: len(tokens) - ended]), prompt
         stream = client.completions.create(
             model=model, prompt=prompt, max_tokens=6, logprobs=0, stream=True
         )

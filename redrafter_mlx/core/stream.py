@@ -112,7 +112,7 @@ class StepResponse:
         """The end-of-sequence token this step ended the answer with (not in ``tokens``,
         counted in ``completion_tokens``; its log-probs are the last row); None otherwise."""
         ended = self.finish_reason == "stop" and self.stop_string is None
-        return self.stats.end_token if ended else None
+        return self.stats.end_token if ended and self.stats is not None else None
 
 
 @dataclass
