@@ -24,3 +24,9 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     raise AttributeError(f"module 'redrafter_mlx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's own names and the lazily imported API's (``dir(redrafter_mlx)``, tab
+    completion), without importing it."""
+    return sorted({*globals(), *_API})

@@ -18,6 +18,7 @@ comes where a decoder built it earlier; imported after MLX, it warns once with t
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 import weakref
@@ -58,6 +59,8 @@ __all__ = [
     "stream_generate",
 ]
 
+log = logging.getLogger(__name__)  # "redrafter_mlx.api": set "redrafter_mlx" to INFO to see it
+
 
 @dataclass(frozen=True)
 class Model:
@@ -75,6 +78,14 @@ class Model:
     def decoder(self) -> Decoder:
         return self.runtime.decoder
 
+    @property
+    def drafter_source(self) -> str | None:
+        """Which drafter :func:`load` chose and why, in the command line's words
+        (``drafter: PATH (why)`` or ``drafter: none (why): lookup beams only``); None for a
+        runtime built without a choice."""
+        choice = self.runtime.drafter_choice
+        return None if choice is None else choice.describe()
+
     def __call__(self, *args, **kwargs):
         return self.target(*args, **kwargs)
 
@@ -86,7 +97,20 @@ def load(
     SmolLM2-135M-Instruct) and its drafter (``drafter``: a folder; the embedded model's own
     when None) -> ``(model, tokenizer)``, parameters evaluated."""
     runtime = rt.load_runtime(path_or_hf_repo, drafter, need_drafter=False)
-    return Model(runtime), runtime.tokenizer
+    model = Model(runtime)
+    _log_drafter(runtime.drafter_choice)
+    return model, runtime.tokenizer
+
+
+def _log_drafter(choice) -> None:
+    """The drafter choice on this module's logger, as the command line says it on stderr
+    (``DrafterChoice.describe``); what discovery skipped, as a warning."""
+    if choice is None:
+        return
+    log.info(choice.describe())
+    skipped = choice.skipped_line()
+    if skipped is not None:
+        log.warning(skipped)
 
 
 _PLAIN: dict[tuple[int, int], Decoder] = {}  # plain models' decoders, while each lives

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from support import tiny_llama, toy_hf_tokenizer, toy_tokenizer
@@ -63,9 +64,13 @@ def test_an_answer_ended_by_its_end_token_carries_it_last_and_counts_it_as_mlx_l
     drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)
     for options in ({"autoregressive": True}, {"drafter": drafter, "beam_width": 2}):
         ours = list(
-            redrafter_mlx.stream_generate(model, tokenizer, prompt, max_tokens=30, **options)
+            redrafter_mlx.stream_generate(
+                model, tokenizer, prompt, max_tokens=30, logprobs=True, **options
+            )
         )
         assert [r.token for r in ours] == [r.token for r in theirs]
+        for mine, want in zip(ours, theirs, strict=True):  # the end token's log-probs too
+            np.testing.assert_allclose(mine.logprobs, want.logprobs, atol=1e-4)
         assert ours[-1].token in tokenizer.eos_token_ids and ours[-1].finish_reason == "stop"
         assert ours[-1].generation_tokens == theirs[-1].generation_tokens == 7
         assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)

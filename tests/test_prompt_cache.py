@@ -65,6 +65,36 @@ def test_a_prompt_differing_only_in_its_last_words_is_another_conversation(new_s
     assert cache.take([*prompt[:-2], *range(70, 70 + 2 * TAIL)]) is a  # its follow-up
 
 
+def test_a_prompt_whose_last_message_grew_continues_its_conversation(new_session):
+    """Claude Code's ``--continue`` appends its text to the last user message: the request
+    is the last prompt with a few tokens put in before the template's tail (its first token
+    may merge with them), shorter than a new turn, and still that conversation's."""
+    message, tail = [5 + i % 40 for i in range(3 * TAIL)], [50, 51, 52, 53]
+    grown = [*message, 70, 71, *tail]  # two tokens more: under TAIL
+    merged = [*message, 72, 73, *tail[1:]]  # the tail's first token merged with the new text
+    assert len(grown) < len(message) + len(tail) + TAIL
+    for request in (grown, merged):
+        cache = PromptCache(new_session, max_sessions=4)
+        a, b = turn(cache, [*message, *tail]), turn(cache, B)
+        assert cache.take(request) is a and cache.sessions == [b, a]
+    replaced = [*message[:-2], 70, 71, *tail]  # its last words changed: no growth
+    cache = PromptCache(new_session, max_sessions=4)
+    a = turn(cache, [*message, *tail])
+    assert cache.take(replaced) is not a
+
+
+def test_a_request_sharing_nearly_all_of_a_session_takes_it_whatever_its_length(new_session):
+    """A long conversation whose request differs in its last tokens (an edited last message,
+    a shorter retry): re-reading the shared tokens costs far more than what the session's
+    conversation loses (its tail and answer), so it is reused; a short one keeps apart."""
+    cache = PromptCache(new_session, max_sessions=4)
+    prompt = [5 + i % 40 for i in range(20 * TAIL)]
+    a = turn(cache, prompt, max_tokens=4)
+    assert cache.take([*prompt[:-3], 60, 61, 62]) is a  # the same length, last words changed
+    assert cache.take([*prompt[:-3], 60]) is a  # shorter
+    assert len(cache.sessions) == 1
+
+
 def test_a_short_prompt_is_not_extended_by_a_shared_first_token(new_session):
     cache = PromptCache(new_session, max_sessions=4)
     a = turn(cache, A)

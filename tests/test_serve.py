@@ -401,6 +401,29 @@ def test_text_completion_models_health_and_a_continued_conversation(server, refe
 
 
 @pytest.mark.slow
+def test_a_continue_turn_whose_last_user_message_grew_finds_its_prompt_cached(server):
+    """Claude Code's ``--continue`` appends its new text to the last user message: the
+    replayed prompt differs from the cached one only after that message's old end (fewer
+    tokens than a new turn), and all but those last tokens come from the cache (Anthropic's
+    usage: ``cache_read_input_tokens`` read, ``input_tokens`` fed)."""
+    rivers = ", ".join(["the Nile", "the Amazon", "the Danube", "the Mekong", "the Volga"] * 6)
+    question = f"Here are some rivers I like: {rivers}. Which one is the longest?"
+
+    def ask(text: str) -> dict:
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+        status, _, reply = server.request("/v1/messages", body)
+        assert status == 200, reply
+        return reply["usage"]
+
+    first = ask(question)
+    grown = ask(question + " And count to three.")
+    prompt = grown["input_tokens"] + grown["cache_read_input_tokens"]
+    assert prompt > first["input_tokens"] + first["cache_read_input_tokens"] > 100
+    assert grown["input_tokens"] <= 12  # " And count to three." and the template's tail
+    assert grown["cache_read_input_tokens"] >= first["input_tokens"] - 6
+
+
+@pytest.mark.slow
 def test_a_stop_string_ends_the_answer_before_it(server, reference):
     client = server.client()
     full, _ = reference(FRANCE, 24)
@@ -434,10 +457,10 @@ def test_logprobs_over_http_equal_mlx_lm_s_autoregressive_ones(server, runtime):
         mlx_lm.stream_generate(runtime.model, runtime.tokenizer, mx.array(ids), max_tokens=16)
     )
     entries = done.choices[0].logprobs.content
-    ended_by_eos = done.choices[0].finish_reason == "stop"  # usage counts the end token
-    assert len(entries) == done.usage.completion_tokens - ended_by_eos
-    eos = runtime.tokenizer.eos_token_ids
-    theirs = [r for r in theirs if r.token not in eos]  # mlx-lm yields the EOS too
+    # one entry per token usage counts: the end token too, as mlx-lm's server gives it one
+    assert done.choices[0].finish_reason == "stop"
+    assert len(entries) == done.usage.completion_tokens == len(theirs)
+    assert theirs[-1].token in runtime.tokenizer.eos_token_ids  # mlx-lm yields the EOS too
     assert done.usage.redrafter["accepted_tokens"] > 0  # multi-token steps were read
     for entry, want in zip(entries, theirs, strict=True):
         row = np.array(want.logprobs)
@@ -463,6 +486,7 @@ def test_logprobs_over_http_equal_mlx_lm_s_autoregressive_ones(server, runtime):
         [e.logprob for e in streamed], [e.logprob for e in entries], atol=1e-4
     )
     text = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, logprobs=2)
+    assert len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
     np.testing.assert_allclose(
         text.choices[0].logprobs.token_logprobs, [e.logprob for e in entries], atol=1e-4
     )

@@ -390,13 +390,18 @@ def test_a_developer_message_is_the_system_prompt(agents):
 
 def test_a_text_completion_is_its_log_prob_tokens_joined(agents):
     """The detokenizer drops an answer's first space (right for chat, wrong for a
-    continuation): the text is its tokens, whole and streamed."""
+    continuation): the text is its tokens, whole and streamed; the end token that ended it
+    has the last log-prob entry (one per token counted, as mlx-lm's server gives them), and
+    no text."""
     client, model = agents.client(), model_of(agents)
     texts = []
     for prompt in ("The weather in Paris is", "Once upon a time", "1, 2, 3,", "Hello", "Q: A"):
         whole = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0)
         choice = whole.choices[0]
-        assert choice.text == "".join(choice.logprobs.tokens), prompt
+        tokens = choice.logprobs.tokens
+        assert len(tokens) == whole.usage.completion_tokens, prompt
+        ended = choice.finish_reason == "stop"
+        assert choice.text == "".join(tokens[: len(tokens) - ended]), prompt
         stream = client.completions.create(
             model=model, prompt=prompt, max_tokens=6, logprobs=0, stream=True
         )
@@ -816,3 +821,85 @@ def test_llama3_s_bare_json_calls_are_read_from_its_template_s_own_rendering(
     for step in pieces_of(quoted, 0):
         answer.add(step)
     assert (answer.text, answer.calls) == (quoted, [])
+
+
+# ---------------------------------------------------------------- the SDKs' types, strictly
+
+
+def raw_reply(served: Served, path: str, body: dict) -> str | list[str]:
+    """The raw text of a reply: its JSON, or a stream's ``data:`` payloads (``[DONE]`` left
+    out), as the SDKs would read them before their lenient parsing."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(served.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    assert response.status == 200, text
+    if not body.get("stream"):
+        return text
+    data = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    return [d for d in data if d != "[DONE]"]
+
+
+def strictly(kind, text: str):
+    """``text`` validated as the SDK's ``kind`` in pydantic's strict mode: every field it
+    declares required present, of its type (the SDKs' own parsing lets either pass)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(kind).validate_json(text, strict=True)
+
+
+def test_replies_validate_strictly_as_the_sdks_declare_them(agents):
+    """Whole and streamed replies of the Responses API, chat completions and Anthropic's
+    Messages (text and a tool call): each validates as the installed SDK's pydantic models
+    in strict mode, usage included (the Responses API's ``cache_write_tokens``)."""
+    from anthropic.types import Message, RawMessageStreamEvent
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    tools = [t for t in RESPONSES_TOOLS if t["type"] == "function"]
+    for request in (
+        {"input": tool_model.QUESTION, "tools": tools},
+        {"input": "Say something.", "max_output_tokens": 6},
+    ):
+        body = {"model": "m", "store": False, **request}
+        done = strictly(Response, raw_reply(agents, "/v1/responses", body))
+        assert done.usage.input_tokens_details.cache_write_tokens == 0
+        events = raw_reply(agents, "/v1/responses", body | {"stream": True})
+        last = [strictly(ResponseStreamEvent, e) for e in events][-1]
+        assert last.response.usage.input_tokens == done.usage.input_tokens
+    body = {"model": "m", "messages": tool_model.QUESTION, "tools": [tool_model.WEATHER]}
+    strictly(ChatCompletion, raw_reply(agents, "/v1/chat/completions", body))
+    stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+    for chunk in raw_reply(agents, "/v1/chat/completions", stream):
+        strictly(ChatCompletionChunk, chunk)
+    body = {"model": "m", "max_tokens": 64, "messages": tool_model.QUESTION}
+    body["tools"] = ANTHROPIC_TOOLS
+    strictly(Message, raw_reply(agents, "/v1/messages", body))
+    events = raw_reply(agents, "/v1/messages", body | {"stream": True})
+    for event in events:
+        if json.loads(event)["type"] != "ping":  # a keep-alive, which the SDK's stream skips
+            strictly(RawMessageStreamEvent, event)
+
+
+def test_the_agent_docs_name_a_model_with_tools_and_cap_qwen_code_s_output():
+    """docs/serving.md: the Anthropic agent example does not name the embedded model (whose
+    template takes no tools: every agent request would get a 400), and Qwen Code's settings
+    block is valid JSON capping its 32,768-token default."""
+    from pathlib import Path
+
+    from redrafter_mlx.io.embedded import default_model_path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    named = re.findall(r"ANTHROPIC_MODEL=(\S+)", docs)
+    assert named and "smollm2-135m-instruct" not in named
+    config = json.loads((default_model_path() / "tokenizer_config.json").read_text())
+    assert "tools" not in config["chat_template"]  # why the embedded model serves no agent
+    blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", docs, re.S)]
+    (qwen,) = [b for b in blocks if "generationConfig" in b.get("model", {})]
+    assert 0 < qwen["model"]["generationConfig"]["samplingParams"]["max_tokens"] < 32768
+    assert "qwen --auth-type openai --openai-base-url http://127.0.0.1:8080/v1" in docs

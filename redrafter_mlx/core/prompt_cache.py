@@ -1,20 +1,28 @@
 """Several conversations' KV caches for one server: a :class:`Session` per conversation, kept
 in least-recently-used order and bounded by count and bytes, each request answered by the
-session whose cached tokens it extends.
+session whose cached tokens it continues.
 
 Agents and chat front ends interleave conversations (an agent and its sub-agent, two tabs);
-with one cache every switch re-read the whole history. A request *extends* a session when it
-begins with that session's last prompt (but for a few tokens at its end): the answer that
-followed may come back spelled otherwise, since a client resends the answer's text, which the
-tokenizer need not split into the tokens generated (a token that is only part of a character
-cannot come back; a random model's tokens often do not), and a template may end the answer
-differently. Where it shares less than the whole last prompt, a request extends it only when
-it is at least :data:`TAIL` tokens longer (an answer and a new turn follow): another
-conversation whose first message differs only in its last words is not a follow-up, and must
-not take (and rewind) the session of the one it resembles. Of the sessions a request extends,
-the one sharing most is taken. A request that extends none gets a fresh session while there
-is room, else the least recently used one's cache (rewound to the prefix it shares, if any: an
-agent's turn must not cost the conversation just used).
+with one cache every switch re-read the whole history. A request *continues* a session when
+(:func:`follows`):
+
+- it begins with that session's last prompt (it extends it);
+- it begins with that prompt but for a few tokens at its end (:data:`TAIL`) and a new turn
+  follows: a client resends the answer's text, which the tokenizer need not split into the
+  tokens generated (a token that is only part of a character cannot come back; a random
+  model's tokens often do not), and a template may end the answer differently;
+- the prompt's last message grew: the request is that prompt with text put in where they part,
+  the prompt's rest (but for its first token, which the new text may merge with) ending it
+  (Claude Code's ``--continue`` appends its new text to the last user message);
+- it shares nearly all of what the session caches (:data:`LOSS_SHARE`): reusing that saves far
+  more than the session's own conversation could lose, whatever the request's length.
+
+Another conversation whose first message differs only in its last words (the same length, no
+new turn) shares neither so much nor in that way: it must not take (and rewind) the session of
+the one it resembles. Of the sessions a request continues, the one sharing most is taken. A
+request that continues none gets a fresh session while there is room, else the least recently
+used one's cache (rewound to the prefix it shares, if any: an agent's turn must not cost the
+conversation just used).
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from redrafter_mlx.core.cache import common_prefix
 from redrafter_mlx.core.session import Session
 
 TAIL = 8  # tokens at a prompt's end a resent history may spell differently (template tails)
+# A request sharing this much of a session's cached tokens takes it whatever follows: the
+# tokens it would cost the session's conversation are at most a quarter of those reused.
+LOSS_SHARE = 4
 
 
 class PromptCache:
@@ -81,7 +92,7 @@ class PromptCache:
             cached = session.sequence.ids
             shared = common_prefix(cached, ids)
             prompt = min(len(cached), self._prompts.get(id(session), len(cached)))
-            if shared and shared >= most and follows(shared, prompt, len(ids)):
+            if shared and shared >= most and follows(cached, prompt, ids, shared):
                 found, most = session, shared
         return found
 
@@ -90,14 +101,27 @@ class PromptCache:
         return sum(session_bytes(s) for s in self.sessions)
 
 
-def follows(shared: int, prompt: int, length: int) -> bool:
-    """Whether a request of ``length`` tokens sharing ``shared`` with a session whose last
-    prompt had ``prompt`` continues that conversation: the whole prompt shared, or all but
-    a tail (a short prompt's tail may not be most of it: a shared BOS is no conversation)
-    and followed by at least a tail's worth of new turn."""
+def follows(cached, prompt: int, ids: list[int], shared: int) -> bool:
+    """Whether the request ``ids``, sharing its first ``shared`` tokens with a session's
+    ``cached`` ids, whose last prompt was their first ``prompt``, continues that conversation
+    (the module's rules): it extends the prompt, or resends it with another tail and a new
+    turn, or grew its last message, or shares nearly all of ``cached``. A short prompt's tail
+    may not be most of it: a shared BOS is no conversation."""
     if shared >= prompt:
         return True
-    return shared >= prompt - min(TAIL, prompt // 2) and length >= prompt + TAIL
+    length = len(ids)
+    if shared >= prompt - min(TAIL, prompt // 2) and length >= prompt + TAIL:
+        return True
+    if shared * 2 >= prompt and grew(cached[shared + 1 : prompt], ids, prompt):
+        return True
+    return (len(cached) - shared) * LOSS_SHARE <= shared
+
+
+def grew(rest, ids: list[int], prompt: int) -> bool:
+    """Whether ``ids`` is a prompt of ``prompt`` tokens with text put in where the two part:
+    longer, and ending with ``rest``, the prompt's tokens after that point but the first (the
+    template's end of the message and start of the answer)."""
+    return len(ids) > prompt and tuple(ids[len(ids) - len(rest) :]) == tuple(rest)
 
 
 def check_bounds(max_sessions: int, max_bytes: int | None) -> None:

@@ -98,12 +98,21 @@ class StepResponse:
     tokens: list[int]  # tokens emitted by this step (after stop rules)
     stats: GenerationStats
     finish_reason: str | None = None  # "stop", "length", "context" or None while running
-    # (len(tokens), V): the target's log-probs each token was chosen from (None unless the
-    # decoding asked for them, ``Decoding.logprobs``)
+    # (len(tokens) + ended, V): the target's log-probs each token was chosen from, the end
+    # token's last where it ended the answer (``ended``; None unless the decoding asked for
+    # them, ``Decoding.logprobs``): one row per token counted in ``completion_tokens``
     logprobs: mx.array | None = None
-    # each token's log-prob and the most likely alternatives (``Decoding.top_logprobs``)
+    # each token's log-prob and the most likely alternatives (``Decoding.top_logprobs``),
+    # rows as ``logprobs``'
     top_logprobs: TopLogprobs | None = None
     stop_string: str | None = None  # the stop string that ended the answer, if one did
+
+    @property
+    def end_token(self) -> int | None:
+        """The end-of-sequence token this step ended the answer with (not in ``tokens``,
+        counted in ``completion_tokens``; its log-probs are the last row); None otherwise."""
+        ended = self.finish_reason == "stop" and self.stop_string is None
+        return self.stats.end_token if ended and self.stats is not None else None
 
 
 @dataclass
@@ -140,12 +149,8 @@ def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationRespons
     for step in steps:
         stats = step.stats
         tokens = list(step.tokens)
-        if (
-            step.finish_reason == "stop"
-            and step.stop_string is None
-            and stats.end_token is not None
-        ):
-            tokens.append(stats.end_token)  # mlx-lm's last response carries the end token
+        if step.end_token is not None:
+            tokens.append(step.end_token)  # mlx-lm's last response carries the end token
         elif step.finish_reason and not tokens:
             tokens = [None]
         last = len(tokens) - 1
@@ -155,7 +160,7 @@ def token_responses(steps: Iterator[StepResponse]) -> Iterator[GenerationRespons
                 text=step.text if i >= last else "",
                 token=token,
                 logprobs=None
-                if step.logprobs is None or i >= len(step.tokens)
+                if step.logprobs is None or i >= len(step.logprobs)
                 else step.logprobs[i],
                 from_draft=i < len(step.tokens) - 1 and stats.steps > 0,
                 prompt_tokens=stats.prompt_tokens,
@@ -264,8 +269,9 @@ def _stream_steps(steps, tokenizer, prompt_tokens, max_tokens, stop_strings, beg
             end = len(detokenizer.text) - held_back(detokenizer.text, stop_strings)
         text, shown = detokenizer.text[shown:end], max(shown, end)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        logprobs = None if step.logprobs is None else step.logprobs[: len(emitted)]
-        top = None if step.top_logprobs is None else step.top_logprobs[: len(emitted)]
+        rows = len(emitted) + (cut is None and ended_by_eos)  # the end token's row too
+        logprobs = None if step.logprobs is None else step.logprobs[:rows]
+        top = None if step.top_logprobs is None else step.top_logprobs[:rows]
         matched = None if cut is None else stop_at(detokenizer.text, stop_strings, cut)
         yield StepResponse(text, emitted, stats, reason, logprobs, top, matched)
         if reason is not None:

@@ -258,7 +258,7 @@ class OpenAI(h.Api):
 
     def response(self, call: Call, answer: h.Answer, outcome: h.Outcome) -> dict:
         """The whole answer of a non-streamed request."""
-        logprobs = self._logprobs(call, answer.tokens, answer.logprobs) if call.logprobs else None
+        logprobs = self._logprobs(call, answer.counted, answer.logprobs) if call.logprobs else None
         if call.kind == "chat":
             text = answer.text or (None if answer.calls else "")
             message = {"role": "assistant", "content": text}
@@ -319,8 +319,8 @@ class OpenAIStream(h.Stream):
 
     def piece(self, piece: h.Piece) -> list[tuple]:
         logprobs = None
-        if self.call.logprobs and piece.tokens:
-            logprobs = self.api._logprobs(self.call, piece.tokens, [piece.logprobs])
+        if self.call.logprobs and piece.counted:
+            logprobs = self.api._logprobs(self.call, piece.counted, [piece.logprobs])
         events = []
         if piece.reasoning:
             events.append(self._chunk({"delta": {"reasoning_content": piece.reasoning}}))

@@ -374,13 +374,20 @@ class ToolCall:
 @dataclass
 class Piece:
     """What one step added to an answer: text, complete tool calls, and the step's tokens
-    with their log-probs (None unless asked for)."""
+    with their log-probs (None unless asked for; the end token's last where it ended the
+    answer: ``end_token``)."""
 
     text: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: TopLogprobs | None = None
     reasoning: str = ""  # the model's thinking (between its reasoning tags)
+    end_token: int | None = None  # the end-of-sequence token that ended the answer here
+
+    @property
+    def counted(self) -> list[int]:
+        """The tokens usage counts (the end token included): one log-prob entry each."""
+        return self.tokens + ([] if self.end_token is None else [self.end_token])
 
 
 class Answer:
@@ -412,7 +419,8 @@ class Answer:
         self.text = ""
         self.calls: list[ToolCall] = []
         self.tokens: list[int] = []
-        self.logprobs: list[TopLogprobs] = []
+        self.logprobs: list[TopLogprobs] = []  # one row per counted token (:attr:`counted`)
+        self.end_token: int | None = None  # the end-of-sequence token that ended it, if one
         self.reason: str | None = None
         self.stop_string: str | None = None
         self._held = ""  # text not shown yet: it may begin a call's opening tag
@@ -425,13 +433,22 @@ class Answer:
         self._trim = self._thinking  # whitespace after a tag is not shown
 
     @property
+    def counted(self) -> list[int]:
+        """The tokens usage counts: the answer's and its end token (one log-prob entry each,
+        as mlx-lm's server gives the end token its entry)."""
+        return self.tokens + ([] if self.end_token is None else [self.end_token])
+
+    @property
     def finish_reason(self) -> str | None:
         """The service's reason ("stop", "length", "context"), or "tool_calls": stopped
         after calling."""
         return "tool_calls" if self.calls and self.reason == "stop" else self.reason
 
     def add(self, step: StepResponse) -> Piece:
-        piece = Piece(tokens=list(step.tokens), logprobs=step.top_logprobs)
+        piece = Piece(
+            tokens=list(step.tokens), logprobs=step.top_logprobs, end_token=step.end_token
+        )
+        self.end_token = step.end_token  # set by the last step only
         self.tokens += step.tokens
         if step.top_logprobs is not None:
             self.logprobs.append(step.top_logprobs)

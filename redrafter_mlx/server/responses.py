@@ -249,9 +249,13 @@ def _tool_choice(value, tools: list[dict]):
 
 
 def usage(outcome: h.Outcome) -> dict:
+    """The Responses API's ``usage``, every field its SDK types declare required (nothing
+    is written to a cache a client pays for: ``cache_write_tokens`` 0), plus our
+    ``redrafter`` block."""
+    details = {"cached_tokens": outcome.cached_tokens, "cache_write_tokens": 0}
     return {
         "input_tokens": outcome.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        "input_tokens_details": details,
         "output_tokens": outcome.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
