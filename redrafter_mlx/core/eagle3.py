@@ -30,7 +30,7 @@ from mlx_lm.models.qwen3 import MLP  # SwiGLU, the names both formats use
 
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.draft import best, narrow
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.drafting import Reading, Source
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.sequence import Sequence
 
@@ -326,7 +326,7 @@ class Eagle3Part:
         return self.owner.module.fc.weight.dtype
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Source):
     """An EAGLE-3 drafter as the speculative step's source (:class:`~redrafter_mlx.core.
     drafting.Source`): it reads ``taps``, keeps an :class:`Eagle3Part` per sequence and drafts
     ``W`` beams by beam search over its decoder (each beam attends to the sequence's entries
