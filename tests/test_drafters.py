@@ -27,6 +27,7 @@ from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
 from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.errors import ReDrafterError
+from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import drafters
 from redrafter_mlx.training.taps import tapped
@@ -598,7 +599,8 @@ def test_a_layered_drafter_drafts_from_the_last_accepted_path_rows_taps(deep_tar
 
     drafter = layered_drafter(deep_target, layers=(1, 3))
     part = drafter.new_part()
-    sequence = type("Seq", (), {"parts": [part]})()
+    sequence = Sequence(1, mx.float32)
+    sequence.parts.append(part)
     rng = np.random.default_rng(0)
     taps = {i: mx.array(rng.normal(size=(6, 64)).astype(np.float32)) for i in (1, 3)}
     rows = mx.array([4, 0, 2, 5])
