@@ -322,9 +322,6 @@ class DFlashDrafter(Source):
         beams, token_logprobs = best_first(logprobs, reading.pending, width)
         return beams, token_logprobs, 0
 
-    def warm_up(self, context, pending, **options) -> None:
-        """Nothing to trace: the drafter runs eagerly."""
-
 
 def best_first(logprobs: mx.array, pending: mx.array, nodes: int) -> tuple[mx.array, mx.array]:
     """The ``nodes`` most probable prefixes under per-depth ``logprobs (d, V)`` (DDTree's

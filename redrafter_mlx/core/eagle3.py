@@ -448,9 +448,6 @@ class Eagle3Drafter(Source):
             ]
         return beams, token_logprobs
 
-    def warm_up(self, context, pending, **options) -> None:
-        """Nothing to trace: the drafter runs eagerly (its entries vary in number)."""
-
     def _empty_cache(self) -> list[tuple[mx.array, mx.array]]:
         args = self.module.args
         shape = (1, args.num_key_value_heads, 0, args.head_dim)
