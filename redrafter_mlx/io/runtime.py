@@ -91,27 +91,27 @@ def load_runtime(
             embedded=embedded,
         )
         drafter_path = choice.path
-        beam_drafter = None
+        loaded = None
         if drafter_path is not None:
             dtype = None if plan.drafter_float32 else compute_dtype(target)
-            beam_drafter, choice = _load_any_drafter(drafter_path, target, dtype, choice)
+            loaded, choice = _load_any_drafter(drafter_path, target, dtype, choice)
     except ReDrafterError:
         raise
     except (ValueError, OSError) as e:  # e.g. an unreadable file: one line, no traceback
         raise LoadError(os_error_text(e) if isinstance(e, OSError) else str(e)) from None
-    if need_drafter and beam_drafter is None:
+    if need_drafter and loaded is None:
         why = "; ".join([choice.reason, *(f"skipped {x}" for x in choice.skipped)])
         raise ConfigError(
             f"no drafter for this model ({why}): pass --drafter DIR or USER/NAME, "
             "--lookup K for lookup beams only, or make one with `redrafter-mlx train`"
         )
     max_context = config.get("max_position_embeddings")
-    decoder = build_decoder(target, beam_drafter, plan=plan, max_context=max_context)
+    decoder = build_decoder(target, loaded, plan=plan, max_context=max_context)
     return Runtime(
         decoder.model,  # the loaded model is dropped: the decoder's copy shares its weights
         tokenizer,
         config,
-        beam_drafter,
+        loaded,
         str(model_path),
         None if drafter_path is None else str(drafter_path),
         decoder,
