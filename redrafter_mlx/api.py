@@ -39,7 +39,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 from redrafter_mlx.backend.plan import build_decoder, plan_for  # noqa: E402
 from redrafter_mlx.core.accept import Sampler, greedy, temperature  # noqa: E402
 from redrafter_mlx.core.decode import Decoder  # noqa: E402
-from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
+from redrafter_mlx.core.drafting import Source  # noqa: E402
 from redrafter_mlx.core.mode import Mode  # noqa: E402
 from redrafter_mlx.core.scheduler import answer_together  # noqa: E402
 from redrafter_mlx.core.session import Session  # noqa: E402
@@ -116,7 +116,7 @@ def _log_drafter(choice) -> None:
 _PLAIN: dict[tuple[int, int], Decoder] = {}  # plain models' decoders, while each lives
 
 
-def _decoder(model: Model | nn.Module, drafter: BeamDrafter | None) -> Decoder:
+def _decoder(model: Model | nn.Module, drafter: Source | None) -> Decoder:
     """The decoder of ``model``: a loaded one's, or built on a plain model's first call with
     ``drafter`` (or none)."""
     if isinstance(model, Model):
@@ -189,7 +189,7 @@ def stream_generate(
     autoregressive: bool = False,
     stop_strings: tuple[str, ...] = (),
     seed: int | None = None,
-    drafter: BeamDrafter | None = None,
+    drafter: Source | None = None,
     logprobs: bool = False,
 ) -> Iterator[GenerationResponse]:
     """mlx-lm's ``stream_generate``: one :class:`GenerationResponse` per token, with mlx-lm's
@@ -198,7 +198,9 @@ def stream_generate(
     ``sampler``: e.g. ``mlx_lm.sample_utils.make_sampler(0.7)`` (None: greedy). The beam shape
     keywords override this chip's autotune profile or the default; ``autoregressive`` decodes
     one token per step. ``drafter``: a plain mlx-lm model's drafter (as mlx-lm's
-    ``draft_model``), bound to its embedding (``BeamDrafter(drafter, llm.embedding(model))``).
+    ``draft_model``), any ``core/drafting.Source``: a folder's from
+    ``io.field_drafters.create_drafter(folder, model)``, or a ReDrafter module bound to the
+    model's embedding (``BeamDrafter(drafter, llm.embedding(model))``).
     ``logprobs``: each response carries the target's log-probs ``(V,)`` its token was chosen
     from, as mlx-lm's do (off by default: a log-softmax per token). The output is the
     target's own: greedy token for token, sampled from the same distribution.
@@ -298,7 +300,7 @@ def batch_generate(
     autoregressive: bool = False,
     stop_strings: tuple[str, ...] = (),
     seed: int | None = None,
-    drafter: BeamDrafter | None = None,
+    drafter: Source | None = None,
 ) -> BatchResponse:
     """mlx-lm's ``batch_generate``: answer every prompt (token ids, or text) at once, each
     answer speculative as :func:`stream_generate`'s (same keywords) and equal to it at

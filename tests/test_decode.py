@@ -27,6 +27,7 @@ from redrafter_mlx.core.accept import choose, greedy
 from redrafter_mlx.core.accept import make_sampler as our_sampler
 from redrafter_mlx.core.draft import BeamDrafter, beam_search, select_paths
 from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.drafting import SearchSource
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape, verified_sizes
@@ -131,8 +132,10 @@ def test_pruned_trees_are_smaller_and_still_exact():
     assert sizes[0.0] > sizes[0.05] > sizes[0.2] >= 1
 
 
-class OracleDrafter:
+class OracleDrafter(SearchSource):
     """Proposes the target's own continuation in one beam (at a varying row), junk elsewhere."""
+
+    kind = "oracle"
 
     def __init__(self, continuation, vocab):
         self.continuation, self.vocab, self.calls = continuation, vocab, 0

@@ -27,7 +27,7 @@ from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.io.field_drafters import drafter_kind, load_dflash
+from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_dflash
 
 VOCAB, HIDDEN = 97, 64
 
@@ -163,6 +163,7 @@ def test_best_first_tree_is_ddtrees(tmp_path):
 
 def test_a_dflash_drafter_for_another_target_is_refused_in_one_line(tmp_path, qwen3):
     assert drafter_kind(dflash_folder(tmp_path / "ok")) == "dflash"
+    assert create_drafter(tmp_path / "ok", qwen3).kind == "dflash"
     with pytest.raises(DrafterError, match=r"reads target layers \[0, 5\], but the target has 2"):
         load_dflash(dflash_folder(tmp_path / "deep", layer_ids=(0, 5)), qwen3)
     with pytest.raises(DrafterError, match="has hidden size 32, but the target's is 64"):

@@ -27,6 +27,7 @@ from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
 from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.errors import ReDrafterError
+from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import drafters
 from redrafter_mlx.training.taps import tapped
@@ -598,7 +599,8 @@ def test_a_layered_drafter_drafts_from_the_last_accepted_path_rows_taps(deep_tar
 
     drafter = layered_drafter(deep_target, layers=(1, 3))
     part = drafter.new_part()
-    sequence = type("Seq", (), {"parts": [part]})()
+    sequence = Sequence(1, mx.float32)
+    sequence.parts.append(part)
     rng = np.random.default_rng(0)
     taps = {i: mx.array(rng.normal(size=(6, 64)).astype(np.float32)) for i in (1, 3)}
     rows = mx.array([4, 0, 2, 5])
@@ -614,3 +616,84 @@ def test_a_layered_drafter_drafts_from_the_last_accepted_path_rows_taps(deep_tar
     part.commit([3, 4, 5])
     after = drafter.draft(sequence, Reading.after_prompt(context, pending), width=2, length=3)[0]
     np.testing.assert_array_equal(np.array(after), np.array(got))
+
+
+# -- the drafter interface (issue 66): one abstract type, one factory
+
+
+def test_every_drafter_type_is_a_source_that_names_its_type():
+    """ReDrafter's RNN, EAGLE-3, DFlash, MTP and lookup all implement ``drafting.Source`` and
+    say which type they are (what banners and ``--json`` print)."""
+    from redrafter_mlx.core.dflash import DFlashDrafter
+    from redrafter_mlx.core.drafting import Source
+    from redrafter_mlx.core.eagle3 import Eagle3Drafter
+    from redrafter_mlx.core.lookup import Lookup
+    from redrafter_mlx.core.mtp import MTPDrafter
+
+    kinds = {
+        BeamDrafter: "redrafter",
+        Eagle3Drafter: "eagle3",
+        DFlashDrafter: "dflash",
+        MTPDrafter: "mtp",
+        Lookup: "lookup",
+    }
+    for cls, kind in kinds.items():
+        assert issubclass(cls, Source) and cls.kind == kind, cls
+
+
+def test_a_source_must_draft_and_defaults_the_rest():
+    """A subclass that does not draft cannot be made; one that only drafts reads the final
+    hidden state alone, keeps nothing per sequence and takes any shape."""
+    from redrafter_mlx.core.drafting import Source
+
+    class Silent(Source):
+        kind = "silent"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Silent()
+
+    class Root(Silent):
+        def draft(self, sequence, reading, **options):
+            return reading.pending.reshape(1, 1), None, 0
+
+    root = Root()
+    assert root.taps == () and root.new_part() is None and not root.prunes
+    assert root.check_shape(BeamShape(64, 9)) is None
+    assert not (root.batch_fits or root.searches_together)
+
+
+def test_a_beam_drafters_shape_check_refuses_more_beams_than_draft_tokens(target):
+    drafter = BeamDrafter(random_drafter(64, 16, seed=1), llm.embedding(target))
+    drafter.check_shape(BeamShape(4, 3, search_width=16))
+    with pytest.raises(ValueError, match="17 beams exceed the drafter's vocabulary"):
+        drafter.check_shape(BeamShape(4, 3, search_width=17))
+
+
+def test_create_drafter_loads_a_redrafter_folder_as_its_source(tmp_path, target):
+    from redrafter_mlx.io.field_drafters import create_drafter
+
+    folder = drafter_folder(tmp_path / "d")
+    drafter = create_drafter(folder, target)
+    assert isinstance(drafter, BeamDrafter) and drafter.kind == "redrafter"
+    context, pending = mx.ones((64,)), mx.array(3)
+    want = BeamDrafter(load_drafter(folder, target), llm.embedding(target))
+    np.testing.assert_array_equal(
+        np.array(drafter(context, pending, width=2, length=3)[0]),
+        np.array(want(context, pending, width=2, length=3)[0]),
+    )
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ReDrafterError):
+        create_drafter(tmp_path / "bad", target)
+
+
+def test_lookup_drafts_the_sequences_own_continuations():
+    """Lookup as a source: the beams its index proposes after the pending token, at
+    log-prob 0, after one host read (the pending token)."""
+    from redrafter_mlx.core.lookup import Lookup
+
+    sequence = Sequence(1, mx.float32)
+    sequence.commit([1, 2, 3, 1, 2, 4, 1])
+    reading = Reading.after_prompt(mx.zeros((4,)), mx.array(2))
+    beams, logprobs, reads = Lookup().draft(sequence, reading, width=3, length=4)
+    assert np.array(beams).tolist() == [[2, 4, 1, 2], [2, 3, 1, 2]]  # (1, 2) twice, latest first
+    assert np.array(logprobs).tolist() == [[0.0] * 3] * 2 and reads == 1

@@ -31,7 +31,7 @@ from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.llm import embedding
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.io.field_drafters import drafter_kind, load_eagle3
+from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_eagle3
 
 VOCAB, DRAFT_VOCAB = 97, 40
 
@@ -245,6 +245,8 @@ def test_a_drafter_for_another_target_is_refused_in_one_line(tmp_path, qwen3):
     assert drafter_kind(folder) == "eagle3"
     with pytest.raises(DrafterError, match="reads hidden size 48, but the target's is 64"):
         load_eagle3(folder, qwen3)
+    with pytest.raises(DrafterError, match="EAGLE-3 drafter reads hidden size 48"):
+        create_drafter(folder, qwen3)  # the factory hands the folder to EAGLE-3's loader
     deep = eagle3_folder(tmp_path / "deep", layer_ids=(2, 5, 9))
     with pytest.raises(DrafterError, match=r"reads target layers \[1, 4, 8\], but the target"):
         load_eagle3(deep, qwen3)

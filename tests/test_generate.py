@@ -10,6 +10,7 @@ from support import decoder_for, decoding_of, run_steps, tiny_llama, toy_tokeniz
 
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.drafting import SearchSource
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 
@@ -31,9 +32,11 @@ def reference(model):
             return out[:60]
 
 
-class Oracle:
+class Oracle(SearchSource):
     """Drafts the target's own continuation: every step accepts all L tokens, so a stop
     string falls inside a multi-token step."""
+
+    kind = "oracle"
 
     def __init__(self, continuation):
         self.continuation, self.pos = continuation, 0

@@ -24,7 +24,7 @@ from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.llm import inner_model
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.io.field_drafters import drafter_kind, load_mtp
+from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_mtp
 
 HIDDEN, HEADS, KV, DIM, INTER = 64, 4, 2, 16, 96
 
@@ -102,6 +102,7 @@ def test_logits_and_proposals_equal_mlx_vlms(tmp_path, qwen3_5, layout):
     folder = original_folder(tmp_path / "o") if layout == "original" else None
     folder = folder or split_folder(tmp_path / "s", ref)
     assert drafter_kind(folder) == "mtp"
+    assert create_drafter(folder, qwen3_5).kind == "mtp"
     ours = load_mtp(folder, qwen3_5)
     rng = np.random.default_rng(1)
     n, length = 7, 5

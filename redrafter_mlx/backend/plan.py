@@ -16,7 +16,7 @@ from redrafter_mlx.backend.cpu import blas
 from redrafter_mlx.backend.cpu.fused import FusedForward, has_llama_layers
 from redrafter_mlx.backend.cpu.plan import CPU_PLAN
 from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.llm import Forward
 from redrafter_mlx.core.plan import Plan
 
@@ -42,7 +42,7 @@ def make_forward(model: nn.Module, plan: Plan = GENERIC_PLAN) -> Forward:
 
 def build_decoder(
     model: nn.Module,
-    drafter: BeamDrafter | None = None,
+    drafter: Source | None = None,
     *,
     plan: Plan | None = None,
     max_context: int | None = None,

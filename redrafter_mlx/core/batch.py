@@ -34,7 +34,6 @@ import numpy as np
 from redrafter_mlx.core import autoregressive, drafting, speculative
 from redrafter_mlx.core.accept import choose
 from redrafter_mlx.core.decode import Decoder, State
-from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ContextFull
 from redrafter_mlx.core.joint import Segment
 from redrafter_mlx.core.mode import Mode
@@ -130,11 +129,11 @@ def fitted(decoding: Decoding, rows: int) -> Decoding:
 def _fit(decoder: Decoder, members: list[Member]) -> None:
     """Give each tree member the decoding its share of the plan's ``batch_rows`` allows
     (its own where there is no bound, or it is alone). Seeded members keep their trees: their
-    draws, and so their answers, are those they make alone. Drafters with their own drafting
-    (a part per sequence) are not fitted."""
+    draws, and so their answers, are those they make alone. Only drafters that say so
+    (``Source.batch_fits``) are fitted."""
     budget, drafter = decoder.plan.batch_rows, decoder.drafter
     fits = budget is not None and len(members) > 1
-    fits = fits and (drafter is None or isinstance(drafter, BeamDrafter))
+    fits = fits and (drafter is None or drafter.batch_fits)
     for member in members:
         state = member.state
         if isinstance(state, speculative.TreeState) and member.key is None:
@@ -251,12 +250,9 @@ def _step_planned(decoder: Decoder, planned: list[_Planned]) -> list[Step]:
 def search_group(decoder: Decoder, decoding) -> tuple | None:
     """What members whose drafter searches can run as one search share (the search's
     options), or None where a member drafts alone: no drafter pass (lookup beams alone), a
-    drafter with per-sequence state or its own drafting, or a search that reads its scores
-    per depth (an early stop)."""
-    drafter = decoder.drafter
-    if not decoding.mode.drafted or getattr(drafter, "draft", None) is not None:
-        return None
-    if not isinstance(drafter, BeamDrafter):
+    drafter that does not search together (``Source.searches_together``), or a search that
+    reads its scores per depth (an early stop)."""
+    if not decoding.mode.drafted or not decoder.drafter.searches_together:
         return None
     options = decoder.search_options(decoding.shape)
     return None if options.get("min_prob", 0) > 0 else tuple(sorted(options.items()))

@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from redrafter_mlx.core import autoregressive, drafting, llm, speculative
 from redrafter_mlx.core.accept import Sampler, choose
-from redrafter_mlx.core.draft import BeamDrafter, check_width
+from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.errors import Cancelled, ContextFull
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
@@ -45,12 +45,12 @@ class Decoder:
 
     ``forward`` is the target's verify forward (``llm.Forward`` or a plan's own, over a copy of
     the target: the caller's model is not changed); ``model`` is the model it runs. ``drafter``
-    is a :class:`BeamDrafter`, a :class:`~redrafter_mlx.core.drafting.Source` (EAGLE-3 and
-    the others: taps, a part per sequence) or anything with a ``search`` method.
+    is any :class:`~redrafter_mlx.core.drafting.Source` (ReDrafter's RNN, EAGLE-3, DFlash, MTP)
+    or None.
     """
 
     forward: llm.Forward
-    drafter: BeamDrafter | None = None
+    drafter: Source | None = None
     plan: Plan = Plan()
     max_context: int | None = None
 
@@ -74,10 +74,8 @@ class Decoder:
             raise ValueError("ReDrafter decoding needs a drafter")
         if mode is Mode.LOOKUP and not shape.lookup:
             raise ValueError("speculative decoding needs a drafter or lookup beams")
-        if mode.drafted and isinstance(self.drafter, BeamDrafter):
-            check_width(self.drafter.drafter, shape.searched)
         if mode.drafted:
-            drafting.check_shape(self.drafter, shape)
+            self.drafter.check_shape(shape)
 
     # -- prefill and steps
 

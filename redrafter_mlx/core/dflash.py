@@ -31,7 +31,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.draft import best
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.drafting import Reading, Source
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.sequence import Sequence
 
@@ -256,12 +256,12 @@ class DFlashPart:
         return [a for pair in self.cache or [] for a in pair]
 
 
-class DFlashDrafter:
+class DFlashDrafter(Source):
     """A DFlash drafter as the speculative step's source: one drafter forward per step, a
     best-first tree of ``width`` nodes from its marginals (module docstring)."""
 
     kind = "dflash"
-    prunes = True  # beams end where their node does (core/drafting.py: prunes)
+    prunes = True  # beams end where their node does
 
     def __init__(self, module: DFlash):
         self.module = module
@@ -321,9 +321,6 @@ class DFlashDrafter:
         logprobs = log_softmax(self.logits(sequence, reading)[: length - 1].astype(mx.float32))
         beams, token_logprobs = best_first(logprobs, reading.pending, width)
         return beams, token_logprobs, 0
-
-    def warm_up(self, context, pending, **options) -> None:
-        """Nothing to trace: the drafter runs eagerly."""
 
 
 def best_first(logprobs: mx.array, pending: mx.array, nodes: int) -> tuple[mx.array, mx.array]:

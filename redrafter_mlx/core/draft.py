@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.drafter import Drafter, tap_features
+from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.errors import ConfigError
 
 
@@ -157,12 +158,17 @@ def by_source(rows: mx.array, source: mx.array) -> mx.array:
     return mx.take_along_axis(rows, source[..., None], axis=-2)
 
 
-class BeamDrafter:
+class BeamDrafter(Source):
     """A drafter bound to its target's embedding, with beam search compiled per ``(W, L, S)``.
 
     Compiled functions capture the drafter's weights as constants: build a new ``BeamDrafter``
     after changing them.
     """
+
+    kind = "redrafter"
+    batch_fits = True  # its search drafts any width and length up to the asked shape
+    # ``searches_together`` stays False: :meth:`draft` fuses a layered drafter's per-sequence
+    # taps, and batches have searched each member alone since it was added
 
     def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array]):
         self.drafter = drafter
@@ -172,6 +178,10 @@ class BeamDrafter:
         self._expanders: dict[int, Callable] = {}
 
     # -- as the speculative step's source (``core/drafting.py``)
+
+    def check_shape(self, shape) -> None:
+        """ConfigError (a ValueError) when the shape searches more beams than draft tokens."""
+        check_width(self.drafter, shape.searched)
 
     def new_part(self) -> TapsPart | None:
         """Per sequence: the tapped features of its last committed token (layered drafters)."""
@@ -199,10 +209,7 @@ class BeamDrafter:
         return self.search(context, reading.pending, **options)
 
     def _part(self, sequence) -> TapsPart:
-        for part in sequence.parts:
-            if isinstance(part, TapsPart) and part.owner is self:
-                return part
-        raise ValueError("this sequence was not made by a decoder of this drafter")
+        return sequence.part_of(self)
 
     def __call__(self, context: mx.array, pending: mx.array, **options):
         """:meth:`search`'s beams and log-probs (without its count of host reads)."""

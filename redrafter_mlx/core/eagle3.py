@@ -30,7 +30,7 @@ from mlx_lm.models.qwen3 import MLP  # SwiGLU, the names both formats use
 
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.draft import best, narrow
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.drafting import Reading, Source
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.sequence import Sequence
 
@@ -326,7 +326,7 @@ class Eagle3Part:
         return self.owner.module.fc.weight.dtype
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Source):
     """An EAGLE-3 drafter as the speculative step's source (:class:`~redrafter_mlx.core.
     drafting.Source`): it reads ``taps``, keeps an :class:`Eagle3Part` per sequence and drafts
     ``W`` beams by beam search over its decoder (each beam attends to the sequence's entries
@@ -447,9 +447,6 @@ class Eagle3Drafter:
                 for (k, v), (nk, nv) in zip(own, new, strict=True)
             ]
         return beams, token_logprobs
-
-    def warm_up(self, context, pending, **options) -> None:
-        """Nothing to trace: the drafter runs eagerly (its entries vary in number)."""
 
     def _empty_cache(self) -> list[tuple[mx.array, mx.array]]:
         args = self.module.args

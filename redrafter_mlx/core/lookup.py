@@ -18,13 +18,37 @@ the accepted tokens; proposing makes no device work and no host read.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
+
+from redrafter_mlx.core.drafting import Reading, Source
 
 # The n-grams matched, longest first. Not single tokens: a 1-gram match proposes a beam on the
 # strength of one token, and verifying those cost more than they gained on the tuning split
 # (benchmarks/HISTORY.md, "Prompt-lookup beams").
 MAX_NGRAM = 3
 MIN_NGRAM = 2
+
+
+class Lookup(Source):
+    """Prompt lookup as a source: it reads nothing of the target and keeps nothing of its own
+    (the n-gram index is the sequence's, committed and rewound with it). Its beams are made on
+    the host from the pending token, so the speculative step adds them after its one read
+    (:meth:`propose`, ``core/speculative.with_lookup``) rather than drafting them before it."""
+
+    kind = "lookup"
+
+    def propose(self, sequence, pending: int, count: int, length: int) -> np.ndarray:
+        """Up to ``count`` beams ``(k, length)`` int32 from ``pending`` (:meth:`NgramIndex.
+        propose` over the sequence's committed tokens)."""
+        return sequence.index.propose(pending, count, length)
+
+    def draft(self, sequence, reading: Reading, *, width: int, length: int, **_) -> tuple:
+        """Up to ``width`` beams ``(k, L)`` and their log-probs ``(k, L - 1)`` (0: a floor
+        never prunes them), after one host read of the pending token."""
+        pending = int(reading.pending.item())  # host read: the index lives on the host
+        beams = self.propose(sequence, pending, width, length)
+        return mx.array(beams), mx.zeros((len(beams), length - 1)), 1
 
 
 class NgramIndex:

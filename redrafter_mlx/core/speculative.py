@@ -22,16 +22,19 @@ from redrafter_mlx.core import drafting
 from redrafter_mlx.core.accept import accept
 from redrafter_mlx.core.drafting import Reading
 from redrafter_mlx.core.joint import Segment
+from redrafter_mlx.core.lookup import Lookup
 from redrafter_mlx.core.sequence import Sequence
 from redrafter_mlx.core.step import Decoding, Emitted, PhaseTimer, Step, emitted_logprobs, host_read
 from redrafter_mlx.core.tree import Tree, pack_beams, pad_tree, prune, tree_mask, verified_size
+
+LOOKUP = Lookup()  # the lookup beams' source (it keeps nothing: one serves every step)
 
 
 @dataclass(frozen=True)
 class TreeState:
     """Between two speculative steps: the host's next token ``pending``, the beams drafted for
     it ``drafted (W, L)`` (no rows without a drafter) and, when the tree is pruned by them (the
-    shape's floor, or a drafter whose beams end early: ``drafting.prunes``), their drafted
+    shape's floor, or a drafter whose beams end early: ``Source.prunes``), their drafted
     tokens' log-probs ``floor_logprobs (W, L - 1)`` (else None);
     ``version`` the sequence's when this state was made."""
 
@@ -252,14 +255,14 @@ def draft(decoder, decoding: Decoding, sequence: Sequence, reading: Reading):
     if not decoding.mode.drafted:
         return (None, None), 0
     options = decoder.search_options(decoding.shape)
-    beams, logprobs, syncs = drafting.draft(decoder.drafter, sequence, reading, options)
+    beams, logprobs, syncs = decoder.drafter.draft(sequence, reading, **options)
     return (beams, pruning_logprobs(decoder, decoding, logprobs)), syncs
 
 
 def pruning_logprobs(decoder, decoding: Decoding, logprobs: mx.array) -> mx.array | None:
     """The drafted tokens' log-probs where the tree is pruned by them, else None (nothing
     prunes the tree by them: the read leaves them out)."""
-    if not (decoding.shape.min_prob or drafting.prunes(decoder.drafter)):
+    if not (decoding.shape.min_prob or decoder.drafter.prunes):
         return None
     return logprobs
 
@@ -291,7 +294,7 @@ def with_lookup(state: TreeState) -> tuple[np.ndarray, np.ndarray | None]:
     shape, pending = state.decoding.shape, state.pending
     beams, logprobs = state.drafted, state.floor_logprobs
     if shape.lookup:
-        found = state.sequence.index.propose(pending, shape.lookup, shape.length)
+        found = LOOKUP.propose(state.sequence, pending, shape.lookup, shape.length)
         beams = np.concatenate([beams, found])
         if logprobs is not None:
             logprobs = np.concatenate([logprobs, np.zeros((len(found), beams.shape[1] - 1))])

@@ -1,4 +1,6 @@
-"""Drafters the field ships (EAGLE-3, DFlash, Qwen3.5 MTP heads), loaded from their layouts.
+"""Drafter folders of every type, loaded as the decode step's sources: :func:`create_drafter`,
+the one place that asks which type a folder is (``TYPES``: one line per type), and the loaders
+of the types the field ships (EAGLE-3, DFlash, Qwen3.5 MTP heads) from their layouts.
 
 A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
 ``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
@@ -20,6 +22,9 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
+from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.drafter import load_drafter
+from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
 from redrafter_mlx.core.errors import DrafterError
@@ -33,38 +38,46 @@ MTP = "mtp"
 KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter"}
 
 
+def create_drafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None) -> Source:
+    """The drafter in ``folder`` as the decode step's source, loaded by its type's loader
+    (:func:`drafter_kind`) and checked against ``target``; its weights cast to ``dtype`` when
+    given. DrafterError (one line) for a folder its type's loader refuses."""
+    kind = drafter_kind(folder)
+    load = next((load for name, _, load in TYPES if name == kind), load_redrafter)
+    return load(folder, target, dtype)
+
+
 def drafter_kind(folder: Path | str) -> str:
-    """The type of the drafter in ``folder``: ``"eagle3"`` or ``"redrafter"`` (what every
-    other config is left to)."""
+    """The type of the drafter in ``folder``: the first of ``TYPES`` whose test its
+    ``config.json`` passes, else ``"redrafter"`` (what every other config is left to)."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return REDRAFTER
     if not isinstance(config, dict):
         return REDRAFTER
-    types = {config.get("speculators_model_type"), config.get("model_type")}
-    if EAGLE3 in types:
-        return EAGLE3
+    return next((kind for kind, test, _ in TYPES if test(config)), REDRAFTER)
+
+
+def _is_eagle3(config: dict) -> bool:
+    return EAGLE3 in {config.get("speculators_model_type"), config.get("model_type")}
+
+
+def _is_mtp(config: dict) -> bool:
+    """mlx-vlm's split folder, or a Qwen3.5 checkpoint with its MTP head."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if MTP_MODEL_TYPE in types or (text.get("mtp_num_hidden_layers") or 0) > 0:
-        return MTP  # mlx-vlm's split folder, or a Qwen3.5 checkpoint with its MTP head
+    types = {config.get("speculators_model_type"), config.get("model_type")}
+    return MTP_MODEL_TYPE in types or (text.get("mtp_num_hidden_layers") or 0) > 0
+
+
+def _is_dflash(config: dict) -> bool:
     architectures = config.get("architectures") or []
-    if "dflash_config" in config or any("DFlash" in str(a) for a in architectures):
-        return DFLASH
-    return REDRAFTER
+    return "dflash_config" in config or any("DFlash" in str(a) for a in architectures)
 
 
-def load_any(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """The field drafter in ``folder`` by its type (:func:`drafter_kind`); None for a
-    ReDrafter drafter (loaded by ``core/drafter.py``)."""
-    kind = drafter_kind(folder)
-    if kind == EAGLE3:
-        return load_eagle3(folder, target, dtype)
-    if kind == DFLASH:
-        return load_dflash(folder, target, dtype)
-    if kind == MTP:
-        return load_mtp(folder, target, dtype)
-    return None
+def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A ReDrafter RNN drafter (``core/drafter.py``'s folder) bound to ``target``'s embedding."""
+    return BeamDrafter(load_drafter(folder, target, dtype), embedding(target))
 
 
 def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -175,3 +188,12 @@ def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
     if max(args.taps) >= layers:
         return f"reads target layers {list(args.taps)}, but the target has {layers} layers"
     return None
+
+
+# Every drafter type but ReDrafter's (which takes every other folder): (name, whether a
+# ``config.json`` is of this type, its loader), asked in this order. A new type is one line.
+TYPES = (
+    (EAGLE3, _is_eagle3, load_eagle3),
+    (MTP, _is_mtp, load_mtp),
+    (DFLASH, _is_dflash, load_dflash),
+)

@@ -17,19 +17,16 @@ from redrafter_mlx.backend.plan import build_decoder, plan_for
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.dflash import DFlashDrafter
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import load_drafter
-from redrafter_mlx.core.eagle3 import Eagle3Drafter
+from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
-from redrafter_mlx.core.llm import compute_dtype, embedding
+from redrafter_mlx.core.llm import compute_dtype
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
 from redrafter_mlx.io.embedded import default_model_path, is_embedded_model
-from redrafter_mlx.io.field_drafters import KIND_NAMES, drafter_kind, load_any
+from redrafter_mlx.io.field_drafters import KIND_NAMES, REDRAFTER, create_drafter
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.templates import apply_chat_template
 
@@ -44,7 +41,7 @@ class Runtime:
     model: nn.Module
     tokenizer: object
     config: dict
-    drafter: BeamDrafter | Eagle3Drafter | DFlashDrafter | None
+    drafter: Source | None
     model_id: str
     drafter_id: str | None
     decoder: Decoder
@@ -94,27 +91,27 @@ def load_runtime(
             embedded=embedded,
         )
         drafter_path = choice.path
-        beam_drafter = None
+        loaded = None
         if drafter_path is not None:
             dtype = None if plan.drafter_float32 else compute_dtype(target)
-            beam_drafter, choice = _load_any_drafter(drafter_path, target, dtype, choice)
+            loaded, choice = _load_any_drafter(drafter_path, target, dtype, choice)
     except ReDrafterError:
         raise
     except (ValueError, OSError) as e:  # e.g. an unreadable file: one line, no traceback
         raise LoadError(os_error_text(e) if isinstance(e, OSError) else str(e)) from None
-    if need_drafter and beam_drafter is None:
+    if need_drafter and loaded is None:
         why = "; ".join([choice.reason, *(f"skipped {x}" for x in choice.skipped)])
         raise ConfigError(
             f"no drafter for this model ({why}): pass --drafter DIR or USER/NAME, "
             "--lookup K for lookup beams only, or make one with `redrafter-mlx train`"
         )
     max_context = config.get("max_position_embeddings")
-    decoder = build_decoder(target, beam_drafter, plan=plan, max_context=max_context)
+    decoder = build_decoder(target, loaded, plan=plan, max_context=max_context)
     return Runtime(
         decoder.model,  # the loaded model is dropped: the decoder's copy shares its weights
         tokenizer,
         config,
-        beam_drafter,
+        loaded,
         str(model_path),
         None if drafter_path is None else str(drafter_path),
         decoder,
@@ -125,11 +122,11 @@ def load_runtime(
 def _load_any_drafter(path, target, dtype, choice: DrafterChoice):
     """The drafter in ``path`` by the type its config names (io/field_drafters.py), and the
     choice's reason with that type said first for a type other than ReDrafter's."""
-    field = load_any(path, target, dtype)
-    if field is not None:
-        reason = f"type {KIND_NAMES[drafter_kind(path)]}; {choice.reason}"
-        return field, dataclasses.replace(choice, reason=reason)
-    return BeamDrafter(load_drafter(path, target, dtype), embedding(target)), choice
+    drafter = create_drafter(path, target, dtype)
+    if drafter.kind != REDRAFTER:
+        reason = f"type {KIND_NAMES[drafter.kind]}; {choice.reason}"
+        return drafter, dataclasses.replace(choice, reason=reason)
+    return drafter, choice
 
 
 def decoding(

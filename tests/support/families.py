@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
 from redrafter_mlx.cli import main
+from redrafter_mlx.core.drafting import SearchSource
 from redrafter_mlx.io.demo import FAMILIES as DEMO_FAMILIES
 from redrafter_mlx.io.demo import GATED_DELTA
 from support import run_steps
@@ -297,10 +298,12 @@ def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
     return [int(token) for token, _ in steps]
 
 
-class PartOracle:
+class PartOracle(SearchSource):
     """Drafts the target's own continuation for a random number of tokens in one beam (a
     random row), then tokens that cannot match, so each step accepts a known count and its
     path is compacted out of the tree."""
+
+    kind = "oracle"
 
     def __init__(self, continuation: list[int], vocab: int, seed: int):
         self.continuation, self.vocab = continuation, vocab
