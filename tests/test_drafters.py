@@ -614,3 +614,21 @@ def test_a_layered_drafter_drafts_from_the_last_accepted_path_rows_taps(deep_tar
     part.commit([3, 4, 5])
     after = drafter.draft(sequence, Reading.after_prompt(context, pending), width=2, length=3)[0]
     np.testing.assert_array_equal(np.array(after), np.array(got))
+
+
+def test_a_drafter_whose_size_is_a_string_is_told_it_needs_an_integer(tmp_path, capsys):
+    """``"hidden_size": "64"`` was refused as "made for hidden_size 64 / vocab_size 64, but the
+    model has 64 / 64"."""
+    from redrafter_mlx.cli import main
+
+    model = tiny_model_folder(tmp_path / "m")
+    folder = drafter_folder(tmp_path / "d")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "64"}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        main(["generate", "--model", str(model), "--drafter", str(folder), "--prompt", "w5 w6"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert line.endswith("not a drafter config (hidden_size '64': need an integer >= 1)")

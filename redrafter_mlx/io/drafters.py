@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from redrafter_mlx.core import checked
 from redrafter_mlx.core.atomic import os_error_text, write_text
 from redrafter_mlx.core.drafter import DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import DrafterError, LoadError
@@ -163,9 +164,9 @@ def mismatch(folder: Path, identity: ModelIdentity) -> str | None:
     its ``target.json`` when it has one), or None."""
     try:
         config = json.loads((folder / "config.json").read_text())
-        sizes = (config["hidden_size"], config["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # not a readable drafter: load_drafter says what is wrong with it
+        sizes = tuple(checked.sizes(config, "hidden_size", "vocab_size"))
+    except (OSError, ValueError, KeyError, TypeError):  # DrafterError is a ValueError
+        return None  # not a readable drafter, or a size no integer: its loader says which
     if sizes != (identity.hidden_size, identity.vocab_size):
         return (
             f"made for hidden_size {sizes[0]} / vocab_size {sizes[1]}, but the model has "
