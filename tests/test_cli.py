@@ -311,3 +311,57 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert isinstance(progress(), PlainProgress)  # capsys: no terminal
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert isinstance(progress(), Progress)
+
+
+def test_a_read_only_home_with_nothing_cached_says_to_set_redrafter_cache(
+    tmp_path, monkeypatch, capsys
+):
+    """It said only ``error: ~/.cache: Read-only file system``. A read-only file system is
+    out of a test's reach (root writes anywhere), so ``mkdir`` under HOME fails as it would."""
+    import errno
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.delenv("REDRAFTER_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.absolute().is_relative_to(home):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt", "hi"])
+    cache = home / ".cache" / "redrafter-mlx"
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert e.value.code == 1
+    assert line == (
+        f"error: {cache / 'models'}: {os.strerror(errno.EROFS)} (the cache, {cache}: set "
+        "REDRAFTER_CACHE to a folder that can be written)"
+    )
+    monkeypatch.setenv("REDRAFTER_CACHE", str(home / "elsewhere"))
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi"])
+    assert "point REDRAFTER_CACHE to a folder" in capsys.readouterr().err
+
+
+def test_an_unwritable_file_outside_any_library_check_is_one_line(tmp_path, capsys):
+    """A command's OSError that says a file cannot be written ends it in one line (exit 1);
+    any other keeps its traceback (a bug to report, not the user's to fix)."""
+    import errno
+
+    from redrafter_mlx.cli.flags import reports_errors
+
+    @reports_errors
+    def full(error):
+        raise OSError(error, "No space left on device", str(tmp_path / "x"))
+
+    with pytest.raises(SystemExit) as e:
+        full(errno.ENOSPC)
+    assert e.value.code == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'x'}: No space left on device\n"
+    with pytest.raises(OSError):
+        full(errno.EIO)

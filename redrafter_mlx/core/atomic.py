@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.paths import cache_hint
 
 
 def write_with(path: Path | str, writer: Callable[[Path], None]) -> None:
@@ -72,7 +73,8 @@ def os_error_text(e: OSError, path: str | None = None) -> str:
     """One line for a failed file operation: ``path: reason`` (``path`` when the error names
     no file)."""
     where = e.filename or path
-    return f"{where}: {e.strerror or e}" if where else str(e.strerror or e)
+    hint = cache_hint(where, e.errno)  # a read-only home: say where else the cache can go
+    return f"{where}: {e.strerror or e}{hint}" if where else str(e.strerror or e)
 
 
 def check_writable(path: Path | str, what: str) -> None:
@@ -88,4 +90,5 @@ def check_writable(path: Path | str, what: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ConfigError(f"{what} {path}: {folder} is not writable ({e.strerror or e})") from None
+        why = f"{e.strerror or e}{cache_hint(folder, e.errno)}"
+        raise ConfigError(f"{what} {path}: {folder} is not writable ({why})") from None
