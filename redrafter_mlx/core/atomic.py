@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -92,3 +93,24 @@ def check_writable(path: Path | str, what: str) -> None:
     except OSError as e:
         why = f"{e.strerror or e}{cache_hint(folder, e.errno)}"
         raise ConfigError(f"{what} {path}: {folder} is not writable ({why})") from None
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write that ran out of room: ENOSPC or a full quota, or MLX's
+    writer's ``RuntimeError("[write] Unable to write N bytes")``, which carries no errno (a
+    full disk is what raises it in practice)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and str(error).startswith("[write]")
+
+
+def free_space(path: Path | str) -> str:
+    """The space left on the disk that holds ``path`` (or would: its nearest existing
+    folder), in words: ``"12 MiB free"``; ``"free space unknown"`` when it cannot be read."""
+    folder = Path(path).expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free"
+    except OSError:
+        return "free space unknown"
