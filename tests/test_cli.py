@@ -134,24 +134,6 @@ def test_unwritable_outputs_are_refused_up_front_even_as_root(capsys):
         check_writable("/proc/redrafter-test/out", "--out")
 
 
-def test_the_embedded_models_own_folder_keeps_its_shipped_drafter(tmp_path, monkeypatch):
-    """`--model` naming the embedded SmolLM2's conversion (any dtype) or its GGUF is the
-    default model: its drafter applies. Another folder is not."""
-    from redrafter_mlx.io import embedded
-
-    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
-    models = tmp_path / "cache" / "models"
-    assert embedded.is_embedded_model(str(models / f"{embedded.DEFAULT_NAME}-float16"))
-    assert embedded.is_embedded_model(str(models / f"{embedded.DEFAULT_NAME}-float32"))
-    assert not embedded.is_embedded_model(str(models / "other-float32"))
-    assert not embedded.is_embedded_model(str(tmp_path / f"{embedded.DEFAULT_NAME}-float32"))
-    try:
-        gguf = embedded.embedded_gguf()
-    except embedded.EmbeddedModelError:
-        return
-    assert embedded.is_embedded_model(str(gguf))
-
-
 def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
     tmp_path, monkeypatch, capsys
 ):

@@ -760,7 +760,6 @@ def test_train_ends_by_measuring_recording_and_writing_the_card(trained, tmp_pat
         target=model,
         config=config,
         tokenizer=VocabCharTokenizer(),
-        embedded=False,
     )
     assert found.path == out.resolve() and found.reason.startswith("trained here")
 
