@@ -376,19 +376,28 @@ def with_tensors(folder: Path, change) -> Path:
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda w: w | {"lm_head.0.linear.weight": mx.zeros((4, 4))}, "lm_head.0.linear.weight"
-         " not in this config's drafter"),
         (lambda w: {k: v for k, v in w.items() if k != "fc.weight"}, "missing fc.weight"),
         (lambda w: w | {"layers.0.mlp.up_proj.weight": mx.zeros((50, 64))},
          r"layers.0.mlp.up_proj.weight has shape \(50, 64\), the config needs \(96, 64\)"),
     ],
 )  # fmt: skip
 def test_eagle3_weights_that_do_not_fit_its_config_are_named(tmp_path, qwen3, change, message):
-    """Another drafter's tensors beside the config's ended in MLX's ``KeyError: 0``; a
-    misshapen one loaded silently and failed at the first draft."""
+    """A misshapen tensor loaded silently and failed at the first draft."""
     folder = with_tensors(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), change)
     with pytest.raises(DrafterError, match=f"EAGLE-3 weights: {message}"):
         load_eagle3(folder, qwen3)
+
+
+def test_tensors_the_config_has_no_place_for_are_left_out(tmp_path, qwen3):
+    """A stray tensor beside the config's (``lm_head.0.linear.weight`` where ``lm_head`` is
+    one layer) ended in MLX's ``KeyError: 0``; the drafter is the one without it."""
+    folder = eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2))
+    plain = load_eagle3(folder, qwen3)
+    with_tensors(folder, lambda w: w | {"lm_head.0.linear.weight": mx.zeros((4, 4))})
+    stray = load_eagle3(folder, qwen3)
+    ours, theirs = (tree_flatten(d.module.parameters()) for d in (plain, stray))
+    for (name, x), (_, y) in zip(ours, theirs, strict=True):
+        assert mx.array_equal(x, y), name
 
 
 def test_generate_with_an_eagle3_folder_of_other_weights_says_so_in_one_line(tmp_path, capsys):
@@ -403,12 +412,12 @@ def test_generate_with_an_eagle3_folder_of_other_weights_says_so_in_one_line(tmp
     folder = eagle3_folder(tmp_path / "eagle3", layer_ids=(1, 2, 2), vocab=vocab)
     save_drafter(random_drafter(64, vocab), tmp_path / "redrafter")
     other = mx.load(str(tmp_path / "redrafter" / "model.safetensors"))
-    with_tensors(folder, lambda w: w | other)
+    with_tensors(folder, lambda w: other)  # a ReDrafter drafter's weights: KeyError: 0
     capsys.readouterr()
     with pytest.raises(SystemExit) as ended:
         main(["generate", "--model", str(model), "--drafter", str(folder), "--prompt", "Hi"])
     err = capsys.readouterr().err
     assert ended.value.code == 1 and "Traceback" not in err
     (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert line.startswith(f"error: {folder}: EAGLE-3 weights: lm_head.0.linear.bias, ")
-    assert line.endswith("not in this config's drafter (weights of another one?)")
+    assert line.startswith(f"error: {folder}: EAGLE-3 weights: missing d2t, fc.weight, ")
+    assert line.endswith(" more (not this config's drafter?)")

@@ -289,26 +289,25 @@ class Eagle3(nn.Module):
             del expected["embed_tokens.weight"]
         if problem := _unfit(expected, weights):
             raise DrafterError(f"EAGLE-3 weights: {problem}")
-        self.load_weights(list(weights.items()), strict=False)
+        # only the config's tensors: checkpoints carry others (a d2t the full vocabulary does
+        # not need), and a stray name can end in MLX's ``KeyError: 0`` inside ``update``
+        self.load_weights([(k, weights[k]) for k in expected], strict=False)
         if borrowed:
             self.embed_tokens = target_embed
 
 
 def _unfit(expected: dict[str, mx.array], weights: dict[str, mx.array]) -> str | None:
-    """What keeps ``weights`` from loading as ``expected`` (name -> parameter) in words: tensors
-    it lacks, tensors it has that the config has no place for (another drafter's weights),
-    shapes that differ; None when they fit. MLX's own non-strict load checks none of these
-    (a stray name ends in ``KeyError: 0`` inside ``update``)."""
+    """What keeps ``weights`` from loading as ``expected`` (name -> parameter), in words:
+    tensors it lacks (another drafter's weights lack most), shapes that differ; None when it
+    fits. MLX's non-strict load checks neither."""
     if missing := sorted(expected.keys() - weights.keys()):
-        return f"missing {', '.join(missing[:3])}"
-    if extra := sorted(weights.keys() - expected.keys()):
-        return f"{', '.join(extra[:3])} not in this config's drafter (weights of another one?)"
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return f"missing {', '.join(missing[:3])}{more} (not this config's drafter?)"
     for name, value in expected.items():
         if weights[name].shape != value.shape:
             shape = tuple(weights[name].shape)
             return f"{name} has shape {shape}, the config needs {tuple(value.shape)}"
     return None
-
 
 class Eagle3Part:
     """One sequence's EAGLE-3 state: fused features of its committed tokens ``(offset, H)``
