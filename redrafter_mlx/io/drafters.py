@@ -9,7 +9,7 @@ Without ``--drafter`` the sources are tried in this order:
 2. one shipped with the model: a ``redrafter/`` folder in the model's folder or Hub repository;
 3. the drafter this package ships (``io/embedded.py``), made for the embedded SmolLM2: for any
    model its ``target.json`` matches, as a trained drafter's does (the embedded model's
-   conversion at any path or dtype, its GGUF converted anew, a quantized copy);
+   conversion at any path, its GGUF converted anew to float32 or float16);
 4. none: lookup beams only.
 
 A source that cannot be used (a registry that is no ``{"drafters": [...]}``, an entry without
