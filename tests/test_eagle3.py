@@ -421,3 +421,12 @@ def test_generate_with_an_eagle3_folder_of_other_weights_says_so_in_one_line(tmp
     (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
     assert line.startswith(f"error: {folder}: EAGLE-3 weights: missing d2t, fc.weight, ")
     assert line.endswith(" more (not this config's drafter?)")
+
+
+def test_a_drafter_type_that_is_no_string_is_left_to_redrafters_loader(tmp_path):
+    """``"model_type": ["eagle3"]`` ended in ``TypeError: unhashable type: 'list'``."""
+    folder = eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2))
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("speculators_model_type")
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": ["eagle3"]}))
+    assert drafter_kind(folder) == "redrafter"

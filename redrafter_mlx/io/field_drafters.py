@@ -44,7 +44,8 @@ def drafter_kind(folder: Path | str) -> str:
         return REDRAFTER
     if not isinstance(config, dict):
         return REDRAFTER
-    types = {config.get("speculators_model_type"), config.get("model_type")}
+    # a tuple, not a set: a hand-edited type may be a list (unhashable)
+    types = (config.get("speculators_model_type"), config.get("model_type"))
     if EAGLE3 in types:
         return EAGLE3
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
