@@ -94,8 +94,9 @@ def load(
     path_or_hf_repo: str | None = None, *, drafter: str | None = None
 ) -> tuple[Model, TokenizerWrapper]:
     """Load a target (a folder, a Hugging Face id or a ``.gguf`` file; None: the embedded
-    SmolLM2-135M-Instruct) and its drafter (``drafter``: a folder; the embedded model's own
-    when None) -> ``(model, tokenizer)``, parameters evaluated."""
+    SmolLM2-135M-Instruct) and its drafter (``drafter``: a folder; when None, the one
+    discovery finds: the shipped one for the embedded model and its copies) -> ``(model,
+    tokenizer)``, parameters evaluated."""
     runtime = rt.load_runtime(path_or_hf_repo, drafter, need_drafter=False)
     model = Model(runtime)
     _log_drafter(runtime.drafter_choice)

@@ -134,24 +134,6 @@ def test_unwritable_outputs_are_refused_up_front_even_as_root(capsys):
         check_writable("/proc/redrafter-test/out", "--out")
 
 
-def test_the_embedded_models_own_folder_keeps_its_shipped_drafter(tmp_path, monkeypatch):
-    """`--model` naming the embedded SmolLM2's conversion (any dtype) or its GGUF is the
-    default model: its drafter applies. Another folder is not."""
-    from redrafter_mlx.io import embedded
-
-    monkeypatch.setenv("REDRAFTER_CACHE", str(tmp_path / "cache"))
-    models = tmp_path / "cache" / "models"
-    assert embedded.is_embedded_model(str(models / f"{embedded.DEFAULT_NAME}-float16"))
-    assert embedded.is_embedded_model(str(models / f"{embedded.DEFAULT_NAME}-float32"))
-    assert not embedded.is_embedded_model(str(models / "other-float32"))
-    assert not embedded.is_embedded_model(str(tmp_path / f"{embedded.DEFAULT_NAME}-float32"))
-    try:
-        gguf = embedded.embedded_gguf()
-    except embedded.EmbeddedModelError:
-        return
-    assert embedded.is_embedded_model(str(gguf))
-
-
 def test_a_missing_default_model_or_a_cache_that_is_a_file_is_one_line(
     tmp_path, monkeypatch, capsys
 ):
@@ -333,7 +315,10 @@ def test_hints_name_the_script_that_runs_when_it_is_not_on_path(tmp_path, monkey
     assert flags.program() == script
 
     monkeypatch.setattr(demo_model, "write_demo_model", lambda out, **_: Path(out))
-    demo_model.main(argparse.Namespace(out="models/demo", family="llama", seed=0, force=False))
+    args = argparse.Namespace(
+        out="models/demo", family="llama", seed=0, force=False, agent=False, drafter=None
+    )
+    demo_model.main(args)
     assert f"  {script} generate --model models/demo --prompt" in capsys.readouterr().err
     target = TrainedTarget(None, None, {}, "models/demo")
     train.print_summary(argparse.Namespace(out="drafters/demo"), target, {}, {})
@@ -347,3 +332,57 @@ def test_hints_name_the_script_that_runs_when_it_is_not_on_path(tmp_path, monkey
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # the venv outside the working folder
     assert flags.program() == str(bin_dir / "redrafter-mlx")
+
+
+def test_a_read_only_home_with_nothing_cached_says_to_set_redrafter_cache(
+    tmp_path, monkeypatch, capsys
+):
+    """It said only ``error: ~/.cache: Read-only file system``. A read-only file system is
+    out of a test's reach (root writes anywhere), so ``mkdir`` under HOME fails as it would."""
+    import errno
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.delenv("REDRAFTER_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.absolute().is_relative_to(home):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt", "hi"])
+    cache = home / ".cache" / "redrafter-mlx"
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert e.value.code == 1
+    assert line == (
+        f"error: {cache / 'models'}: {os.strerror(errno.EROFS)} (the cache, {cache}: set "
+        "REDRAFTER_CACHE to a folder that can be written)"
+    )
+    monkeypatch.setenv("REDRAFTER_CACHE", str(home / "elsewhere"))
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi"])
+    assert "point REDRAFTER_CACHE to a folder" in capsys.readouterr().err
+
+
+def test_an_unwritable_file_outside_any_library_check_is_one_line(tmp_path, capsys):
+    """A command's OSError that says a file cannot be written ends it in one line (exit 1);
+    any other keeps its traceback (a bug to report, not the user's to fix)."""
+    import errno
+
+    from redrafter_mlx.cli.flags import reports_errors
+
+    @reports_errors
+    def full(error):
+        raise OSError(error, "No space left on device", str(tmp_path / "x"))
+
+    with pytest.raises(SystemExit) as e:
+        full(errno.ENOSPC)
+    assert e.value.code == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'x'}: No space left on device\n"
+    with pytest.raises(OSError):
+        full(errno.EIO)

@@ -253,3 +253,26 @@ def test_a_reused_prefix_leaves_the_context_as_a_fresh_prompt_does(tmp_path, qwe
     assert ours.length == theirs.length == len(turn)
     assert_same_arrays(ours, theirs)
     assert (again.pending, again.drafted.tolist()) == (once.pending, once.drafted.tolist())
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads 0: need an integer >= 1"),
+        ({"head_dim": "16"}, "head_dim '16': need an integer >= 1"),
+        ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of"),
+        (
+            {"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, -1]}},
+            r"target_layer_ids \[0, -1\]: need a list of layer indices",
+        ),
+        ({"dflash_config": [1]}, r"dflash_config \[1\]: need a JSON object"),
+    ],
+)
+def test_a_malformed_dflash_config_is_a_one_line_error(tmp_path, qwen3, edit, message):
+    """Strings were coerced silently, heads the K/V heads do not divide failed at the first
+    draft and a non-object ``dflash_config`` ended in an AttributeError."""
+    folder = dflash_folder(tmp_path / "d")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(DrafterError, match=f"config.json: not a DFlash config: {message}"):
+        load_dflash(folder, qwen3)

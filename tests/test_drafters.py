@@ -87,9 +87,9 @@ def hub_repo(hub: Path, repo_id: str, files: dict[str, Path]) -> None:
         shutil.copy(source, dest)
 
 
-def find(given, *, target, tokenizer, model="models/tiny", config=CONFIG, embedded=False):
+def find(given, *, target, tokenizer, model="models/tiny", config=CONFIG):
     return drafters.find_drafter(
-        given, model=model, target=target, config=config, tokenizer=tokenizer, embedded=embedded
+        given, model=model, target=target, config=config, tokenizer=tokenizer
     )
 
 
@@ -163,12 +163,76 @@ def test_no_drafter_or_none_means_lookup_beams_only(tmp_path, target, tokenizer)
     assert off.path is None and off.reason == "--drafter none: discovery off"
 
 
-def test_the_embedded_models_shipped_drafter_is_still_found(target, tokenizer):
-    shipped = drafters.default_drafter_path()
-    if shipped is None:
-        pytest.skip("no shipped drafter in this checkout")
-    choice = find(None, target=target, tokenizer=tokenizer, embedded=True)
-    assert choice.path == shipped and choice.reason == "the embedded model's shipped drafter"
+def test_the_packaged_drafter_goes_to_every_model_its_target_json_records(
+    tmp_path, monkeypatch, target, tokenizer
+):
+    """The drafter the package ships is matched as a trained one is, by the identity its
+    target.json records, at any path (it went only to the embedded model's own path); a model
+    that shares only its sizes does not get it, nor does any model without that file."""
+    packaged = drafter_folder(tmp_path / "packaged")
+    monkeypatch.setattr(drafters, "default_drafter_path", lambda: packaged)
+    copy = str(tmp_path / "a copy")
+    assert find(None, target=target, tokenizer=tokenizer, model=copy).path is None
+    identity = drafters.ModelIdentity.of(target, CONFIG, tokenizer)
+    drafters.write_target_file(packaged, identity, "tiny")
+    found = find(None, target=target, tokenizer=tokenizer, model=copy)
+    assert found.path == packaged and found.reason == "shipped with redrafter-mlx for tiny"
+    variant = find(None, target=target, tokenizer=tokenizer, model=copy, config=QUANTIZED)
+    assert variant.path == packaged
+    other = find(None, target=target, tokenizer=OtherTokenizer(), model=copy)
+    wider = find(None, target=target, tokenizer=tokenizer, config={**CONFIG, "rope_theta": 1.0})
+    assert other.path is None and wider.path is None
+    assert other.reason == "none trained here or shipped with this model"
+
+
+@pytest.fixture(scope="module")
+def embedded_float32():
+    """The embedded model's float32 conversion (the user's cache: converted once)."""
+    from redrafter_mlx.io.embedded import EmbeddedModelError, default_model_path
+
+    try:
+        return default_model_path("float32")
+    except EmbeddedModelError as e:
+        pytest.skip(str(e))
+
+
+def linked_copy(source: Path, out: Path, **config) -> Path:
+    """``source``'s files linked into ``out`` (cheap), its config.json changed by ``config``."""
+    out.mkdir()
+    for f in source.iterdir():
+        (out / f.name).symlink_to(f)
+    if config:
+        (out / "config.json").unlink()
+        settings = json.loads((source / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**settings, **config}))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("copy", ["float32 copy", "float16 conversion", "another model"])
+def test_a_copy_of_the_embedded_model_finds_the_shipped_drafter(tmp_path, embedded_float32, copy):
+    """A converted copy of the embedded model (its files elsewhere, or its GGUF converted
+    anew to float16) gets the shipped drafter (it got none); a model with the same sizes and
+    tokenizer but another config (here the original's rms_norm_eps) does not."""
+    from redrafter_mlx.io.convert import convert_gguf
+    from redrafter_mlx.io.embedded import default_drafter_path, embedded_gguf
+    from redrafter_mlx.io.runtime import load_runtime
+
+    if copy == "float16 conversion":
+        folder = tmp_path / "smollm2-f16"
+        convert_gguf(embedded_gguf(), folder, dtype="float16")
+    elif copy == "float32 copy":
+        folder = linked_copy(embedded_float32, tmp_path / "smollm2")
+    else:
+        folder = linked_copy(embedded_float32, tmp_path / "other", rms_norm_eps=1e-5)
+    runtime = load_runtime(str(folder), None, need_drafter=False)
+    choice = runtime.drafter_choice
+    if copy == "another model":
+        assert choice.path is None and runtime.drafter is None
+        assert choice.reason == "none trained here or shipped with this model"
+    else:
+        assert choice.path == default_drafter_path() and runtime.drafter is not None
+        assert choice.reason.startswith("shipped with redrafter-mlx for SmolLM2-135M-Instruct")
 
 
 def test_a_broken_registry_is_ignored(tmp_path, target, tokenizer):
@@ -697,3 +761,21 @@ def test_lookup_drafts_the_sequences_own_continuations():
     beams, logprobs, reads = Lookup().draft(sequence, reading, width=3, length=4)
     assert np.array(beams).tolist() == [[2, 4, 1, 2], [2, 3, 1, 2]]  # (1, 2) twice, latest first
     assert np.array(logprobs).tolist() == [[0.0] * 3] * 2 and reads == 1
+
+
+def test_a_drafter_whose_size_is_a_string_is_told_it_needs_an_integer(tmp_path, capsys):
+    """``"hidden_size": "64"`` was refused as "made for hidden_size 64 / vocab_size 64, but the
+    model has 64 / 64"."""
+    from redrafter_mlx.cli import main
+
+    model = tiny_model_folder(tmp_path / "m")
+    folder = drafter_folder(tmp_path / "d")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "64"}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        main(["generate", "--model", str(model), "--drafter", str(folder), "--prompt", "w5 w6"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert line.endswith("not a drafter config (hidden_size '64': need an integer >= 1)")

@@ -338,3 +338,97 @@ def test_the_python_api_loads_an_eagle3_folder(tmp_path):
     assert generate(target, tokenizer, prompt, max_tokens=12) == generate(
         plain, tokenizer, prompt, max_tokens=12
     )
+
+
+def edit_config(folder: Path, edit) -> Path:
+    """``folder`` with ``edit(config, its transformer_layer_config)`` applied to its config.json."""
+    config = json.loads((folder / "config.json").read_text())
+    edit(config, config["transformer_layer_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c, t: t.update(num_attention_heads=0), "num_attention_heads 0: need an integer"),
+        (lambda c, t: t.update(hidden_size="64"), "hidden_size '64': need an integer >= 1"),
+        (lambda c, t: t.update(intermediate_size=True), "intermediate_size True: need an integer"),
+        (lambda c, t: t.update(num_key_value_heads=3), "4 is not a multiple of num_key_value_"),
+        (lambda c, t: c.update(norm_before_fc="false"), "norm_before_fc 'false': need true or"),
+        (lambda c, t: c.update(eagle_aux_hidden_state_layer_ids=[1, "2", 2]), "layer indices"),
+        (lambda c, t: t.update(rope_parameters=[1]), r"rope_parameters \[1\]: need a JSON object"),
+    ],
+)
+def test_a_malformed_eagle3_config_is_a_one_line_error(tmp_path, qwen3, edit, message):
+    """Zero heads ended in ZeroDivisionError; a string or a JSON true was coerced silently
+    (``"false"`` read as true); heads the K/V heads do not divide failed at the first draft."""
+    folder = edit_config(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), edit)
+    with pytest.raises(DrafterError, match=f"config.json: not an EAGLE-3 config: .*{message}"):
+        load_eagle3(folder, qwen3)
+
+
+def with_tensors(folder: Path, change) -> Path:
+    """``folder`` with its weights replaced by ``change(weights)``."""
+    weights = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"), change(weights))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda w: {k: v for k, v in w.items() if k != "fc.weight"}, "missing fc.weight"),
+        (lambda w: w | {"layers.0.mlp.up_proj.weight": mx.zeros((50, 64))},
+         r"layers.0.mlp.up_proj.weight has shape \(50, 64\), the config needs \(96, 64\)"),
+    ],
+)  # fmt: skip
+def test_eagle3_weights_that_do_not_fit_its_config_are_named(tmp_path, qwen3, change, message):
+    """A misshapen tensor loaded silently and failed at the first draft."""
+    folder = with_tensors(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), change)
+    with pytest.raises(DrafterError, match=f"EAGLE-3 weights: {message}"):
+        load_eagle3(folder, qwen3)
+
+
+def test_tensors_the_config_has_no_place_for_are_left_out(tmp_path, qwen3):
+    """A stray tensor beside the config's (``lm_head.0.linear.weight`` where ``lm_head`` is
+    one layer) ended in MLX's ``KeyError: 0``; the drafter is the one without it."""
+    folder = eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2))
+    plain = load_eagle3(folder, qwen3)
+    with_tensors(folder, lambda w: w | {"lm_head.0.linear.weight": mx.zeros((4, 4))})
+    stray = load_eagle3(folder, qwen3)
+    ours, theirs = (tree_flatten(d.module.parameters()) for d in (plain, stray))
+    for (name, x), (_, y) in zip(ours, theirs, strict=True):
+        assert mx.array_equal(x, y), name
+
+
+def test_generate_with_an_eagle3_folder_of_other_weights_says_so_in_one_line(tmp_path, capsys):
+    from support import shared_data
+    from support.families import model_folder
+
+    from redrafter_mlx.cli import main
+    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+
+    model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    folder = eagle3_folder(tmp_path / "eagle3", layer_ids=(1, 2, 2), vocab=vocab)
+    save_drafter(random_drafter(64, vocab), tmp_path / "redrafter")
+    other = mx.load(str(tmp_path / "redrafter" / "model.safetensors"))
+    with_tensors(folder, lambda w: other)  # a ReDrafter drafter's weights: KeyError: 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        main(["generate", "--model", str(model), "--drafter", str(folder), "--prompt", "Hi"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: {folder}: EAGLE-3 weights: missing d2t, fc.weight, ")
+    assert line.endswith(" more (not this config's drafter?)")
+
+
+def test_a_drafter_type_that_is_no_string_is_left_to_redrafters_loader(tmp_path):
+    """``"model_type": ["eagle3"]`` ended in ``TypeError: unhashable type: 'list'``."""
+    folder = eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2))
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("speculators_model_type")
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": ["eagle3"]}))
+    assert drafter_kind(folder) == "redrafter"

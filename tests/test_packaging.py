@@ -27,7 +27,7 @@ import redrafter_mlx.cli as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTER = "smollm2-135m-instruct-drafter"
-DRAFTER_FILES = ("config.json", "model.safetensors", "PROVENANCE.md")
+DRAFTER_FILES = ("config.json", "model.safetensors", "target.json", "PROVENANCE.md")
 # What a source distribution is built from (tests, benchmarks and docs stay in the repository).
 SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "LICENSE", "redrafter_mlx", "weights")
 
@@ -51,7 +51,7 @@ def test_every_package_is_listed():
     listed = set(config["packages"])
     assert source_packages() <= listed, f"add to pyproject.toml: {source_packages() - listed}"
     assert config["package-dir"] == {"redrafter_mlx.weights": "weights"}
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "target.json"):
         assert (ROOT / "weights" / DRAFTER / name).is_file()
 
 

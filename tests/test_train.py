@@ -760,7 +760,6 @@ def test_train_ends_by_measuring_recording_and_writing_the_card(trained, tmp_pat
         target=model,
         config=config,
         tokenizer=VocabCharTokenizer(),
-        embedded=False,
     )
     assert found.path == out.resolve() and found.reason.startswith("trained here")
 
@@ -1175,3 +1174,59 @@ def test_soft_targets_and_the_hidden_regression_enter_the_loss_and_train_a_draft
     before = trainer.agreement(heldout)["mean_agreement"]
     best = loop.train(model, cache, Path(args.out), opts, run_options=T.run_options(args))
     assert best["mean_agreement"] > max(0.25, before + 0.05), (before, best)  # chance: 1/48
+
+
+def disk_full_run(tmp_path, monkeypatch, capsys):
+    """`train` on the tiny target with small flags: (exit status, error lines, args)."""
+    from redrafter_mlx.training.finish import TrainedTarget
+
+    target = TrainedTarget(learnable_target(), CharTokenizer(), {}, "tiny")
+    monkeypatch.setattr(T, "_load", lambda model: target)
+    write_conversations(tmp_path / "data.json", 30)
+    flags = [*trained_flags(tmp_path), "--data", str(tmp_path / "data.json")]
+    args = parse(*flags, "--max-tokens", "1500", "--heldout-tokens", "300", "--eval-every", "5")
+    with pytest.raises(SystemExit) as ended:
+        T.main(args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return ended.value.code, [x for x in err.splitlines() if x.startswith("error: ")], args
+
+
+def test_a_full_disk_while_training_is_one_line_and_keeps_nothing_half_written(
+    tmp_path, monkeypatch, capsys
+):
+    """MLX's writer says ``RuntimeError: [write] Unable to write N bytes`` (no errno): it ended
+    in a traceback. Now one line names --out, the space left and what to do; the drafter
+    and checkpoint are either whole or absent, and no temp file stays behind."""
+
+    def full(path, arrays, *args, **kwargs):
+        Path(path).write_bytes(b"\0" * 100)  # a partial file, as a full disk leaves one
+        raise RuntimeError("[write] Unable to write 65536 bytes")
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    code, errors, args = disk_full_run(tmp_path, monkeypatch, capsys)
+    out = Path(args.out)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: {out}: no space left on its disk (")
+    assert (
+        "Unable to write 65536 bytes): free space there or give --out a folder on another"
+        in (errors[0])
+    )
+    assert "nothing half-written was kept" in errors[0]
+    assert sorted(p.name for p in out.iterdir()) == ["train_log.jsonl"]  # written whole
+    assert all(json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines())
+    assert "--resume" not in errors[0]  # no checkpoint was written to resume from
+
+
+def test_a_full_disk_while_extracting_names_the_cache_folder(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # numpy names no file
+
+    monkeypatch.setattr(np, "savez", full)
+    code, errors, args = disk_full_run(tmp_path, monkeypatch, capsys)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: {args.cache_dir}: no space left on its disk (")
+    assert "free space there or give --cache-dir a folder on another disk" in errors[0]
+    assert [p.name for p in Path(args.cache_dir).glob("*.npz")] == []

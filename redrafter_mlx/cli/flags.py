@@ -17,7 +17,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from redrafter_mlx.core.atomic import os_error_text
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
+from redrafter_mlx.core.paths import UNWRITABLE
 from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH, load_conversations
@@ -313,7 +315,9 @@ def ignored_when_autoregressive(args: argparse.Namespace) -> list[str]:
 
 def reports_errors(main: Callable) -> Callable:
     """A command's ``main`` whose library errors (:class:`ReDrafterError`) end it with their
-    one-line message and exit status 1, however it is called (dispatcher, test, script)."""
+    one-line message and exit status 1, however it is called (dispatcher, test, script); so
+    does a file that cannot be written (read-only, no permission, a full disk), named with
+    what to do when it is the cache (:func:`os_error_text`)."""
 
     @functools.wraps(main)
     def run(*args, **kwargs):
@@ -321,6 +325,10 @@ def reports_errors(main: Callable) -> Callable:
             return main(*args, **kwargs)
         except ReDrafterError as e:
             fail(str(e))
+        except OSError as e:
+            if e.errno not in UNWRITABLE:
+                raise  # anything else is not the user's to fix: keep the traceback
+            fail(os_error_text(e))
 
     return run
 

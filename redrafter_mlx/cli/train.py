@@ -42,7 +42,7 @@ from typing import NoReturn
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
-from redrafter_mlx.core.atomic import os_error_text
+from redrafter_mlx.core.atomic import free_space, is_disk_full, os_error_text
 from redrafter_mlx.core.errors import LoadError, ReDrafterError, TrainError
 from redrafter_mlx.core.llm import inner_model, target_dims
 from redrafter_mlx.io.embedded import default_model_path
@@ -308,7 +308,7 @@ def main(args: argparse.Namespace) -> None:
     ``--extract-only``); prints the best evaluation as JSON. Bad input ends in ``error: ...``
     on stderr and exit status 1, Ctrl-C in 130 with how to go on. Under ``mlx.launch`` every
     rank runs this; rank 0 alone prints the result, a failed rank names itself."""
-    stage, ranks, started = "load", ONE, time.time()
+    stage, ranks, started, cache_dir = "load", ONE, time.time(), None
     _sigterm_as_ctrl_c()
     try:
         ranks = Ranks.launched()
@@ -355,8 +355,10 @@ def main(args: argparse.Namespace) -> None:
     except ReDrafterError as e:
         fail(_ranked(str(e), ranks))
     except OSError as e:  # unwritable --out / --cache-dir, disk full, ...
-        fail(_ranked(os_error_text(e), ranks))
+        fail(_ranked(_disk_full(e, stage, args.out, cache_dir) or os_error_text(e), ranks))
     except Exception as e:
+        if full := _disk_full(e, stage, args.out, cache_dir):  # MLX's writer: no OSError
+            fail(_ranked(full, ranks))
         if ranks.size == 1:
             raise
         fail(_ranked(_failure(e, stage, args.out), ranks))
@@ -379,11 +381,43 @@ def _failure(error: Exception, stage: str, out: str | None) -> str:
     if not (isinstance(error, RuntimeError) and text.startswith("[")):
         traceback.print_exc()
         text = f"{type(error).__name__}: {text}"
-    kept = {
-        "extract": "finished shards stay in the cache",
-        "train": f"{out}/checkpoint holds the last checkpoint: rerun with --resume",
-    }.get(stage, "")
+    kept = _kept(stage, out)
     return f"{text}{'; ' + kept if kept else ''}"
+
+
+def _kept(stage: str, out: str | None) -> str:
+    """What a run that failed in ``stage`` keeps, in words ("" for nothing worth saying)."""
+    if stage == "extract":
+        return "finished shards stay in the cache"
+    if stage == "train" and out and (Path(out) / "checkpoint").is_dir():  # none before the first
+        return f"{out}/checkpoint holds the last checkpoint: rerun with --resume"
+    return ""
+
+
+def _disk_full(error: Exception, stage: str, out: str | None, cache_dir: Path | None) -> str | None:
+    """One line for a write that found its disk full: where (the folder the stage writes, and
+    the flag that names it), the space left, what to do and what is kept; None for any other
+    error. Every write is a temp file renamed when whole, so nothing half-written is kept."""
+    if not is_disk_full(error):
+        return None
+    flag, folder = ("--cache-dir", cache_dir) if stage == "extract" else ("--out", out)
+    named = getattr(error, "filename", None)  # an OSError may name another file (the registry)
+    if named and (folder is None or not _inside(named, folder)):
+        flag, folder = None, Path(named).parent
+    if folder is None:
+        return None
+    move = f" or give {flag} a folder on another disk" if flag else ""
+    said = getattr(error, "strerror", None) or " ".join(str(error).split())
+    line = (
+        f"{folder}: no space left on its disk ({free_space(folder)} now; {said}): "
+        f"free space there{move}; nothing half-written was kept"
+    )
+    kept = _kept(stage, out)
+    return f"{line}; {kept}" if kept else line
+
+
+def _inside(path: str | Path, folder: str | Path) -> bool:
+    return Path(path).absolute().is_relative_to(Path(folder).absolute())
 
 
 def _load(model: str | None) -> TrainedTarget:

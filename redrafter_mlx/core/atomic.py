@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from redrafter_mlx.core.errors import ConfigError
+from redrafter_mlx.core.paths import cache_hint
 
 
 def write_with(path: Path | str, writer: Callable[[Path], None]) -> None:
@@ -72,7 +74,8 @@ def os_error_text(e: OSError, path: str | None = None) -> str:
     """One line for a failed file operation: ``path: reason`` (``path`` when the error names
     no file)."""
     where = e.filename or path
-    return f"{where}: {e.strerror or e}" if where else str(e.strerror or e)
+    hint = cache_hint(where, e.errno)  # a read-only home: say where else the cache can go
+    return f"{where}: {e.strerror or e}{hint}" if where else str(e.strerror or e)
 
 
 def check_writable(path: Path | str, what: str) -> None:
@@ -88,4 +91,26 @@ def check_writable(path: Path | str, what: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ConfigError(f"{what} {path}: {folder} is not writable ({e.strerror or e})") from None
+        why = f"{e.strerror or e}{cache_hint(folder, e.errno)}"
+        raise ConfigError(f"{what} {path}: {folder} is not writable ({why})") from None
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write that ran out of room: ENOSPC or a full quota, or MLX's
+    writer's ``RuntimeError("[write] Unable to write N bytes")``, which carries no errno (a
+    full disk is what raises it in practice)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and str(error).startswith("[write]")
+
+
+def free_space(path: Path | str) -> str:
+    """The space left on the disk that holds ``path`` (or would: its nearest existing
+    folder), in words: ``"12 MiB free"``; ``"free space unknown"`` when it cannot be read."""
+    folder = Path(path).expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free"
+    except OSError:
+        return "free space unknown"

@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3 import MLP  # SwiGLU, the names both formats use
 from mlx_lm.models.rope_utils import initialize_rope
 
+from redrafter_mlx.core import checked
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.draft import best
 from redrafter_mlx.core.drafting import Reading, Source
@@ -65,35 +66,57 @@ class DFlashArgs:
     def from_dict(cls, config: dict) -> DFlashArgs:
         """From a z-lab ``config.json`` (``dflash_config``: ``mask_token_id``,
         ``target_layer_ids``). DrafterError (one line) for what this runtime cannot run."""
-        dflash = config.get("dflash_config") or {}
+        if not isinstance(config, dict):
+            raise DrafterError("not a DFlash config: not a JSON object")
         try:
-            rope = dict(config.get("rope_parameters") or {})
-            theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-            args = cls(
-                hidden_size=int(config["hidden_size"]),
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=int(config["num_attention_heads"]),
-                num_key_value_heads=int(config["num_key_value_heads"]),
-                head_dim=int(config["head_dim"]),
-                vocab_size=int(config["vocab_size"]),
-                mask_token_id=int(dflash.get("mask_token_id", config.get("mask_token_id"))),
-                target_layer_ids=[
-                    int(i) for i in dflash.get("target_layer_ids") or config["target_layer_ids"]
-                ],
-                block_size=int(config.get("block_size", 16)),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                rope_scaling=rope or config.get("rope_scaling"),
-                max_position_embeddings=int(config.get("max_position_embeddings", 262144)),
-                final_logit_softcapping=config.get("final_logit_softcapping"),
-                layer_types=list(config.get("layer_types") or []),
-            )
-        except (KeyError, TypeError, ValueError) as e:
+            dflash = checked.section(config, "dflash_config")
+            args = cls(**_fields(config, dflash))
+        except KeyError as e:
             raise DrafterError(f"not a DFlash config: {e!r} missing or malformed") from None
+        except DrafterError as e:
+            raise DrafterError(f"not a DFlash config: {e}") from None
         if any(t != "full_attention" for t in args.layer_types) or dflash.get("causal"):
             raise DrafterError("DFlash drafters with sliding or causal layers are not supported")
         return args
+
+
+def _fields(config: dict, dflash: dict) -> dict:
+    """:class:`DFlashArgs`' fields from a z-lab config (``dflash``: its ``dflash_config``),
+    each type-checked (core/checked.py); KeyError for a missing one."""
+    names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    hidden, inter, layers, heads = checked.sizes(config, *names)
+    kv_heads, head_dim, vocab = checked.sizes(
+        config, "num_key_value_heads", "head_dim", "vocab_size"
+    )
+    checked.heads(heads, kv_heads)
+    rope = dict(checked.section(config, "rope_parameters"))
+    theta = rope.pop("rope_theta", checked.given(config, "rope_theta", 10000.0))
+    mask_token = dflash.get("mask_token_id", config.get("mask_token_id"))
+    softcap = config.get("final_logit_softcapping")
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "mask_token_id": checked.integer("mask_token_id", mask_token, least=0),
+        "target_layer_ids": checked.indices(
+            "target_layer_ids", dflash.get("target_layer_ids") or config["target_layer_ids"]
+        ),
+        "block_size": checked.integer("block_size", checked.given(config, "block_size", 16)),
+        "rms_norm_eps": checked.number("rms_norm_eps", checked.given(config, "rms_norm_eps", 1e-6)),
+        "rope_theta": checked.number("rope_theta", theta),
+        "rope_scaling": rope or config.get("rope_scaling"),
+        "max_position_embeddings": checked.integer(
+            "max_position_embeddings", checked.given(config, "max_position_embeddings", 262144)
+        ),
+        "final_logit_softcapping": None
+        if softcap is None
+        else checked.number("final_logit_softcapping", softcap),
+        "layer_types": list(config.get("layer_types") or []),
+    }
 
 
 class Attention(nn.Module):

@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from redrafter_mlx.core import checked
 from redrafter_mlx.core.atomic import write_text, write_with
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.llm import compute_dtype, head_linear, inner_model, target_dims
@@ -59,19 +60,10 @@ class DrafterArgs:
             "draft_vocab_size": (self.draft_vocab_size or 1, 1),
         }
         for name, (value, least) in sizes.items():
-            if type(value) is not int or value < least:  # a JSON true is not a size either
-                raise DrafterError(f"{name} {value!r}: need an integer >= {least}")
-        if not isinstance(self.rnn, bool):
-            raise DrafterError(f"rnn {self.rnn!r}: need true or false")
-        layers = self.context_layers
-        if layers is not None:
-            if (
-                not isinstance(layers, list | tuple)
-                or not layers
-                or any(type(i) is not int or i < 0 for i in layers)
-            ):
-                raise DrafterError(f"context_layers {layers!r}: need a list of layer indices >= 0")
-            self.context_layers = list(layers)
+            checked.integer(name, value, least=least)
+        checked.flag("rnn", self.rnn)
+        if self.context_layers is not None:
+            self.context_layers = checked.indices("context_layers", self.context_layers)
 
     @classmethod
     def from_dict(cls, config: dict) -> DrafterArgs:

@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3 import MLP  # SwiGLU, the names both formats use
 
+from redrafter_mlx.core import checked
 from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.draft import best, narrow
 from redrafter_mlx.core.drafting import Reading, Source
@@ -61,6 +62,7 @@ class Eagle3Args:
     target_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
+        checked.heads(self.num_attention_heads, self.num_key_value_heads)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
@@ -69,37 +71,17 @@ class Eagle3Args:
         """From a speculators / SGLang ``config.json``; ``target_layers`` (the target's layer
         count) gives the default layers read (``[2, n // 2, n - 3]``) when the config names
         none. DrafterError (one line) for a config that is not EAGLE-3's."""
+        if not isinstance(config, dict):
+            raise DrafterError("not an EAGLE-3 config: not a JSON object")
         layer = config.get("transformer_layer_config") or config
+        if not isinstance(layer, dict):
+            raise DrafterError("not an EAGLE-3 config: transformer_layer_config is no object")
         try:
-            hidden = int(layer["hidden_size"])
-            rope = layer.get("rope_parameters") or {}
-            ids = config.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
-            if not ids:
-                ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            if not ids and target_layers is not None:
-                ids = [2, target_layers // 2, max(target_layers - 3, 0)]
-            return cls(
-                hidden_size=hidden,
-                intermediate_size=int(layer["intermediate_size"]),
-                num_attention_heads=int(layer["num_attention_heads"]),
-                num_key_value_heads=int(
-                    layer.get("num_key_value_heads", layer["num_attention_heads"])
-                ),
-                vocab_size=int(layer["vocab_size"]),
-                draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
-                target_hidden_size=int(config.get("target_hidden_size") or hidden),
-                num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
-                head_dim=layer.get("head_dim"),
-                rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
-                attention_bias=bool(layer.get("attention_bias", False)),
-                norm_before_residual=bool(config.get("norm_before_residual", False)),
-                norm_before_fc=bool(config.get("norm_before_fc", False)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                target_layer_ids=[int(i) for i in ids or []],
-            )
-        except (KeyError, TypeError, ValueError) as e:
+            return cls(**_fields(config, layer, target_layers))
+        except KeyError as e:
             raise DrafterError(f"not an EAGLE-3 config: {e!r} missing or malformed") from None
+        except DrafterError as e:
+            raise DrafterError(f"not an EAGLE-3 config: {e}") from None
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -113,6 +95,52 @@ class Eagle3Args:
     @property
     def own_head(self) -> bool:
         return not (self.tie_word_embeddings and self.draft_vocab_size == self.vocab_size)
+
+
+def _fields(config: dict, layer: dict, target_layers: int | None) -> dict:
+    """:class:`Eagle3Args`' fields from a speculators / SGLang config (``layer``: its
+    ``transformer_layer_config``, or the config itself), each type-checked (core/checked.py);
+    KeyError for a missing one."""
+    hidden, inter, heads, vocab = checked.sizes(
+        layer, "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"
+    )
+    rope = checked.section(layer, "rope_parameters")
+    ids = config.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = checked.section(config, "eagle_config").get("eagle_aux_hidden_state_layer_ids")
+    if not ids and target_layers is not None:
+        ids = [2, target_layers // 2, max(target_layers - 3, 0)]
+    head_dim = layer.get("head_dim")
+    theta = rope.get("rope_theta", checked.given(layer, "rope_theta", 10000.0))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": checked.integer(
+            "num_key_value_heads", checked.given(layer, "num_key_value_heads", heads)
+        ),
+        "vocab_size": vocab,
+        "draft_vocab_size": checked.integer(
+            "draft_vocab_size", checked.given(config, "draft_vocab_size", vocab)
+        ),
+        "target_hidden_size": checked.integer(
+            "target_hidden_size", checked.given(config, "target_hidden_size", hidden)
+        ),
+        "num_hidden_layers": checked.integer(
+            "num_hidden_layers", checked.given(layer, "num_hidden_layers", 1)
+        ),
+        "head_dim": None if head_dim is None else checked.integer("head_dim", head_dim),
+        "rms_norm_eps": checked.number("rms_norm_eps", checked.given(layer, "rms_norm_eps", 1e-6)),
+        "rope_theta": checked.number("rope_theta", theta),
+        "attention_bias": checked.flag(
+            "attention_bias", checked.given(layer, "attention_bias", False)
+        ),
+        **{
+            name: checked.flag(name, checked.given(config, name, False))
+            for name in ("norm_before_residual", "norm_before_fc", "tie_word_embeddings")
+        },
+        "target_layer_ids": checked.indices("target_layer_ids", ids) if ids else [],
+    }
 
 
 class Attention(nn.Module):
@@ -253,18 +281,33 @@ class Eagle3(nn.Module):
         fits = tuple(target_embed.weight.shape[-1:]) == (self.args.hidden_size,) or hasattr(
             target_embed, "scales"
         )
-        if fits or "embed_tokens.weight" not in weights:
+        borrowed = fits or "embed_tokens.weight" not in weights
+        if borrowed:
             weights = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}
-            self.embed_tokens = nn.Embedding(1, 1)  # replaced below, never loaded
-        try:
-            self.load_weights(list(weights.items()), strict=False)
-            names = {k for k, _ in tree_flatten(self.parameters())} - {"embed_tokens.weight"}
-            if missing := sorted(names - set(weights)):
-                raise ValueError(f"missing {', '.join(missing[:3])}")
-        except ValueError as e:
-            raise DrafterError(f"EAGLE-3 weights: {e}") from None
-        if fits or "embed_tokens.weight" not in weights:
+        expected = dict(tree_flatten(self.parameters()))
+        if borrowed:
+            del expected["embed_tokens.weight"]
+        if problem := _unfit(expected, weights):
+            raise DrafterError(f"EAGLE-3 weights: {problem}")
+        # only the config's tensors: checkpoints carry others (a d2t the full vocabulary does
+        # not need), and a stray name can end in MLX's ``KeyError: 0`` inside ``update``
+        self.load_weights([(k, weights[k]) for k in expected], strict=False)
+        if borrowed:
             self.embed_tokens = target_embed
+
+
+def _unfit(expected: dict[str, mx.array], weights: dict[str, mx.array]) -> str | None:
+    """What keeps ``weights`` from loading as ``expected`` (name -> parameter), in words:
+    tensors it lacks (another drafter's weights lack most), shapes that differ; None when it
+    fits. MLX's non-strict load checks neither."""
+    if missing := sorted(expected.keys() - weights.keys()):
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return f"missing {', '.join(missing[:3])}{more} (not this config's drafter?)"
+    for name, value in expected.items():
+        if weights[name].shape != value.shape:
+            shape = tuple(weights[name].shape)
+            return f"{name} has shape {shape}, the config needs {tuple(value.shape)}"
+    return None
 
 
 class Eagle3Part:

@@ -7,7 +7,9 @@ Without ``--drafter`` the sources are tried in this order:
    the registry ``$REDRAFTER_CACHE/drafters.json`` (:func:`record_trained`, under a lock),
    newest first;
 2. one shipped with the model: a ``redrafter/`` folder in the model's folder or Hub repository;
-3. the embedded SmolLM2's shipped drafter (``io/embedded.py``), for the embedded model;
+3. the drafter this package ships (``io/embedded.py``), made for the embedded SmolLM2: for any
+   model its ``target.json`` matches, as a trained drafter's does (the embedded model's
+   conversion at any path, its GGUF converted anew to float32 or float16);
 4. none: lookup beams only.
 
 A source that cannot be used (a registry that is no ``{"drafters": [...]}``, an entry without
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from redrafter_mlx.core import checked
 from redrafter_mlx.core.atomic import os_error_text, write_text
 from redrafter_mlx.core.drafter import DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import DrafterError, LoadError
@@ -129,7 +132,7 @@ def _sha(text: str) -> str:
 
 
 def find_drafter(
-    given: str | None, *, model: str, target, config: dict, tokenizer, embedded: bool
+    given: str | None, *, model: str, target, config: dict, tokenizer
 ) -> DrafterChoice:
     """The drafter for the target loaded from ``model`` (a folder, Hub id or .gguf): ``given``
     (``--drafter``: a folder, a Hub id, or ``none``), else the first match of the module
@@ -148,12 +151,10 @@ def find_drafter(
         return DrafterChoice(path, f"--drafter, {where}")
     refused: list[str] = []
     skipped: list[str] = []
-    sources = (_trained_here, _shipped)
+    sources = (_trained_here, _shipped, _packaged)
     for found in (source(model, identity, refused, skipped) for source in sources):
         if found is not None:
             return replace(found, skipped=tuple(skipped))
-    if embedded and (shipped := default_drafter_path()) is not None:
-        return DrafterChoice(shipped, "the embedded model's shipped drafter", tuple(skipped))
     reason = "none trained here or shipped with this model"
     return DrafterChoice(None, "; ".join([reason, *refused]), tuple(skipped))
 
@@ -163,9 +164,9 @@ def mismatch(folder: Path, identity: ModelIdentity) -> str | None:
     its ``target.json`` when it has one), or None."""
     try:
         config = json.loads((folder / "config.json").read_text())
-        sizes = (config["hidden_size"], config["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # not a readable drafter: load_drafter says what is wrong with it
+        sizes = tuple(checked.sizes(config, "hidden_size", "vocab_size"))
+    except (OSError, ValueError, KeyError, TypeError):  # DrafterError is a ValueError
+        return None  # not a readable drafter, or a size no integer: its loader says which
     if sizes != (identity.hidden_size, identity.vocab_size):
         return (
             f"made for hidden_size {sizes[0]} / vocab_size {sizes[1]}, but the model has "
@@ -222,6 +223,18 @@ def _shipped(
         refused.append(f"refused {folder}: {problem}")
         return None
     return DrafterChoice(folder, f"shipped with the model ({SHIPPED_DIR}/)")
+
+
+def _packaged(
+    model: str, identity: ModelIdentity, refused: list[str], skipped: list[str]
+) -> DrafterChoice | None:
+    """The drafter this package ships, when the identity its ``target.json`` records is this
+    model's; None otherwise, quietly: it was made for one model, and every other is not it."""
+    folder = default_drafter_path()
+    recorded = None if folder is None else read_target_file(folder)
+    if recorded is None or identity.differs_from(recorded) is not None:
+        return None
+    return DrafterChoice(folder, f"shipped with redrafter-mlx for {recorded.get('model', '?')}")
 
 
 def drafter_problem(folder: Path) -> str | None:

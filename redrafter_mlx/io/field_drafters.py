@@ -15,12 +15,14 @@ hidden size, vocabulary, or the target layers it reads.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
+from redrafter_mlx.core import checked
 from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
@@ -60,14 +62,16 @@ def drafter_kind(folder: Path | str) -> str:
 
 
 def _is_eagle3(config: dict) -> bool:
-    return EAGLE3 in {config.get("speculators_model_type"), config.get("model_type")}
+    return EAGLE3 in (config.get("speculators_model_type"), config.get("model_type"))
 
 
 def _is_mtp(config: dict) -> bool:
     """mlx-vlm's split folder, or a Qwen3.5 checkpoint with its MTP head."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    types = {config.get("speculators_model_type"), config.get("model_type")}
-    return MTP_MODEL_TYPE in types or (text.get("mtp_num_hidden_layers") or 0) > 0
+    # a tuple, not a set: a hand-edited type may be a list (unhashable); any layer count but
+    # none or 0, even a malformed one, is a head for load_mtp to check
+    types = (config.get("speculators_model_type"), config.get("model_type"))
+    return MTP_MODEL_TYPE in types or text.get("mtp_num_hidden_layers") not in (None, 0)
 
 
 def _is_dflash(config: dict) -> bool:
@@ -86,11 +90,8 @@ def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = Non
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
-        config = json.loads(config_file.read_text())
-        text = config.get("text_config") or config
-        args = TextModelArgs.from_dict(text)
-        depth = int(text.get("mtp_num_hidden_layers", 1))
-    except (OSError, ValueError, TypeError) as e:
+        args, depth = _mtp_args(json.loads(config_file.read_text()))
+    except (OSError, ValueError) as e:  # DrafterError is a ValueError
         raise DrafterError(f"{config_file}: not a Qwen3.5 MTP config ({e})") from None
     hidden, vocab = target_dims(target)
     if args.num_experts:
@@ -105,13 +106,43 @@ def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = Non
         )
     weights = {k[k.index("mtp.") :] if "mtp." in k else k: v for k, v in _weights(folder).items()}
     module = MTPHead(args, depth)
-    module.load(weights)
+    _named(folder, module.load, weights)
     inner = inner_model(target)
     module.bind(embedding(target), inner.norm, lambda h: lm_head(target, h))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())
     return MTPDrafter(module, len(inner.layers) - 1)
+
+
+# The sizes an MTP head is built from (mlx-lm's TextModelArgs divides by the heads unchecked)
+MTP_SIZES = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "vocab_size", "head_dim",
+)  # fmt: skip
+
+
+def _mtp_args(config: object) -> tuple[TextModelArgs, int]:
+    """The head's args and depth from a Qwen3.5 config (its ``text_config`` when it has one),
+    each size type-checked first (core/checked.py)."""
+    if not isinstance(config, dict):
+        raise DrafterError("not a JSON object")
+    text = checked.section(config, "text_config") or config
+    for name in MTP_SIZES:
+        if text.get(name) is not None:
+            checked.integer(name, text[name])
+    args = TextModelArgs.from_dict(text)
+    checked.heads(args.num_attention_heads, args.num_key_value_heads)
+    depth = checked.given(text, "mtp_num_hidden_layers", 1)
+    return args, checked.integer("mtp_num_hidden_layers", depth)
+
+
+def _named(folder: Path, load, *args) -> None:
+    """``load(*args)``, its DrafterError naming ``folder`` (the module knows no path)."""
+    try:
+        load(*args)
+    except DrafterError as e:
+        raise DrafterError(f"{folder}: {e}") from None
 
 
 def _weights(folder: Path) -> dict[str, mx.array]:
@@ -148,7 +179,7 @@ def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     if problem:
         raise DrafterError(f"{folder}: DFlash drafter {problem}")
     module = DFlash(args)
-    module.load(_weights(folder), embedding(target), lambda h: head_linear(target, h))
+    _named(folder, module.load, _weights(folder), embedding(target), partial(head_linear, target))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())
@@ -168,7 +199,7 @@ def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     if problem := misfit(args, target):
         raise DrafterError(f"{folder}: EAGLE-3 drafter {problem}")
     module = Eagle3(args)
-    module.load(_weights(folder), embedding(target))
+    _named(folder, module.load, _weights(folder), embedding(target))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())

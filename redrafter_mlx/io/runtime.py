@@ -25,7 +25,7 @@ from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
-from redrafter_mlx.io.embedded import default_model_path, is_embedded_model
+from redrafter_mlx.io.embedded import default_model_path
 from redrafter_mlx.io.field_drafters import KIND_NAMES, REDRAFTER, create_drafter
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.templates import apply_chat_template
@@ -81,14 +81,8 @@ def load_runtime(
     try:
         model_path = model or str(default_model_path())
         target, tokenizer, config = load_target(model_path, prepare=prepare)
-        embedded = not model or is_embedded_model(model)
         choice = find_drafter(
-            drafter,
-            model=str(model_path),
-            target=target,
-            config=config,
-            tokenizer=tokenizer,
-            embedded=embedded,
+            drafter, model=str(model_path), target=target, config=config, tokenizer=tokenizer
         )
         drafter_path = choice.path
         loaded = None
