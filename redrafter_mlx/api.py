@@ -36,7 +36,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
-from redrafter_mlx.backend.plan import build_decoder, plan_for  # noqa: E402
+from redrafter_mlx.backend.plan import build_decoder  # noqa: E402
 from redrafter_mlx.core.accept import Sampler, greedy, temperature  # noqa: E402
 from redrafter_mlx.core.decode import Decoder  # noqa: E402
 from redrafter_mlx.core.drafting import Source  # noqa: E402
@@ -132,13 +132,15 @@ def _decoder(model: Model | nn.Module, drafter: Source | None) -> Decoder:
     return _PLAIN[key]
 
 
-def _shape(model: Model | nn.Module, overrides: dict, temp: float) -> tuple[BeamShape, str]:
+def _shape(
+    model: Model | nn.Module, decoder: Decoder, overrides: dict, temp: float
+) -> tuple[BeamShape, str]:
     """The keywords' shape fields over this chip's profile (a loaded model) or the plan's
-    default, and where it came from: the command line's rule."""
+    default for the drafter's type, and where it came from: the command line's rule."""
     if isinstance(model, Model):
         return resolve_shape(model.runtime, overrides=overrides, temp=temp)
     given = {k: v for k, v in overrides.items() if v is not None}
-    default = plan_for().default_shape
+    default = decoder.plan.shape_for(decoder.drafter)
     return BeamShape(**{**default.__dict__, **given}), "given" if given else "default"
 
 
@@ -156,7 +158,7 @@ def _overrides(width, length, min_prob, search_width, lookup) -> dict:
 def _decoding(model, decoder: Decoder, overrides: dict, sampler, autoregressive, logprobs):
     """The decoding of a call's keywords (the shape: :func:`_shape`, the mode, the sampler)
     and where its shape came from."""
-    shape, source = _shape(model, overrides, temperature(sampler))
+    shape, source = _shape(model, decoder, overrides, temperature(sampler))
     mode = Mode.choose(
         drafter=decoder.drafter is not None,
         shape=shape,

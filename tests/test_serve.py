@@ -362,6 +362,7 @@ def test_usage_carries_the_redrafter_block(server):
     assert usage["total_tokens"] == usage["prompt_tokens"] + 20
     block = usage["redrafter"]
     assert block["mode"] == "redrafter" and block["shape_source"] == "flags"
+    assert block["drafter_type"] == "redrafter"  # the shipped drafter's type
     assert (block["beam_width"], block["beam_length"], block["lookup"]) == (1, 3, 0)
     assert set(block["accepted_from"]) == {"drafter", "lookup", "both"}
     assert sum(block["accepted_from"].values()) == block["accepted_tokens"]

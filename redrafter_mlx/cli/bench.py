@@ -242,7 +242,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def shapes_from_args(args: argparse.Namespace, runtime: rt.Runtime) -> list[BeamShape]:
     """The grid from flags; without shape flags the short default grid plus the decoder's
     default shape and the autotuned one (each with every ``--lookup`` K given)."""
-    default = runtime.plan.default_shape
+    default = runtime.default_shape
     lookups = args.lookup or [default.lookup]
     if args.beam_width or args.beam_length or args.min_prob or args.search_width:
         widths = args.beam_width or [default.width]

@@ -453,7 +453,8 @@ class ChatUI:
     def mode(self) -> str:
         if self.session.autoregressive:
             return "autoregressive (no drafter)"
-        return f"{self.session.mode.describe(self.session.shape)} ({self.source()})"
+        described = self.session.mode.describe(self.session.shape, flags.drafter_name(self.runtime))
+        return f"{described} ({self.source()})"
 
     def lookup_on(self) -> bool:
         """Whether answers verify lookup beams now (then stats say where accepts came from)."""

@@ -22,6 +22,7 @@ from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.core.paths import UNWRITABLE
 from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.io import runtime as rt
+from redrafter_mlx.io.field_drafters import KIND_NAMES
 from redrafter_mlx.io.prompts import MT_BENCH, load_conversations
 
 # SHAPE_FIELDS' flags, in their order
@@ -216,6 +217,12 @@ def lookup_when_no_drafter(runtime, shape: BeamShape, source: str) -> tuple[Beam
         return shape, source
     shape = dataclasses.replace(shape, lookup=LOOKUP_WITHOUT_DRAFTER)
     return shape, f"{source}; lookup {LOOKUP_WITHOUT_DRAFTER}: no drafter"
+
+
+def drafter_name(runtime) -> str:
+    """The drafter type's name as banners say it (``ReDrafter``, ``EAGLE-3``, ``DFlash``...)."""
+    kind = runtime.drafter.kind if runtime.drafter is not None else "redrafter"
+    return KIND_NAMES.get(kind, kind)
 
 
 def drafter_json(runtime) -> dict | None:

@@ -114,7 +114,8 @@ def main(args: argparse.Namespace) -> None:
         if ignored := flags.ignored_when_autoregressive(args):
             note += f" (ignored: {', '.join(ignored)})"
         timing_on = " (timing on: evaluates at phase boundaries, adds syncs)" if timing else ""
-        print(f"[{mode.describe(shape)}{note}]{timing_on}", file=sys.stderr)
+        described = mode.describe(shape, flags.drafter_name(runtime))
+        print(f"[{described}{note}]{timing_on}", file=sys.stderr)
     text, tokens = [], []
     timer = PhaseTimer(timing)
     for response in session.generate(
@@ -143,6 +144,7 @@ def main(args: argparse.Namespace) -> None:
             "search_width": shape.searched,
             "lookup": shape.lookup,
             "shape_source": source,
+            "drafter_type": runtime.drafter.kind if runtime.drafter is not None else None,
             "drafter": flags.drafter_json(runtime),
         }
     if args.json:

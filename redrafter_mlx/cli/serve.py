@@ -260,6 +260,7 @@ def main(args: argparse.Namespace) -> None:
         },
         count=lambda prompt: len(encoder(loaded.runtime)(prompt)),
         tail=lambda prompt: loaded.runtime.tokenizer.decode(encoder(loaded.runtime)(prompt)[-16:]),
+        drafter_type=None if loaded.runtime.drafter is None else loaded.runtime.drafter.kind,
         decode=loaded.runtime.tokenizer.decode,
     )
     host, port = sock.getsockname()[:2]
@@ -297,12 +298,12 @@ def mode(engine: Engine, loaded: Loaded) -> str:
     beams alone the same way, or autoregressive."""
     if not engine.mode.speculative:
         return "autoregressive (no drafter)"
-    sources, describe = loaded.shape_sources, engine.mode.describe
+    sources, name = loaded.shape_sources, flags.drafter_name(loaded.runtime)
 
     def shape(samples: bool, fixed: BeamShape) -> str:
         bands = engine.bands.get(samples)
         by_length = "" if bands is None else f", by prompt length {bands.describe()}"
-        return f"{describe(fixed)} ({sources[samples]}{by_length})"
+        return f"{engine.mode.describe(fixed, name)} ({sources[samples]}{by_length})"
 
     return (
         f"{_drafter_line(loaded.runtime)}, greedy {shape(False, engine.greedy_shape)}, "

@@ -21,7 +21,7 @@ step prunes away), so the verified tree is exactly those nodes (plus the root).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -302,6 +302,11 @@ class DFlashDrafter(Source):
         part = self.part(sequence)
         features = self.module.features([taps[i][rows] for i in self.taps])
         part.staged = self.module.context(features, part.length)
+
+    def fit_default(self, shape):
+        """A tree of at most the block's drafted tokens (``block_size - 1``), as deep as it."""
+        block = self.module.args.block_size
+        return replace(shape, width=min(shape.width, block - 1), length=min(shape.length, block))
 
     def check_shape(self, shape) -> None:
         """ValueError when beams of ``shape`` are longer than the block drafts (the pending

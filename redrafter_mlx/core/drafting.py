@@ -85,6 +85,11 @@ class Source(ABC):
         sequence; the next commit takes as many as it commits), from ``taps`` (T, H)."""
         return None  # it keeps nothing per sequence
 
+    def fit_default(self, shape):
+        """The plan's default shape for this type (``Plan.shape_for``), fitted to this drafter
+        (a DFlash drafter's block size bounds its tree)."""
+        return shape
+
     def check_shape(self, shape) -> None:
         """ValueError (one line) when it cannot draft beams of ``shape``."""
         return None  # it drafts any shape

@@ -51,10 +51,11 @@ class Mode(str, Enum):
         """Whether steps verify a tree of beams (else one token per step)."""
         return self is not Mode.AUTOREGRESSIVE
 
-    def describe(self, shape: BeamShape | None = None) -> str:
-        """``ReDrafter W=1 L=2 lookup 1``, ``lookup only L=2 lookup 1`` or ``autoregressive``."""
+    def describe(self, shape: BeamShape | None = None, drafter: str = "ReDrafter") -> str:
+        """``ReDrafter W=1 L=2 lookup 1`` (``drafter``: the drafter type's name, e.g.
+        ``EAGLE-3 W=4 L=4``), ``lookup only L=2 lookup 1`` or ``autoregressive``."""
         if self is Mode.AUTOREGRESSIVE or shape is None:
-            return {"redrafter": "ReDrafter", "lookup": "lookup only"}.get(self.value, self.value)
+            return {"redrafter": drafter, "lookup": "lookup only"}.get(self.value, self.value)
         if self is Mode.LOOKUP:
             return f"lookup only {shape.describe_lookup_only()}"
-        return f"ReDrafter {shape.describe()}"
+        return f"{drafter} {shape.describe()}"

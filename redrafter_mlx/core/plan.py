@@ -5,8 +5,25 @@ CUDA run: mlx-lm's modules and MLX's fused kernels, exact tree sizes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from redrafter_mlx.core.shape import BeamShape
+
+if TYPE_CHECKING:
+    from redrafter_mlx.core.drafting import Source
+
+# Each drafter type's beam shape on a GPU, from its authors' or serving engines' published
+# settings: EAGLE-3 as SGLang's EAGLE-3 example runs it (``--speculative-eagle-topk 4
+# --speculative-num-steps 3``: 4 beams of 3 drafted tokens); DFlash verifying its whole block
+# as z-lab's model cards do (``--speculative-num-draft-tokens 16``, its block size: 15 drafted
+# tokens, here the best-first tree of 15 nodes; a drafter with a smaller block fits it down,
+# ``Source.fit_default``); an MTP head as SGLang's MTP example (``--speculative-num-steps 1
+# --speculative-eagle-topk 1``). ReDrafter's RNN and lookup beams alone take ``default_shape``.
+GPU_TYPE_SHAPES = (
+    ("eagle3", BeamShape(width=4, length=4)),
+    ("dflash", BeamShape(width=15, length=16)),
+    ("mtp", BeamShape(width=1, length=2)),
+)
 
 
 @dataclass(frozen=True)
@@ -44,11 +61,21 @@ class Plan:
     # compute-bound), members whose trees would not fit verify smaller ones, down to their
     # root alone (plain decoding), while the batch is that large (``batch.fitted``).
     batch_rows: int | None = None
-    # The beam shape when no autotune profile or flag gives one.
+    # The beam shape when no autotune profile or flag gives one (ReDrafter's RNN, or lookup
+    # beams alone), and each other drafter type's (``Source.kind``) where it differs.
     default_shape: BeamShape = BeamShape(width=2, length=4)
+    type_shapes: tuple[tuple[str, BeamShape], ...] = GPU_TYPE_SHAPES
     # With that default shape: the context length (tokens before the answer) from which a
     # verified tree's attention over the long cache may cost more than its drafts save, so
     # an answer decodes plainly, one token per step, except in the blocks of steps where a
     # session has measured the tree faster (``core/adaptive.py``; a server's batch decodes
     # plainly there); None: the default shape at every length.
     plain_from: int | None = None
+
+    def shape_for(self, drafter: Source | None) -> BeamShape:
+        """The default beam shape of ``drafter``'s type on this plan, fitted to ``drafter``
+        (None: no drafter, lookup beams alone: ``default_shape``)."""
+        if drafter is None:
+            return self.default_shape
+        shape = dict(self.type_shapes).get(drafter.kind, self.default_shape)
+        return drafter.fit_default(shape)

@@ -55,6 +55,11 @@ class Runtime:
     def plan(self) -> Plan:
         return self.decoder.plan
 
+    @property
+    def default_shape(self) -> BeamShape:
+        """The beam shape when no profile or flag gives one: the plan's for the drafter's type."""
+        return self.plan.shape_for(self.drafter)
+
     def mode(self, shape: BeamShape, *, autoregressive: bool = False) -> Mode:
         """The decoding mode of a run at ``shape`` (:meth:`Mode.choose`)."""
         return Mode.choose(

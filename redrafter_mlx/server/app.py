@@ -79,6 +79,7 @@ class App:
     tail: Callable[[object], str] | None = None  # a prompt -> its last tokens' text
     decode: Callable[[list[int]], str] | None = None  # token ids -> text
     left_out: set[str] = field(default_factory=set)  # hosted tool kinds said in the log
+    drafter_type: str | None = None  # the drafter's ``Source.kind`` (None: none loaded)
 
     def shape_source(self, started: Started, sampling: Sampling) -> str | None:
         return None if started.shape is None else self.shape_sources[Engine.samples(sampling)]
@@ -405,7 +406,7 @@ class Handlers:
 
     def outcome(self, call: api.Call, started: Started, last: StepResponse) -> api.Outcome:
         source = self.app.shape_source(started, call.request.sampling)
-        return api.Outcome(started, last.stats, source)
+        return api.Outcome(started, last.stats, source, self.app.drafter_type)
 
     # -- the body and errors
 

@@ -584,6 +584,7 @@ class Outcome:
     started: Started
     stats: GenerationStats
     shape_source: str | None
+    drafter_type: str | None = None  # the drafter's type (``Source.kind``), None without one
 
     @property
     def prompt_tokens(self) -> int:
@@ -613,6 +614,7 @@ class Outcome:
             "search_width": None if shape is None else shape.searched,
             "lookup": None if shape is None else shape.lookup,
             "shape_source": None if shape is None else self.shape_source,
+            "drafter_type": self.drafter_type if started.mode.drafted else None,
             "steps": stats.steps,
             "tokens_per_step": round(stats.tokens_per_step, 4),
             "drafted_tokens": sum(size - 1 for size in stats.tree_sizes),

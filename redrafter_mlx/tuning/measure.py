@@ -178,7 +178,7 @@ def run_decoder(
 
 def _decoding(runtime: Runtime, method: Method, *, temp: float) -> Decoding:
     """What ``method`` decodes with: lookup beams alone without the drafter."""
-    shape = method.shape or runtime.plan.default_shape
+    shape = method.shape or runtime.default_shape
     return decoding(runtime, shape, temp=temp, mode=Mode(method.kind))  # our methods are modes
 
 

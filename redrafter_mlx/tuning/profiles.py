@@ -253,12 +253,12 @@ def resolve_shape(
         found = lookup_profile(runtime, temp=temp)
         if found and not _searchable(runtime, found[0]):
             found = None
-        base, source = found or (runtime.plan.default_shape, "default")
+        base, source = found or (runtime.default_shape, "default")
         if not given:
             return base, source
         source = f"flags + {source}"
     else:  # every field given: no profile read (nor its warnings)
-        base, source = runtime.plan.default_shape, "flags"
+        base, source = runtime.default_shape, "flags"
     fields = dict(zip(SHAPE_FIELDS, astuple(base), strict=True)) | given
     try:
         return BeamShape(**fields), source

@@ -13,7 +13,10 @@ from redrafter_mlx.core.shape import BeamShape
 # MLX's CPU float16 matmuls are slow (a float32 drafter). Past ``plain_from`` cached tokens a
 # tree's attention may cost more than it saves: the adaptive rule (core/adaptive.py) keeps
 # whichever of the tree and plain steps measures faster. A batch's products turn
-# compute-bound past a few rows, so a batch verifies at most ``batch_rows`` rows.
+# compute-bound past a few rows, so a batch verifies at most ``batch_rows`` rows. The field's
+# drafter types take the RNN's shape (their steps cost as its do, tree size for tree size), but
+# DFlash: a step of its 8-node best-first tree cost about what a 4-node one did, so it drafts 7
+# nodes (benchmarks/HISTORY.md, "Field drafters").
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -27,5 +30,6 @@ CPU_PLAN = Plan(
     draft_early_stop=True,
     drafter_float32=True,
     default_shape=BeamShape(width=1, length=2, lookup=1),
+    type_shapes=(("dflash", BeamShape(width=7, length=5)),),
     plain_from=1536,
 )
