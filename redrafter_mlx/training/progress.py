@@ -44,6 +44,15 @@ def fitted(
     return max(total, have), eta_text(left_s)
 
 
+def data_bound(total: int, *, have: int, done: int, read: int, unread: int) -> int:
+    """``total`` cut to what the data holds, estimated: the ``have`` tokens so far plus the
+    ``unread`` conversations at the mean tokens of the ``read`` ones (``done`` tokens), so that
+    a line does not plan 600,000 tokens out of data that holds 826."""
+    if read <= 0:
+        return total
+    return min(total, have + round(done / read * max(unread, 0)))
+
+
 class PlainLines:
     """A plain progress line every :data:`PLAIN_EVERY` seconds, when stderr is no terminal."""
 
