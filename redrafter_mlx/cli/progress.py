@@ -12,7 +12,6 @@ at once, so no phase is silent.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,17 +21,8 @@ from rich.progress import Progress
 
 from redrafter_mlx.training import progress as lines
 
-# Into a pipe or a log rich wraps at 80 columns; a line there is wrapped by whoever reads it
-UNWRAPPED_WIDTH = 400
-
-
-def console(*, stderr: bool = True) -> Console:
-    """A rich console on stderr (or stdout): as rich makes it on a terminal; elsewhere one that
-    does not wrap lines (rich's default is 80 columns when the stream is no terminal)."""
-    stream = sys.stderr if stderr else sys.stdout
-    if stream.isatty():
-        return Console(stderr=stderr)
-    return Console(stderr=stderr, width=UNWRAPPED_WIDTH, soft_wrap=True)
+UNWRAPPED_WIDTH = lines.UNWRAPPED_WIDTH
+console = lines.console  # a console that does not wrap into a pipe or a log
 
 
 def progress(console: Console | None = None) -> Progress | PlainProgress:
