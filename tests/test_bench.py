@@ -327,6 +327,10 @@ def test_quick_measures_the_picked_shape_alone(runtime):
     assert (args.num_prompts, args.max_tokens, args.timed_prompts) == (3, 48, 0)
     args = bench.with_presets(bench.setup_arg_parser().parse_args(["--quick", "--max-tokens", "9"]))
     assert args.max_tokens == 9 and args.repetitions == 2  # a flag given wins over the preset
+    k1 = [BeamShape(1, 2, lookup=1)]
+    assert [m.kind for m in measure.bench_methods(k1, lookup_alone=False)][-1] == "redrafter"
+    assert measure.bench_methods(k1)[-1].kind == "lookup"
+    assert measure.bench_methods(k1, drafter=False, lookup_alone=False)[-1].kind == "lookup"
     full = bench.with_presets(bench.setup_arg_parser().parse_args([]))
     assert (full.num_prompts, full.max_tokens, full.timed_prompts) == (2, 128, 1)
 

@@ -237,9 +237,9 @@ def _histograms(plt, rows: list[dict]):
 
 # ---------------------------------------------------------------- CLI
 
-# Presets: what bench runs unless a flag says otherwise. --quick: a representative figure in
-# about 2 minutes with SmolLM2 on a 2-core x86 CPU, both plans (the shape the command picks
-# only, no per-phase or cost timing)
+# Presets: what bench runs unless a flag says otherwise. --quick: a representative figure,
+# sized for about 2 minutes with SmolLM2 on a quiet 2-core x86 CPU, both plans (the shape the
+# command picks and the baselines only: no lookup-alone row, no per-phase or cost timing)
 FULL = {"num_prompts": 2, "max_tokens": 128, "repetitions": 2, "timed_prompts": 1}
 QUICK = {"num_prompts": 3, "max_tokens": 48, "repetitions": 2, "timed_prompts": 0}
 
@@ -421,6 +421,7 @@ def bench_plan(args: argparse.Namespace, conversations: list, console: Console) 
         categories=categories if any(categories) else None,
         drafter=runtime.drafter is not None,
         costs=not args.quick,
+        lookup_alone=not args.quick,
     )
     name = PLANS[plan_name(runtime)]
     if (choice := getattr(runtime, "drafter_choice", None)) is not None:

@@ -603,15 +603,23 @@ class BenchConfig:
     categories: list[str | None] | None = None  # per conversation, for per-category rows
     drafter: bool = True  # ReDrafter rows use the drafter (else only lookup rows run)
     costs: bool = True  # verify/draft cost ratios and the speedup bound (off: --quick)
+    lookup_alone: bool = True  # a lookup-alone row per (L, K > 0) (off: --quick)
 
 
-def bench_methods(shapes: list[BeamShape], *, drafter: bool = True) -> list[Method]:
+def bench_methods(
+    shapes: list[BeamShape], *, drafter: bool = True, lookup_alone: bool = True
+) -> list[Method]:
     """The baselines (mlx-lm twice when the small-row kernel is loaded, our autoregressive
     loop), then ReDrafter at each shape (with ``drafter``), then lookup beams alone for each
-    distinct (L, K > 0), in the order the table shows them."""
+    distinct (L, K > 0) (with ``lookup_alone``, or without a drafter), in the order the table
+    shows them."""
     stock = [Method(MLX_LM_STOCK)] if smallrows_loaded() else []
     redrafter = [Method(REDRAFTER, s) for s in shapes] if drafter else []
-    alone = dict.fromkeys(BeamShape(length=s.length, lookup=s.lookup) for s in shapes if s.lookup)
+    alone = dict.fromkeys(
+        BeamShape(length=s.length, lookup=s.lookup)
+        for s in shapes
+        if s.lookup and (lookup_alone or not drafter)
+    )
     lookup = [Method(LOOKUP, s) for s in alone]
     return [Method(MLX_LM), *stock, Method(AUTOREGRESSIVE), *redrafter, *lookup]
 
@@ -633,7 +641,7 @@ def run_bench(
     """The full benchmark -> one JSON-able result (plan, environment, settings, rows, cost
     ratios). ``on_phase`` hears each phase start (warm-up, measuring, timed runs, cost
     ratios) with its units of work, ``on_run`` each unit done (a method's name)."""
-    methods = bench_methods(cfg.shapes, drafter=cfg.drafter)
+    methods = bench_methods(cfg.shapes, drafter=cfg.drafter, lookup_alone=cfg.lookup_alone)
     phase = on_phase or (lambda what, units: None)
     tick = on_run or (lambda name: None)
     first = encode_chat(runtime, [{"role": "user", "content": cfg.conversations[0][0]}])
@@ -691,7 +699,8 @@ WARMING_UP = "warming up (compiling the verify forward per tree size and the bea
 def bench_runs(cfg: BenchConfig) -> int:
     """Generations the measuring phase runs: every turn, method and repetition."""
     cases = sum(len(turns) for turns in cfg.conversations)
-    return cases * cfg.repetitions * len(bench_methods(cfg.shapes, drafter=cfg.drafter))
+    methods = bench_methods(cfg.shapes, drafter=cfg.drafter, lookup_alone=cfg.lookup_alone)
+    return cases * cfg.repetitions * len(methods)
 
 
 def _measure_all(runtime: Runtime, cfg: BenchConfig, methods: list[Method], tick):
