@@ -85,3 +85,36 @@ def test_consoles_into_a_pipe_do_not_wrap(monkeypatch):
     text = "word " * 40
     progress.console().print(text)
     assert stream.getvalue().strip() == text.strip()
+
+
+def test_bench_into_a_pipe_prints_a_line_every_period_while_generations_run_long(
+    tmp_path, monkeypatch
+):
+    """The 15 s rule through the command itself: every generation made slow (a stand-in
+    sleep of 2.5 periods before the real, tiny one), the lines still come every period."""
+    from test_cli import pair
+
+    from redrafter_mlx.cli import main
+    from redrafter_mlx.training import progress as lines
+    from redrafter_mlx.tuning import measure
+
+    every, stamps = 0.2, []
+    real = measure.measure
+
+    def slow(*args, **kwargs):
+        time.sleep(2.5 * every)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lines, "PLAIN_EVERY", every)
+    monkeypatch.setattr(lines, "say", lambda line: stamps.append((time.perf_counter(), line)))
+    monkeypatch.setattr(measure, "measure", slow)
+    given, prompts = pair(tmp_path)
+    main([
+        "bench", *given, "--prompts", prompts, "--num-prompts", "1", "--max-tokens", "6",
+        "--repetitions", "1", "--beam-width", "1", "--beam-length", "2", "--timed-prompts", "0",
+        "--this-plan-only", "--out", str(tmp_path / "bench"),
+    ])  # fmt: skip
+    times = [t for t, _ in stamps]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert len(stamps) >= 10 and max(gaps) < every + 0.25, (gaps, stamps)
+    assert any(": measuring: " in line for _, line in stamps)

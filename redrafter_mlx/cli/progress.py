@@ -56,11 +56,11 @@ class PlainProgress:
         *,
         every: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        say: Callable[[str], None] = lines.say,
+        say: Callable[[str], None] | None = None,
     ):
         self.tasks: list[dict] = []
         self.every = lines.PLAIN_EVERY if every is None else every
-        self.clock, self.say = clock, say
+        self.clock, self.say = clock, say or lines.say
         self.last = clock()  # when the last line was printed
         self.lock = threading.Lock()
         self.stop = threading.Event()
