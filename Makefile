@@ -22,7 +22,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 RUN     = if [ -e $(OPENBLAS) ]; then export LD_PRELOAD="$(OPENBLAS)$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi;
 ARGS    ?=
 
-.PHONY: help setup system-libs preflight chat serve generate test test-fast test-deps bench autotune lint format clean
+.PHONY: help setup system-libs preflight chat serve generate test test-fast test-deps bench bench-quick autotune lint format clean
 
 help:
 	@echo "redrafter-mlx: lossless speculative decoding (ReDrafter) with MLX"
@@ -32,8 +32,9 @@ help:
 	@echo "  make setup      create .venv and install redrafter-mlx, MLX and the embedded model"
 	@echo "  make generate   one answer: make generate ARGS='--prompt \"Hi\"'"
 	@echo "  make serve      the OpenAI API on http://127.0.0.1:8080/v1 (ARGS='--port 9000')"
-	@echo "  make bench      speed against mlx-lm, same run, into bench-out/"
-	@echo "  make autotune   find and store the fastest beam shape for this chip"
+	@echo "  make bench      speed against our plain loop and mlx-lm, both plans, into bench-out/"
+	@echo "  make bench-quick  the same in about 2 minutes: the picked shape only (bench --quick)"
+	@echo "  make autotune   find and store the fastest beam shape for this chip (~18 min)"
 	@echo "  make test-fast  the tests without the slow end-to-end ones"
 	@echo "  make test-deps  the reference drafters (mlx-vlm, dflash-mlx) the drafter tests compare with"
 	@echo "  make lint       ruff and the layers contract;  make format: ruff format"
@@ -131,6 +132,9 @@ test-fast: setup
 
 bench: setup
 	$(VENV)/bin/redrafter-mlx bench --out bench-out $(ARGS)
+
+bench-quick: setup
+	$(VENV)/bin/redrafter-mlx bench --quick --out bench-out $(ARGS)
 
 autotune: setup
 	$(VENV)/bin/redrafter-mlx autotune $(ARGS)

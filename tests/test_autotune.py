@@ -365,6 +365,43 @@ def test_autotunes_best_line_names_the_whole_shape_of_the_tables_first_row(
     top = entry["table"][0]
     assert entry["shape"] == [1, 2, 0.0, 1, top["lookup"]]
     assert line.startswith(
-        f"best: W=1 L=2 lookup K={top['lookup']} min-prob p=0 search S=1 (plain), "
+        f"best: W=1 L=2 lookup K={top['lookup']} min-prob p=0 search S=1 (= W: no wider search), "
         f"{top['estimated_tps']:g} tok/s estimated"
     )
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 9, 13, 40])
+def test_halving_runs_is_the_number_of_runs_the_search_makes(count):
+    """The searching phase's total (its ETA needs one; halving had none and showed no ETA)."""
+    rng = np.random.default_rng(count)
+    result = search.successive_halving(SHAPES[:count], noisy_measure(0.5, rng), num_prompts=4)
+    assert search.halving_runs(count) == len(result.observations)
+
+
+def test_autotune_says_its_duration_first_and_its_gain_over_plain_decoding_last(
+    runtime, monkeypatch, capsys
+):
+    """The first line says what runs and for about how long; the chip is text, not a dict;
+    the result says what the best shape gives over plain decoding, and "plain" means plain
+    decoding only."""
+    runtime.tokenizer = toy_tokenizer()
+    monkeypatch.setattr(rt, "load_runtime", lambda *args, **kwargs: runtime)
+    flags = ["--beam-width", "1,2", "--beam-length", "2", "--lookup", "0", "--max-tokens", "8"]
+    autotune.main(autotune.setup_arg_parser().parse_args([*flags, "--num-prompts", "2"]))
+    captured = capsys.readouterr()
+    said_by_loading = ("loading ", "drafter")
+    err = [line for line in captured.err.splitlines() if not line.startswith(said_by_loading)]
+    assert err[0].startswith("autotune: expected about ")
+    assert "2 shapes warmed up, 8 runs of 8 tokens (successive halving)" in err[0]
+    (chip,) = [line for line in err if line.startswith("chip: ")]
+    assert "{" not in chip and "'" not in chip
+    (entry,) = profiles.read_store()["profiles"].values()
+    gain = entry["gain_over_plain_decoding"]
+    assert gain > 0
+    (line,) = [x for x in captured.out.splitlines() if x.startswith("gain over plain decoding")]
+    assert line.startswith(f"gain over plain decoding: {gain:.2f}x (measured after the search")
+    said = captured.out + captured.err
+    assert all(
+        "plain decoding" in x or "plain loop" in x for x in said.splitlines() if "plain" in x
+    )
+    assert "by context length" not in captured.out or "+: plain)" not in captured.out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 from collections import Counter
 
@@ -99,20 +100,22 @@ def test_long_prompts_get_a_time_to_first_token_column(result):
 
 
 def test_writes_json_csv_and_plots(result, tmp_path):
-    paths = bench.write_outputs(result, tmp_path / "out")
+    paths = bench.write_outputs([result], tmp_path / "out")
     names = {p.name for p in paths}
     assert {
         "bench.json",
         "bench.csv",
         "speedup_heatmap.png",
+        "speedup_heatmap_plain.png",
         "phases.png",
         "tokens_per_step.png",
     } <= names
     loaded = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert loaded["results"][2]["method"] == "W1L2"
+    assert loaded["plans"][0]["results"][2]["method"] == "W1L2"
     with open(tmp_path / "out" / "bench.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["mlx-lm", "autoregressive", "W1L2", "W2L3"]
+    assert {r["plan"] for r in rows} == {result["plan"]}
     assert float(rows[3]["verify_cost_ratio"]) > 0
     for p in paths:
         if p.suffix == ".png":
@@ -140,7 +143,7 @@ def test_stock_mlx_lm_baseline_when_the_kernel_is_loaded(runtime, monkeypatch):
     assert rows["W1L2"]["speedup_vs_mlx-lm-stock"] > 0
     assert rows["mlx-lm-stock"]["speedup_vs_mlx-lm-stock"] == pytest.approx(1.0)
     columns = [c.header for c in bench.results_table(result).columns]
-    assert columns[3:6] == ["x mlx-lm", "x stock", "x AR"]
+    assert columns[2:5] == ["x plain", "x mlx-lm", "x stock"]  # our own plain loop first
 
 
 def test_greedy_runs_match_across_methods(runtime):
@@ -290,7 +293,7 @@ def test_lookup_rows_per_category_and_the_sources_of_accepted_tokens(runtime, tm
             assert row["tokens_per_step"] >= 1 and row["generation_tps"] > 0
     table = bench.category_table(per)
     assert [c.header for c in table.columns] == ["method", "rag (2)", "summarization (1)"]
-    bench.write_outputs(result, tmp_path)
+    bench.write_outputs([result], tmp_path)
     with open(tmp_path / "bench.csv") as f:
         csv_rows = {r["method"]: r for r in csv.DictReader(f)}
     assert int(csv_rows["lookup-L3k3"]["accepted_lookup"]) == alone["accepted_from"]["lookup"]
@@ -316,3 +319,69 @@ def test_prompt_categories_are_read_with_the_turns(tmp_path):
     path.write_text('{"prompt": "a", "category": "rag"}\n\n{"turns": ["b"], "category": 3}\n')
     loaded = load_conversations(path, None, 1)
     assert [(c.turns, c.category) for c in loaded] == [(["a"], "rag"), (["b"], None)]
+
+
+def test_quick_measures_the_picked_shape_alone(runtime):
+    args = bench.with_presets(bench.setup_arg_parser().parse_args(["--quick"]))
+    assert bench.shapes_from_args(args, runtime) == [plan_for().default_shape]
+    assert (args.num_prompts, args.max_tokens, args.timed_prompts) == (3, 48, 0)
+    args = bench.with_presets(bench.setup_arg_parser().parse_args(["--quick", "--max-tokens", "9"]))
+    assert args.max_tokens == 9 and args.repetitions == 2  # a flag given wins over the preset
+    k1 = [BeamShape(1, 2, lookup=1)]
+    assert [m.kind for m in measure.bench_methods(k1, lookup_alone=False)][-1] == "redrafter"
+    assert measure.bench_methods(k1)[-1].kind == "lookup"
+    assert measure.bench_methods(k1, drafter=False, lookup_alone=False)[-1].kind == "lookup"
+    full = bench.with_presets(bench.setup_arg_parser().parse_args([]))
+    assert (full.num_prompts, full.max_tokens, full.timed_prompts) == (2, 128, 1)
+
+
+def test_every_column_is_explained_in_the_output_and_the_docs(result):
+    """``x stock``, ``verify x``, ``bound``, ``from d/l/b`` and ``p50 ms`` were explained
+    nowhere: each column shown has a line in the printed legend and in docs/usage.md."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    every = result | {"settings": result["settings"] | {"prompt_tokens": [2048]}}
+    every = every | {"results": [r | {"speedup_vs_mlx-lm-stock": 1.0} for r in result["results"]]}
+    headers = [c.header for c in bench.results_table(every).columns]
+    assert headers[:4] == ["method", "tok/s", "x plain", "x mlx-lm"]
+    assert set(headers) == set(bench.COLUMNS)
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(bench.legend([every]))
+    printed = console.export_text()
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "usage.md").read_text().split())
+    for column, meaning in bench.COLUMNS.items():
+        assert any(
+            line.split() == [*column.split(), *meaning.split()] for line in printed.splitlines()
+        )
+        assert f"`{column}`: {meaning}" in docs, column
+
+
+def test_summary_says_plainly_when_a_shape_is_slower_than_plain_decoding(result):
+    rows = [dict(r) for r in result["results"]]
+    by = {r["method"]: r for r in rows}
+    by["W1L2"]["speedup_vs_autoregressive"], by["W1L2"]["speedup_vs_mlx-lm"] = 0.94, 1.56
+    by["W2L3"]["speedup_vs_autoregressive"] = 1.2
+    generic = result | {"plan": "generic", "results": rows, "picked": "W1L2"}
+    lines = bench.summary([generic])
+    assert lines[0] == (
+        "generic plan, the code a Mac runs: W1L2 (the shape the command picks) ran 0.94x our "
+        "plain loop and 1.56x mlx-lm"
+    )
+    assert "SLOWER than plain decoding here: W1L2 (0.94x);" in lines[1]
+    assert "W2L3" not in lines[1]
+    by["W1L2"]["speedup_vs_autoregressive"] = 1.01
+    assert len(bench.summary([generic])) == 1
+
+
+def test_the_generic_plans_child_gets_the_same_blas_without_the_cpu_plans_kernel():
+    env = {
+        "LD_PRELOAD": "/cache/libsmallrows-ab12.so:/usr/lib/libopenblas.so.0",
+        "REDRAFTER_SMALLROWS_NEXT": "/usr/lib/libopenblas.so.0",
+        "PATH": "/bin",
+    }
+    child = bench.generic_env(env)
+    assert child["LD_PRELOAD"] == "/usr/lib/libopenblas.so.0"
+    assert child["REDRAFTER_CPU_TUNING"] == "0" and child["PATH"] == "/bin"
+    assert "REDRAFTER_SMALLROWS_NEXT" not in child

@@ -252,7 +252,11 @@ def pair(tmp_path):
 
 def test_bench_into_a_log_prints_progress_lines(tmp_path, capsys, plain_progress):
     """bench used to be silent for minutes into a pipe or log (its bar draws on terminals
-    only); now a line every few seconds says how far it is, as train's do."""
+    only); now each phase says what it does and how far it is, as train's lines do. On a
+    Linux CPU it measures the generic plan first, in a child process, then the CPU plan."""
+    import json
+
+    from redrafter_mlx.backend.plan import GENERIC_PLAN, plan_for
     from redrafter_mlx.cli import main
 
     given, prompts = pair(tmp_path)
@@ -261,12 +265,27 @@ def test_bench_into_a_log_prints_progress_lines(tmp_path, capsys, plain_progress
         "--repetitions", "1", "--beam-width", "2", "--beam-length", "3", "--timed-prompts", "0",
         "--out", str(tmp_path / "bench"),
     ])  # fmt: skip
-    err = capsys.readouterr().err.splitlines()
-    progress = [line for line in err if line.startswith("benchmarking")]
-    assert len(progress) >= 3, err
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    both = plan_for() != GENERIC_PLAN
+    plans = ["generic", "cpu"] if both else ["generic"]
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert [result["plan"] for result in saved["plans"]] == plans
+    here = "CPU plan, this Linux CPU's own kernels" if both else "generic plan"
+    progress = [line for line in err if line.startswith(f"{here}: measuring")]
+    assert len(progress) >= 2, err
     total = progress[0].split("/", 1)[1].split(" ", 1)[0]
     assert all(f"/{total} (" in line and ", ETA " in line for line in progress)
-    assert progress[-1].split(": ", 1)[1].startswith(f"{total}/{total} (100%)")
+    assert progress[-1].split(": ", 2)[2].startswith(f"{total}/{total} (100%)")
+    assert any(line.startswith(f"{here}: warming up (compiling") for line in err)
+    out = captured.out
+    if both:  # the generic plan's figures first: the code a Mac runs
+        generic = out.index("generic plan, the code a Mac runs |")
+        assert generic < out.index("CPU plan, this Linux CPU's own kernels |")
+    lines = out.splitlines()  # the legend of the columns comes before the tables
+    legend = [i for i, x in enumerate(lines) if x.split()[:4] == ["x", "plain", "speedup", "over"]]
+    header = [i for i, x in enumerate(lines) if "tok/s" in x and "x plain" in x]
+    assert legend and header and legend[0] < header[0], out
 
 
 def test_eval_drafter_into_a_log_prints_progress_lines(tmp_path, capsys, plain_progress):

@@ -1230,3 +1230,35 @@ def test_a_full_disk_while_extracting_names_the_cache_folder(tmp_path, monkeypat
     assert errors[0].startswith(f"error: {args.cache_dir}: no space left on its disk (")
     assert "free space there or give --cache-dir a folder on another disk" in errors[0]
     assert [p.name for p in Path(args.cache_dir).glob("*.npz")] == []
+
+
+def test_extraction_lines_are_sized_to_the_data_not_the_budget(tmp_path, monkeypatch, capsys):
+    """train showed "826/600000 tokens ... ETA 25:29" just before saying the data holds 826
+    tokens: from the first conversation on, a line's total is what the data holds (estimated
+    from the conversations read), and the last one is exact."""
+    from redrafter_mlx.training import progress
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    write_conversations(tmp_path / "data.json", 12)
+    flags = [*trained_flags(tmp_path), "--max-tokens", "600000", "--heldout", "2"]
+    flags = [f for f in flags if f != "--quiet"] + ["--heldout-tokens", "300"]
+    args = T.setup_arg_parser().parse_args(flags)
+    cache = prepare_cache(
+        learnable_target(), CharTokenizer(), "tiny", tmp_path / "data.json", tmp_path / "c",
+        T.extract_options(args),
+    )  # fmt: skip
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("extract train: ")]
+    totals = [int(x.split("/", 1)[1].split(" ", 1)[0].replace(",", "")) for x in lines]
+    held = cache.tokens("train")
+    assert len(lines) >= 3 and held < 600_000
+    assert all(total <= 2 * held for total in totals), lines
+    assert totals[-1] == held and "(what the data holds, estimated)" in lines[-1]
+
+
+def test_data_bound():
+    from redrafter_mlx.training import progress
+
+    # 2 conversations read (300 tokens), 8 left at 150 each: 1,500 tokens, well under budget
+    assert progress.data_bound(600_000, have=300, done=300, read=2, unread=8) == 1500
+    assert progress.data_bound(1000, have=300, done=300, read=2, unread=8) == 1000
+    assert progress.data_bound(1000, have=0, done=0, read=0, unread=8) == 1000

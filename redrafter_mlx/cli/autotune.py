@@ -10,16 +10,16 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from rich.console import Console
 from rich.table import Table
 
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail, read_prompts
+from redrafter_mlx.cli.progress import console as stderr_console
 from redrafter_mlx.cli.progress import progress as progress_for
 from redrafter_mlx.core.atomic import check_writable, os_error_text
 from redrafter_mlx.core.shape import shape_grid
 from redrafter_mlx.tuning.device import chip_info
-from redrafter_mlx.tuning.measure import REDRAFTER, Method, warm_up
+from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, REDRAFTER, Method, measure, warm_up
 from redrafter_mlx.tuning.profiles import (
     SAMPLING,
     entry_shape,
@@ -39,9 +39,11 @@ from redrafter_mlx.tuning.search import (
     choose_bands,
     context_costs,
     full_grid,
+    halving_runs,
     heldout_prompt_ids,
     make_measure,
     observed_tokens_per_step,
+    plain_gain,
     profile_entry,
     successive_halving,
 )
@@ -160,14 +162,28 @@ def context_list(text: str) -> list[int]:
     return values
 
 
-def tune_bands(runtime, args: argparse.Namespace, result: SearchResult, texts: Sequence[str]):
+def tune_bands(
+    runtime, args: argparse.Namespace, result: SearchResult, texts: Sequence[str], progress
+):
     """The shape per context band (:func:`context_costs` over the search's best few shapes),
     with its costs; ``(None, [])`` without ``--contexts`` or for a model with recurrent layers."""
     if not args.contexts:
         return None, []
     best = sorted(result.estimates, key=lambda s: -result.estimates[s])[:FINALISTS]
     filler = [t for ids in heldout_prompt_ids(runtime, len(texts), texts) for t in ids]
-    costs = context_costs(runtime, best, args.contexts, filler, temp=args.temp)
+    lengths = ", ".join(str(c) for c in args.contexts)
+    task = progress.add_task(
+        f"timing the best {len(best)} shapes and plain decoding at {lengths} cached tokens",
+        total=len(set(args.contexts)),
+    )
+    costs = context_costs(
+        runtime,
+        best,
+        args.contexts,
+        filler,
+        temp=args.temp,
+        on_context=lambda context: progress.advance(task),
+    )
     if not costs:
         return None, []
     return choose_bands(costs, observed_tokens_per_step(result)), costs
@@ -196,33 +212,64 @@ def show(console) -> None:
     console.print(f"({store_path()})")
 
 
-def run_search(
-    runtime, args: argparse.Namespace, progress, texts: Sequence[str]
-) -> tuple[SearchResult, float]:
-    """Warm up, then the search (or grid) with a progress bar; returns the result and seconds."""
+def grid_of(args: argparse.Namespace) -> list:
+    """The shapes the flags ask for; SystemExit with one line for a bad combination."""
     try:
-        shapes = shape_grid(
+        return shape_grid(
             args.beam_width, args.beam_length, args.min_prob, args.search_width, args.lookup
         )
     except ValueError as e:
         fail(str(e))
 
-    prompts = heldout_prompt_ids(runtime, args.num_prompts, texts)
-    measure = make_measure(
+
+def search_runs(args: argparse.Namespace, shapes: int, prompts: int) -> int:
+    """Measured runs the search makes (the full grid's, or successive halving's)."""
+    return shapes * prompts * args.repetitions if args.full_grid else halving_runs(shapes)
+
+
+def expected_line(runtime, args: argparse.Namespace, shapes: list, prompts: list) -> str:
+    """autotune's first line: what it will run and about how long, sized by one timed plain
+    run of ``--max-tokens`` here (a shape's warm-up and run each count as about one)."""
+    plain = Method(AUTOREGRESSIVE)
+    warm_up(runtime, [plain], prompts[0], temp=args.temp)
+    tic = time.perf_counter()
+    measure(runtime, plain, prompts[0], max_tokens=args.max_tokens, temp=args.temp)
+    run_s = time.perf_counter() - tic
+    runs = search_runs(args, len(shapes), len(prompts))
+    gain_runs = 2 * len(prompts)
+    minutes = run_s * (len(shapes) + runs + gain_runs) / 60
+    method = "full grid" if args.full_grid else "successive halving"
+    bands = f", then step timings at {len(args.contexts)} context lengths" if args.contexts else ""
+    return (
+        f"autotune: expected about {max(minutes, 1):.0f} min: {len(shapes)} shapes warmed up, "
+        f"{runs} runs of {args.max_tokens} tokens ({method}), then the best shape against "
+        f"plain decoding on {len(prompts)} prompts{bands} (a plain run of {args.max_tokens} "
+        f"tokens takes {run_s:.1f} s here)"
+    )
+
+
+def run_search(
+    runtime, args: argparse.Namespace, progress, shapes: list, prompts: list
+) -> tuple[SearchResult, float]:
+    """Warm up, then the search (or grid) with progress; returns the result and seconds."""
+    measure_shape = make_measure(
         runtime, prompts, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed
     )
-    task = progress.add_task("warming up", total=len(shapes))
+    task = progress.add_task(
+        f"warming up {len(shapes)} shapes (compiling each tree size and beam search)",
+        total=len(shapes),
+    )
     for shape in shapes:
         warm_up(runtime, [Method(REDRAFTER, shape)], prompts[0], temp=args.temp)
         progress.advance(task)
-    total = len(shapes) * len(prompts) * args.repetitions if args.full_grid else None
+    total = search_runs(args, len(shapes), len(prompts))
     task = progress.add_task("searching", total=total)
-    tick = lambda s: progress.update(task, advance=1, description=s.label)
+    tick = lambda s: progress.update(task, advance=1, description=f"searching ({s.label})")
     tic = time.perf_counter()
     if args.full_grid:
         result = full_grid(
             shapes,
-            measure,
+            measure_shape,
             num_prompts=len(prompts),
             repetitions=args.repetitions,
             seed=args.seed,
@@ -230,16 +277,30 @@ def run_search(
         )
     else:
         result = successive_halving(
-            shapes, measure, num_prompts=len(prompts), seed=args.seed, on_run=tick
+            shapes, measure_shape, num_prompts=len(prompts), seed=args.seed, on_run=tick
         )
     return result, time.perf_counter() - tic
 
 
+def measure_gain(runtime, args: argparse.Namespace, progress, best, prompts: list) -> float:
+    """The best shape's tokens/s over plain decoding's (:func:`plain_gain`), with progress."""
+    task = progress.add_task("the best shape against plain decoding", total=2 * len(prompts))
+    return plain_gain(
+        runtime,
+        best,
+        prompts,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        seed=args.seed,
+        on_run=lambda name: progress.advance(task),
+    )
+
+
 @flags.reports_errors
 def main(args: argparse.Namespace) -> None:
-    console = Console(stderr=True)
+    console = stderr_console()
     if args.show:
-        show(Console())
+        show(stderr_console(stderr=False))
         return
     texts = prompt_texts(args.prompts)
     if not 1 <= args.num_prompts <= len(texts):
@@ -249,13 +310,17 @@ def main(args: argparse.Namespace) -> None:
         check_writable(store_path().parent, "profile store")  # replaced by rename
         if store_path().is_dir():
             fail(f"profile store {store_path()} is a folder")
+    shapes = grid_of(args)
     runtime = flags.load_runtime(args.model, args.drafter, need_drafter=True)
-    console.print(f"chip: {chip_info()}")
     flags.say_drafter(runtime)
+    prompts = heldout_prompt_ids(runtime, args.num_prompts, texts)
+    console.print(expected_line(runtime, args, shapes, prompts), highlight=False)
+    console.print(f"chip: {chip_text(chip_info())}", highlight=False)
     try:
         with progress_for(console) as progress:  # a bar, or lines into a pipe or log
-            result, seconds = run_search(runtime, args, progress, texts)
-        bands, costs = tune_bands(runtime, args, result, texts)
+            result, seconds = run_search(runtime, args, progress, shapes, prompts)
+            bands, costs = tune_bands(runtime, args, result, texts, progress)
+            gain = measure_gain(runtime, args, progress, result.best, prompts)
     except KeyboardInterrupt:
         console.print("interrupted: the stored profile is unchanged")
         raise SystemExit(130) from None
@@ -270,31 +335,57 @@ def main(args: argparse.Namespace) -> None:
         prompts=args.prompts,
         bands=bands,
         costs=costs,
+        gain=gain,
     )
-    out = Table(title=f"autotune ({method}, {len(result.observations)} runs, {seconds:.0f} s)")
+    key = runtime_identity(runtime)[0] + (SAMPLING if args.temp else "")
+    report(entry, key, bands, method, len(result.observations), seconds, args)
+
+
+def report(entry: dict, key: str, bands, method: str, runs: int, seconds: float, args) -> None:
+    """The table of shapes, the bands, the profile's fate and the best shape's line (stdout)."""
+    out = stderr_console(stderr=False)
+    table = Table(title=f"autotune ({method}, {runs} runs, {seconds:.0f} s)")
     for key in TABLE_COLUMNS:
-        out.add_column(TABLE_COLUMNS[key], justify="right")
+        table.add_column(TABLE_COLUMNS[key], justify="right")
     for row in entry["table"][:12]:
-        out.add_row(*(str(row[key]) for key in TABLE_COLUMNS))
-    Console().print(out)
+        table.add_row(*(str(row[key]) for key in TABLE_COLUMNS))
+    out.print(table)
     if bands is not None:
-        Console().print(f"by context length: {bands.describe()}")
+        out.print(f"by context length: {bands.describe()}", highlight=False)
     if not args.no_save:
         try:
-            save_profile(runtime_identity(runtime)[0] + (SAMPLING if args.temp else ""), entry)
+            save_profile(key, entry)
         except OSError as e:
             fail(f"profile not saved: {os_error_text(e, str(store_path()))}")
     saved = "not saved" if args.no_save else f"saved to {store_path()}"
-    Console().print(
-        f"best: {best_line(entry['table'][0])} ({saved})", highlight=False, soft_wrap=True
-    )
+    out.print(f"best: {best_line(entry['table'][0])} ({saved})", highlight=False)
+    out.print(gain_line(entry["gain_over_plain_decoding"], args.num_prompts), highlight=False)
+
+
+def gain_line(gain: float, prompts: int) -> str:
+    """What the best shape gives over plain decoding, measured after the search."""
+    measured = f"measured after the search on {prompts} prompt{'s' if prompts > 1 else ''}"
+    if gain < 1:
+        return (
+            f"gain over plain decoding: {gain:.2f}x ({measured}): SLOWER than plain decoding "
+            "here; `generate --autoregressive` is faster"
+        )
+    return f"gain over plain decoding: {gain:.2f}x ({measured})"
+
+
+def chip_text(chip: dict) -> str:
+    """``Intel Xeon ..., CPU, OpenBLAS + small-row kernel, 2 cores``: the chip's fields as text."""
+    cores = chip.get("cores") or chip.get("gpu_cores")
+    fields = [chip.get(k) for k in ("chip", "backend", "blas", "architecture", "memory_size")]
+    return ", ".join([str(f) for f in fields if f] + ([f"{cores} cores"] if cores else []))
 
 
 def best_line(row: dict) -> str:
     """The winning shape in full, from its table row (the table's first):
-    ``W=2 L=2 lookup K=4 min-prob p=0 search S=2 (plain), 173.7 tok/s estimated ...``."""
-    plain = row["search_width"] in (0, row["beam_width"])
-    search = f"{row['search_width']}{' (plain)' if plain else ''}"
+    ``W=2 L=2 lookup K=4 min-prob p=0 search S=2 (= W: no wider search), 173.7 tok/s
+    estimated ...`` ("plain" means plain decoding only, in every line autotune prints)."""
+    narrow = row["search_width"] in (0, row["beam_width"])
+    search = f"{row['search_width']}{' (= W: no wider search)' if narrow else ''}"
     return (
         f"W={row['beam_width']} L={row['beam_length']} lookup K={row['lookup']} "
         f"min-prob p={row['min_prob']:g} search S={search}, {row['estimated_tps']:g} tok/s "

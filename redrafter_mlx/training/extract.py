@@ -186,14 +186,18 @@ def _extract_locked(model, tokenizer, convs, cache, split, budget, limit, opts) 
             have += len(arrays["tokens"])
             done_tokens += len(arrays["tokens"])
             seconds = time.perf_counter() - start
+            held = progress.data_bound(  # the budget, or what the data holds if less
+                budget, have=have, done=done_tokens, read=i - first, unread=len(convs) - i
+            )
             planned, eta = progress.fitted(
-                budget, have=min(have, budget), done=done_tokens, seconds=seconds,
+                held, have=min(have, held), done=done_tokens, seconds=seconds,
                 time_left=opts.stop_at - time.time() if opts.stop_at else None,
             )  # fmt: skip
             rate = f"{done_tokens / seconds:.0f} tok/s"
             bar.update(task, completed=min(have, planned), total=planned, rate=rate, eta=eta)
             if lines.due():
-                fits = " (what --minutes leaves time for)" if planned < budget else ""
+                fits = " (what --minutes leaves time for)" if planned < held else ""
+                fits = " (what the data holds, estimated)" if held < budget else fits
                 progress.say(
                     f"{verb} {split}: {min(have, planned):,}/{planned:,} tokens{fits}, {rate}, "
                     f"{eta}"

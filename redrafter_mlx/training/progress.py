@@ -11,10 +11,18 @@ from rich.console import Console
 
 PLAIN_EVERY = 15.0  # seconds between plain progress lines when stderr is no terminal (a log)
 
+# Into a pipe or a log rich wraps at 80 columns; a line there is wrapped by whoever reads it
+UNWRAPPED_WIDTH = 400
 
-def console() -> Console:
-    """The console progress bars draw on: stderr."""
-    return Console(stderr=True)
+
+def console(*, stderr: bool = True) -> Console:
+    """A rich console on stderr (or stdout), the one progress bars draw on: as rich makes it
+    on a terminal; elsewhere one that does not wrap lines (rich's default is 80 columns when
+    the stream is no terminal)."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=UNWRAPPED_WIDTH, soft_wrap=True)
 
 
 def eta(seconds: float, done: float, left: float) -> str:
@@ -42,6 +50,15 @@ def fitted(
         if pace:
             total = min(total, have + int(pace * left_s))
     return max(total, have), eta_text(left_s)
+
+
+def data_bound(total: int, *, have: int, done: int, read: int, unread: int) -> int:
+    """``total`` cut to what the data holds, estimated: the ``have`` tokens so far plus the
+    ``unread`` conversations at the mean tokens of the ``read`` ones (``done`` tokens), so that
+    a line does not plan 600,000 tokens out of data that holds 826."""
+    if read <= 0:
+        return total
+    return min(total, have + round(done / read * max(unread, 0)))
 
 
 class PlainLines:

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.backend.cpu.blas import blas_in_use, smallrows_loaded, smallrows_off
+from redrafter_mlx.backend.plan import GENERIC_PLAN
 from redrafter_mlx.core import llm
 from redrafter_mlx.core.decode import Decoder
 from redrafter_mlx.core.mode import Mode
@@ -246,7 +247,12 @@ def bench_case(
 
 
 def warm_up(
-    runtime: Runtime, methods: list[Method], prompt: list[int], *, temp: float = 0.0
+    runtime: Runtime,
+    methods: list[Method],
+    prompt: list[int],
+    *,
+    temp: float = 0.0,
+    on_method: Callable[[str], None] | None = None,
 ) -> None:
     """Compile every tree size and beam search each method can run (:meth:`Decoder.warm_up`),
     then page everything in with a short generation, so no timed run pays for either."""
@@ -254,6 +260,8 @@ def warm_up(
         if method.kind not in (MLX_LM, MLX_LM_STOCK):
             runtime.decoder.warm_up(_decoding(runtime, method, temp=temp))
         measure(runtime, method, prompt, max_tokens=8, temp=temp)
+        if on_method:
+            on_method(method.name)
 
 
 def timed_runs(
@@ -264,6 +272,7 @@ def timed_runs(
     max_tokens: int,
     temp: float = 0.0,
     seed: int = 0,
+    on_method: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-phase seconds per ReDrafter method, summed over separate timed runs (extra syncs),
     sampled like the measured runs."""
@@ -285,6 +294,8 @@ def timed_runs(
             for k, v in (run.phase_seconds or {}).items():
                 acc[k] = acc.get(k, 0.0) + v
         totals[method.name] = acc
+        if on_method and prompts:
+            on_method(method.name)
     return totals
 
 
@@ -591,54 +602,56 @@ class BenchConfig:
     timed_prompts: int = 1
     categories: list[str | None] | None = None  # per conversation, for per-category rows
     drafter: bool = True  # ReDrafter rows use the drafter (else only lookup rows run)
+    costs: bool = True  # verify/draft cost ratios and the speedup bound (off: --quick)
+    lookup_alone: bool = True  # a lookup-alone row per (L, K > 0) (off: --quick)
 
 
-def bench_methods(shapes: list[BeamShape], *, drafter: bool = True) -> list[Method]:
+def bench_methods(
+    shapes: list[BeamShape], *, drafter: bool = True, lookup_alone: bool = True
+) -> list[Method]:
     """The baselines (mlx-lm twice when the small-row kernel is loaded, our autoregressive
     loop), then ReDrafter at each shape (with ``drafter``), then lookup beams alone for each
-    distinct (L, K > 0), in the order the table shows them."""
+    distinct (L, K > 0) (with ``lookup_alone``, or without a drafter), in the order the table
+    shows them."""
     stock = [Method(MLX_LM_STOCK)] if smallrows_loaded() else []
     redrafter = [Method(REDRAFTER, s) for s in shapes] if drafter else []
-    alone = dict.fromkeys(BeamShape(length=s.length, lookup=s.lookup) for s in shapes if s.lookup)
+    alone = dict.fromkeys(
+        BeamShape(length=s.length, lookup=s.lookup)
+        for s in shapes
+        if s.lookup and (lookup_alone or not drafter)
+    )
     lookup = [Method(LOOKUP, s) for s in alone]
     return [Method(MLX_LM), *stock, Method(AUTOREGRESSIVE), *redrafter, *lookup]
 
 
+def plan_name(runtime: Runtime) -> str:
+    """``generic`` (the code Metal and CUDA run) or ``cpu`` (the Linux CPU plan)."""
+    return "generic" if runtime.plan == GENERIC_PLAN else "cpu"
+
+
+Phase = Callable[[str, int], None]  # a phase starts: (what it does, units of work)
+
+
 def run_bench(
-    runtime: Runtime, cfg: BenchConfig, on_run: Callable[[str], None] | None = None
+    runtime: Runtime,
+    cfg: BenchConfig,
+    on_run: Callable[[str], None] | None = None,
+    on_phase: Phase | None = None,
 ) -> dict:
-    """The full benchmark -> one JSON-able result (environment, settings, rows, cost ratios)."""
-    methods = bench_methods(cfg.shapes, drafter=cfg.drafter)
-    records, prompts, reference, categories = [], [], {}, {}
-    warmed = False
-    for k, conv in enumerate(cfg.conversations):
-        category = cfg.categories[k] if cfg.categories else None
-        history: list[dict] = []
-        for user in conv:
-            history.append({"role": "user", "content": user})
-            ids = encode_chat(runtime, history)
-            if not warmed:
-                warm_up(runtime, methods, ids, temp=cfg.temp)
-                warmed = True
-            case = len(prompts)
-            prompts.append(ids)
-            if category is not None:
-                categories[case] = category
-            got = bench_case(
-                runtime,
-                methods,
-                ids,
-                case,
-                repetitions=cfg.repetitions,
-                max_tokens=cfg.max_tokens,
-                temp=cfg.temp,
-                seed=cfg.seed,
-                on_run=on_run,
-            )
-            records += got
-            ar = next(r.run for r in got if r.method == AUTOREGRESSIVE)
-            reference[case] = ar.tokens
-            history.append({"role": "assistant", "content": ar.text})
+    """The full benchmark -> one JSON-able result (plan, environment, settings, rows, cost
+    ratios). ``on_phase`` hears each phase start (warm-up, measuring, timed runs, cost
+    ratios) with its units of work, ``on_run`` each unit done (a method's name)."""
+    methods = bench_methods(cfg.shapes, drafter=cfg.drafter, lookup_alone=cfg.lookup_alone)
+    phase = on_phase or (lambda what, units: None)
+    tick = on_run or (lambda name: None)
+    first = encode_chat(runtime, [{"role": "user", "content": cfg.conversations[0][0]}])
+    phase(WARMING_UP, len(methods))
+    warm_up(runtime, methods, first, temp=cfg.temp, on_method=tick)
+    phase("measuring", bench_runs(cfg))
+    records, prompts, reference, categories = _measure_all(runtime, cfg, methods, tick)
+    shaped = [m for m in methods if m.kind in (REDRAFTER, LOOKUP)]
+    if cfg.timed_prompts and shaped:
+        phase("timing each phase of a step (separate runs)", len(shaped))
     phases = timed_runs(
         runtime,
         methods,
@@ -646,21 +659,22 @@ def run_bench(
         max_tokens=cfg.max_tokens,
         temp=cfg.temp,
         seed=cfg.seed,
+        on_method=tick,
     )
-    if on_run:
-        on_run("timed")
     rows = [
         summarize_method(
             records, m, reference=reference if cfg.temp == 0 else {}, phases=phases.get(m.name)
         )
         for m in methods
     ]
+    if cfg.costs and shaped:
+        phase("timing verify and draft costs against a one-token forward", len(shaped))
     for row, method in zip(rows, methods, strict=True):
-        if method.shape is not None:
+        if cfg.costs and method.shape is not None:
             row |= cost_fields(runtime, method.shape, row, drafted=method.kind != LOOKUP)
-    if on_run:
-        on_run("cost")
+            tick(method.name)
     return {
+        "plan": plan_name(runtime),
         "environment": environment(runtime),
         "settings": settings_dict(cfg, prompts),
         "results": rows,
@@ -676,6 +690,49 @@ def run_bench(
             for r in records
         ],
     }
+
+
+# The first phase: compiles every tree size and beam search, then pages the weights in
+WARMING_UP = "warming up (compiling the verify forward per tree size and the beam search)"
+
+
+def bench_runs(cfg: BenchConfig) -> int:
+    """Generations the measuring phase runs: every turn, method and repetition."""
+    cases = sum(len(turns) for turns in cfg.conversations)
+    methods = bench_methods(cfg.shapes, drafter=cfg.drafter, lookup_alone=cfg.lookup_alone)
+    return cases * cfg.repetitions * len(methods)
+
+
+def _measure_all(runtime: Runtime, cfg: BenchConfig, methods: list[Method], tick):
+    """Every turn of every conversation by every method (:func:`bench_case`); the next turn
+    follows our plain loop's answer. -> records, prompts, greedy reference, categories."""
+    records, prompts, reference, categories = [], [], {}, {}
+    for k, conv in enumerate(cfg.conversations):
+        category = cfg.categories[k] if cfg.categories else None
+        history: list[dict] = []
+        for user in conv:
+            history.append({"role": "user", "content": user})
+            ids = encode_chat(runtime, history)
+            case = len(prompts)
+            prompts.append(ids)
+            if category is not None:
+                categories[case] = category
+            got = bench_case(
+                runtime,
+                methods,
+                ids,
+                case,
+                repetitions=cfg.repetitions,
+                max_tokens=cfg.max_tokens,
+                temp=cfg.temp,
+                seed=cfg.seed,
+                on_run=tick,
+            )
+            records += got
+            ar = next(r.run for r in got if r.method == AUTOREGRESSIVE)
+            reference[case] = ar.tokens
+            history.append({"role": "assistant", "content": ar.text})
+    return records, prompts, reference, categories
 
 
 def cost_fields(runtime: Runtime, shape: BeamShape, row: dict, *, drafted: bool = True) -> dict:

@@ -167,7 +167,9 @@ class ContextBands:
         return cls(tuple((int(start), None if s is None else stored_shape(s)) for start, s in rows))
 
     def describe(self) -> str:
-        parts = [f"{start}+: {'plain' if s is None else s.label}" for start, s in self.bands]
+        parts = [
+            f"{start}+: {'plain decoding' if s is None else s.label}" for start, s in self.bands
+        ]
         return ", ".join(parts)
 
 

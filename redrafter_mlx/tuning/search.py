@@ -41,7 +41,7 @@ from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning.device import chip_info
-from redrafter_mlx.tuning.measure import REDRAFTER, Method, measure, time_steps
+from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, REDRAFTER, Method, measure, time_steps
 from redrafter_mlx.tuning.profiles import ContextBands, runtime_identity
 
 DEFAULT_WIDTHS = tuple(range(1, 9))
@@ -178,6 +178,47 @@ def successive_halving(
             alive = alive[: max(finalists, math.ceil(len(alive) * keep))]
 
 
+def halving_runs(
+    shapes: int, *, keep: float = KEEP, finalists: int = FINALISTS, final_rounds: int = FINAL_ROUNDS
+) -> int:
+    """Runs :func:`successive_halving` makes over ``shapes`` shapes (its rounds do not depend
+    on what they measure): the total a progress line's ETA needs."""
+    alive, runs, extra = shapes, 0, None
+    while True:
+        runs += alive
+        if alive <= finalists:
+            extra = final_rounds - 1 if extra is None else extra - 1
+            if extra <= 0:
+                return runs
+        else:
+            alive = max(finalists, math.ceil(alive * keep))
+
+
+def plain_gain(
+    runtime,
+    best: BeamShape,
+    prompts: Sequence[list[int]],
+    *,
+    max_tokens: int,
+    temp: float = 0.0,
+    seed: int = 0,
+    on_run: Callable[[str], None] | None = None,
+) -> float:
+    """Tokens/s of ``best`` over plain decoding (one token per step, our own loop): both on
+    every prompt, interleaved (the order alternating), reseeded alike; the ratio of the
+    medians over prompts. The search itself times only shapes."""
+    methods = [Method(REDRAFTER, best), Method(AUTOREGRESSIVE)]
+    tps: dict[str, list[float]] = {m.kind: [] for m in methods}
+    for k, prompt in enumerate(prompts):
+        for method in methods[k % 2 :] + methods[: k % 2]:
+            run = measure(runtime, method, prompt, max_tokens=max_tokens, temp=temp, seed=seed + k)
+            tps[method.kind].append(run.generation_tps)
+            if on_run:
+                on_run(method.kind)
+    plain = statistics.median(tps[AUTOREGRESSIVE])
+    return statistics.median(tps[REDRAFTER]) / plain if plain > 0 else float("nan")
+
+
 def full_grid(
     shapes: Sequence[BeamShape],
     measure: Measure,
@@ -305,11 +346,13 @@ def context_costs(
     *,
     temp: float = 0.0,
     reps: int = 4,
+    on_context: Callable[[int], None] | None = None,
 ) -> list[BandCosts]:
     """:class:`BandCosts` of ``shapes`` at each of ``contexts`` (cut to fit the model), with
     the cache holding that many tokens of ``filler`` (repeated). Their K/V are zeros, not
     computed: a step costs the same whatever the cached values, and a long prompt's prefill
-    would take minutes. Attention-only models (recurrent state cannot be faked): [] else."""
+    would take minutes. Attention-only models (recurrent state cannot be faked): [] else.
+    ``on_context`` hears each length done."""
     decoder = runtime.decoder
     room = (runtime.max_context or max(contexts)) - max(s.length for s in shapes) - 2
     session = Session(decoder, runtime.tokenizer, rt.decoding(runtime, shapes[0], temp=temp))
@@ -324,6 +367,8 @@ def context_costs(
             one_token, steps[shape] = time_steps(session, reps)
             one.append(one_token)
         out.append(BandCosts(context, statistics.median(one), steps))
+        if on_context:
+            on_context(context)
     return out
 
 
@@ -358,6 +403,7 @@ def profile_entry(
     prompts: str | None = None,
     bands: ContextBands | None = None,
     costs: Sequence[BandCosts] = (),
+    gain: float | None = None,
 ) -> dict:
 
     _, fp = runtime_identity(runtime)
@@ -381,6 +427,8 @@ def profile_entry(
         "temp": temp,
         "prompts": prompts or "built-in",
         "tokens_per_second": round(result.estimates[result.best], 3),
+        # the best shape's tokens/s over plain decoding's, measured after the search
+        "gain_over_plain_decoding": None if gain is None else round(gain, 3),
         "table": table(result),
         "bands": (bands or ContextBands.single(result.best)).to_json(),
         "band_costs": [
