@@ -8,12 +8,16 @@ tracer is installed, and every caller looks them up at call time (``mx.eval(...)
 
 Per step it records:
 
-- ``host_s``: wall time outside blocking calls (Python building graphs, packing trees on the
-  host, and the dispatch calls themselves), split into ``exposed_s`` (no dispatched work was
-  outstanding: the device had nothing to do) and ``overlapped_s`` (an ``async_eval``'s work was
-  still outstanding: the device could compute meanwhile). Work stops being outstanding when a
-  blocking call waits for it (MLX's stream runs in order, so waiting for the last dispatched
-  batch waits for every earlier one).
+- ``host_s``: this Python thread's CPU time (``time.thread_time``) outside blocking calls:
+  building graphs, packing trees on the host, and the ``async_eval`` calls themselves. CPU
+  time, not wall time, so that neither the computation (on MLX's CPU stream thread here) nor
+  other processes on a shared machine inflate it. Split into ``exposed_s`` (no dispatched
+  work was outstanding: the device had nothing to do) and ``overlapped_s`` (an
+  ``async_eval``'s work was still outstanding: the device could compute meanwhile). Work stops
+  being outstanding when a blocking call waits for it (MLX's stream runs in order, so waiting
+  for the last dispatched batch waits for every earlier one).
+- ``dispatch_s``: this thread's CPU time inside blocking calls (``mx.eval`` building the tape
+  and handing it to the stream; the wait itself costs no CPU): the device waits for it too.
 - ``blocked_s``: wall time inside blocking calls (``mx.eval`` and reads of arrays not yet
   evaluated): the host waiting for the device.
 - ``syncs``: blocking calls: each ``mx.eval`` of something not evaluated yet, and each read of an
@@ -66,6 +70,7 @@ class StepCounts:
     exposed_s: float = 0.0
     overlapped_s: float = 0.0
     blocked_s: float = 0.0
+    dispatch_s: float = 0.0  # this thread's CPU time inside blocking calls
     syncs: int = 0
     evals: int = 0
     async_evals: int = 0
@@ -133,14 +138,15 @@ class Tracer:
 
     def begin(self) -> None:
         self._now = StepCounts()
-        self._start = self._last = time.perf_counter()
+        self._start = time.perf_counter()
+        self._last = time.thread_time()
         self._first = self._batch  # the last batch before this step
         self._done: dict[int, mx.array] = {}  # evaluated by an mx.eval of this step
 
     def end(self) -> StepCounts:
-        now, counts = time.perf_counter(), self._now
-        self._host(now)
-        counts.wall_s = now - self._start
+        counts = self._now
+        self._host(time.thread_time())
+        counts.wall_s = time.perf_counter() - self._start
         self.steps.append(counts)
         self._now = None
         self._done = {}
@@ -149,7 +155,7 @@ class Tracer:
         return counts
 
     def _host(self, now: float) -> None:
-        """Book the host time since the last hooked call."""
+        """Book the host time since the last hooked call (``now``: this thread's CPU time)."""
         span = now - self._last
         if self._outstanding:
             self._now.overlapped_s += span
@@ -189,18 +195,19 @@ class Tracer:
         """Run a blocking call on ``arrays``: book the host time before it and the wait."""
         if self._now is None or self._depth:
             return run()
-        tic = time.perf_counter()
-        self._host(tic)
+        cpu = time.thread_time()
+        self._host(cpu)
         if count:
             self._count(arrays)
+        tic = time.perf_counter()
         self._depth += 1
         try:
             result = run()
         finally:
             self._depth -= 1
-        toc = time.perf_counter()
-        self._now.blocked_s += toc - tic
-        self._last = toc
+        self._now.blocked_s += time.perf_counter() - tic
+        self._last = time.thread_time()
+        self._now.dispatch_s += self._last - cpu  # building the tape, handing it to the stream
         self._waited(arrays)
         return result
 
@@ -237,7 +244,7 @@ class Tracer:
         if self._now is None or self._depth:
             return original(*args)
         arrays = _arrays(args)
-        tic = time.perf_counter()
+        tic = time.thread_time()
         self._host(tic)
         self._now.async_evals += 1
         if self.count_kernels:  # evaluate now: a later graph must not count this one again
@@ -246,7 +253,7 @@ class Tracer:
             self._done.update((id(a), a) for a in arrays)
         else:
             original(*args)
-        toc = time.perf_counter()
+        toc = time.thread_time()
         self._book_dispatch(toc - tic)
         self._last = toc
         self._batch += 1
