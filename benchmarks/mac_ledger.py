@@ -13,10 +13,12 @@ random stand-in draft model of the target's shape, ``num_draft_tokens=2``, its d
 
 Per step (``ledger_trace.py`` says exactly how each is counted):
 
-- ``exposed_ms``: host time while no dispatched work was outstanding: graph building, tree
-  packing and dispatch that the device waits for whatever its speed;
-- ``overlapped_ms``: host time while an ``async_eval``'s work was outstanding: hidden on a
-  device slower than it, waited for on a faster one;
+- ``exposed_ms``: host time (this Python thread's CPU time, so that neither the computation
+  nor other processes inflate it) while no dispatched work was outstanding, plus the CPU time
+  inside blocking ``mx.eval`` calls (building the tape and handing it over): graph building,
+  tree packing and dispatch that the device waits for whatever its speed;
+- ``overlapped_ms``: host time while an ``async_eval``'s work was outstanding (a pipelined
+  loop building the next step): hidden on a device slower than it, waited for on a faster one;
 - ``kernels``: the Metal estimate of kernels dispatched (graph primitives less views, with each
   ``mx.fast`` op's CPU fallback counted as one kernel), and ``primitives`` as built here;
 - ``weight_mb`` / ``kv_mb``: bytes read, from parameter sizes (the target's layers and LM
@@ -485,11 +487,69 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def as_float16(entry: dict) -> dict:
+    """A float32 row as a Mac would run it: MLX on the CPU loads the embedded model in
+    float32, on a GPU in float16 (``io.embedded.default_dtype``): the same steps reading half
+    the bytes. Derived, not measured: host time, kernels and syncs are the float32 row's."""
+    return {
+        **entry,
+        "weight_mb": round(entry["weight_mb"] / 2, 2),
+        "kv_mb": round(entry["kv_mb"] / 2, 2),
+        "derived_from": "float32 row, bytes halved",
+    }
+
+
 def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def run(args, rows: list[Row]) -> dict:
+    """Measure every precision's ledger -> the report (predictions not yet added)."""
+    from redrafter_mlx.core.llm import compute_dtype
+
+    warm, reps, counted = (2, 2, 1) if args.quick else (3, 10, 2)
+    report = {
+        "command": " ".join(sys.argv),
+        "device_here": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "steps": {"warm": warm, "timed": reps, "counted": counted},
+        "dtype": {},
+        "ledger": {},
+    }
+    for precision in args.precisions:
+        target, drafters, prompts = load(precision)
+        report["dtype"][precision] = str(compute_dtype(target)).split(".")[-1]
+        report["ledger"][precision] = ledger(
+            target,
+            drafters,
+            prompts,
+            rows,
+            warm=warm,
+            reps=reps,
+            counted=counted,
+            log=lambda line, p=precision: print(p, line, flush=True),
+        )
+    return report
+
+
+def predicted(report: dict, dispatch_us: float) -> dict:
+    """``report`` with the float16 rows derived (where float was float32) and every row's
+    prediction at ``dispatch_us``."""
+    if (
+        report.get("dtype", {}).get("float") == "float32"
+        and "f16 (derived)" not in report["ledger"]
+    ):
+        report["ledger"]["f16 (derived)"] = [as_float16(e) for e in report["ledger"]["float"]]
+    report["dispatch_us"] = dispatch_us
+    report["dispatch_us_source"] = "assumption (no public figure found)"
+    report["bandwidth_gb_s"] = {c: {"gb_s": bw, "source": src} for c, (bw, src) in CHIPS.items()}
+    for entries in report["ledger"].values():
+        for e in entries:
+            e["predicted_tokens_per_s"] = predict(e, dispatch_us)
+    return report
 
 
 def main() -> None:
@@ -500,36 +560,16 @@ def main() -> None:
     p.add_argument("--dispatch-us", type=float, default=DISPATCH_US)
     p.add_argument("--out", type=Path, required=True, help="JSON report")
     p.add_argument("--markdown", type=Path, help="also write the README tables here")
+    p.add_argument("--table-from", type=Path, help="re-predict a report's rows: no measuring")
     args = p.parse_args()
-    if os.environ.get("REDRAFTER_CPU_TUNING") != "0":
-        p.error("the ledger measures the generic plan: run it with REDRAFTER_CPU_TUNING=0")
-    warm, reps, counted = (2, 2, 1) if args.quick else (3, 10, 2)
-    rows = [r for r in ROWS if not args.rows or any(k in r.name for k in args.rows)]
-    report = {
-        "command": " ".join(sys.argv),
-        "device_here": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "dispatch_us": args.dispatch_us,
-        "dispatch_us_source": "assumption (no public figure found)",
-        "bandwidth_gb_s": {chip: {"gb_s": bw, "source": src} for chip, (bw, src) in CHIPS.items()},
-        "steps": {"warm": warm, "timed": reps, "counted": counted},
-        "ledger": {},
-    }
-    for precision in args.precisions:
-        target, drafters, prompts = load(precision)
-        entries = ledger(
-            target,
-            drafters,
-            prompts,
-            rows,
-            warm=warm,
-            reps=reps,
-            counted=counted,
-            log=lambda line, p=precision: print(p, line, flush=True),
-        )
-        for e in entries:
-            e["predicted_tokens_per_s"] = predict(e, args.dispatch_us)
-        report["ledger"][precision] = entries
+    if args.table_from:
+        report = json.loads(args.table_from.read_text())
+    else:
+        if os.environ.get("REDRAFTER_CPU_TUNING") != "0":
+            p.error("the ledger measures the generic plan: run it with REDRAFTER_CPU_TUNING=0")
+        rows = [r for r in ROWS if not args.rows or any(k in r.name for k in args.rows)]
+        report = run(args, rows)
+    report = predicted(report, args.dispatch_us)
     write_atomic(args.out, json.dumps(report, indent=2) + "\n")
     if args.markdown:
         write_atomic(args.markdown, table(report) + "\n")
