@@ -133,3 +133,14 @@ def test_the_command_refuses_the_cpu_plan(monkeypatch, tmp_path):
     with pytest.raises(SystemExit):
         ml.main()
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_float16_row_is_derived_from_a_float32_one(entries):
+    rows, _ = entries
+    floats = [dict(e) for e in rows.values()]
+    report = ml.predicted({"dtype": {"float": "float32"}, "ledger": {"float": floats}}, 5.0)
+    for e32, e16 in zip(report["ledger"]["float"], report["ledger"]["f16 (derived)"], strict=True):
+        assert e16["weight_mb"] == pytest.approx(e32["weight_mb"] / 2, abs=0.01)
+        assert (e16["kernels"], e16["exposed_ms"]) == (e32["kernels"], e32["exposed_ms"])
+        for chip in ml.CHIPS:  # half the bytes: never slower
+            assert e16["predicted_tokens_per_s"][chip] >= e32["predicted_tokens_per_s"][chip]
