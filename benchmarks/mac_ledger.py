@@ -463,10 +463,17 @@ def table(report: dict) -> str:
         "| primitives here | weights MB | K/V MB | syncs | tokens/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def label(precision: str) -> str:  # "float" as its dtype
+        return (
+            report.get("dtype", {}).get(precision, precision) if precision == "float" else precision
+        )
+
     for precision, entries in report["ledger"].items():
         for e in entries:
             lines.append(
-                f"| {precision} | {e['row']} | {e['exposed_ms']:.2f} | {e['overlapped_ms']:.2f} "
+                f"| {label(precision)} | {e['row']} "
+                f"| {e['exposed_ms']:.2f} | {e['overlapped_ms']:.2f} "
                 f"| {e['wall_ms_here']:.1f} | {e['kernels']:.0f} | {e['primitives']:.0f} "
                 f"| {e['weight_mb']:.1f} | {e['kv_mb']:.2f} | {e['syncs']:.1f} "
                 f"| {e['tokens_per_step']:.2f} |"
@@ -483,7 +490,7 @@ def table(report: dict) -> str:
     for precision, entries in report["ledger"].items():
         for e in entries:
             values = " | ".join(f"{e['predicted_tokens_per_s'][c]:.0f}" for c in chips)
-            lines.append(f"| {precision} | {e['row']} | {values} |")
+            lines.append(f"| {label(precision)} | {e['row']} | {values} |")
     return "\n".join(lines)
 
 
