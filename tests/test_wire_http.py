@@ -119,6 +119,18 @@ def test_a_body_that_stalls_gets_a_408_and_the_server_goes_on(wire):
     assert wire.health()["status"] == "ok"
 
 
+def test_a_body_promised_after_100_continue_and_never_sent_gets_a_408(wire):
+    with connect(wire) as sock:
+        sock.sendall(
+            b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+            b"Expect: 100-continue\r\n\r\n"
+        )
+        reply = until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    status, error = refusal(reply.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n"))
+    assert status == 408 and "body stalled" in assert_shape("/v1/responses", error, status=408)
+
+
 def test_connections_idle_past_the_idle_timeout_are_closed_before_and_after_a_request(wire):
     with connect(wire) as silent, connect(wire) as kept:
         kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -225,10 +225,8 @@ class Wire(H11Protocol):
     def waiting_for(self) -> str | None:
         """What the connection waits for from its client: "idle" (a next request), "head"
         (the rest of one), "body" (the rest of a request's body), or None (for its answer)."""
-        if self.conn.their_state is h11.SEND_BODY:
-            if self.cycle is not None and self.cycle.waiting_for_100_continue:
-                return None  # the client waits for our "100 Continue"
-            return "body"
+        if self.conn.their_state is h11.SEND_BODY:  # after "Expect: 100-continue" too: the
+            return "body"  # handler reads at once, which sends the "100 Continue"
         if not self.idle() or self.conn.their_state is not h11.IDLE:
             return None
         return "head" if self.conn.trailing_data[0] else "idle"
