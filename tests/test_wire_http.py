@@ -142,23 +142,23 @@ def test_connections_idle_past_the_idle_timeout_are_closed_before_and_after_a_re
 
 def test_a_flood_of_slow_connections_leaves_room_for_a_good_request(tmp_path):
     """3,000 slow connections took every descriptor (2,048) and a good request waited; here
-    200 of them against a server allowed 128 descriptors, whose heads would time out only
+    700 of them against a server allowed 512 descriptors, whose heads would time out only
     after a minute: the oldest waiting ones are closed for the new ones."""
     log = tmp_path / "server.log"
     slow = []
-    with wire_serving(log, "--header-timeout", "60", "--files", "128") as served:
+    with wire_serving(log, "--header-timeout", "60", "--files", "512") as served:
         try:
-            for _ in range(200):
+            for _ in range(700):
                 sock = connect(served)
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
                 slow.append(sock)
             began = time.monotonic()
-            with connect(served) as good:
+            with connect(served, timeout=30) as good:  # before: never (the heads' 60 s)
                 good.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 reply = until_closed(good)
-            assert reply.startswith(b"HTTP/1.1 200 ") and time.monotonic() - began < 5
-            assert all(closed(sock) for sock in slow[:50])  # the oldest
-
+            waited = time.monotonic() - began  # at once, unless the machine is loaded
+            assert reply.startswith(b"HTTP/1.1 200 ") and waited < 20, (reply[:100], waited)
+            assert all(closed(sock) for sock in slow[:100])  # the oldest
         finally:
             for sock in slow:
                 sock.close()

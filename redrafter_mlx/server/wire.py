@@ -151,8 +151,9 @@ class Waiting:
 
 def most_waiting(accept_batch: int) -> int:
     """How many connections may wait for a request at once: half the file descriptors still
-    free, less the ``accept_batch`` connections the event loop may accept at once (before any
-    is counted here); the other half is for the answers being made."""
+    free, less two of the event loop's ``accept_batch`` (the connections it accepts at once
+    before any is counted here, and as many closed for them whose descriptors are freed on the
+    loop's next turn); the other half is for the answers being made."""
     try:
         import resource  # not on Windows
     except ImportError:
@@ -163,7 +164,7 @@ def most_waiting(accept_batch: int) -> int:
         if os.path.isdir(folder):
             soft -= len(os.listdir(folder))
             break
-    return max(16, soft // 2 - accept_batch)
+    return max(16, soft // 2 - 2 * accept_batch)
 
 
 class Wire(H11Protocol):
