@@ -65,6 +65,8 @@ def test_ctrl_c_while_a_command_imports_ends_quietly(monkeypatch, capsys):
         ("autotune", ["--search-width", "-2"]),
         ("eval_drafter", ["--search-width", ""]),
         ("serve", ["--max-batch-bytes", "lots"]),
+        ("serve", ["--header-timeout", "0"]),  # would close every connection at once
+        ("serve", ["--idle-timeout", "inf"]),
     ],
 )
 def test_bad_flag_values_stop_at_parsing(capsys, command, flags):

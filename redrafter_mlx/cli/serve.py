@@ -39,7 +39,7 @@ from redrafter_mlx.io.templates import apply_chat_template, reasoning_tags, tool
 from redrafter_mlx.server import anthropic, openai, responses
 from redrafter_mlx.server import app as server_app
 from redrafter_mlx.server import protocol as api
-from redrafter_mlx.server.app import MAX_BODY_BYTES, App
+from redrafter_mlx.server.app import HEADER_SECONDS, IDLE_SECONDS, MAX_BODY_BYTES, App
 from redrafter_mlx.tuning.profiles import context_bands, resolve_shape
 
 MAX_BATCH = 8  # requests answered at once by default: the one size the serving runs measured
@@ -117,10 +117,32 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=MAX_BODY_BYTES,
         help=f"largest request body read (default: {MAX_BODY_BYTES})",
     )
+    parser.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=HEADER_SECONDS,
+        help="seconds a request's head may take from its first byte, and a body between two "
+        f"of its bytes; past it a 408 and the connection closes (default: {HEADER_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=seconds,
+        default=IDLE_SECONDS,
+        help="seconds a connection may wait for its next request before it is closed "
+        f"(default: {IDLE_SECONDS:g})",
+    )
     flags.add_decode_args(parser, max_tokens=512)
     flags.add_speculation_args(parser)
     sharding.add_shard_arg(parser)
     return parser
+
+
+def seconds(text: str) -> float:
+    """A timeout flag: a number of seconds above 0 (0 would close every connection)."""
+    value = flags.non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be above 0")
+    return value
 
 
 def is_loopback(host: str) -> bool:
@@ -270,7 +292,9 @@ def main(args: argparse.Namespace) -> None:
     print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
     try:
-        server_app.serve(app, sock)
+        server_app.serve(
+            app, sock, header_timeout=args.header_timeout, idle_timeout=args.idle_timeout
+        )
     except KeyboardInterrupt:  # uvicorn stops its server, then raises the signal it caught
         pass
     print("\nstopped", file=sys.stderr)

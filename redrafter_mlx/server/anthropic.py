@@ -67,11 +67,19 @@ def parse_messages(body: dict, limits: Limits) -> Call:
         prompt,
         max_tokens=h.max_tokens(body, limits, "max_tokens", required=True),
         sampling=h.sampling(body, limits, max_temperature=MAX_TEMPERATURE),
-        stop_strings=h.stop_strings(body.get("stop_sequences"), "stop_sequences"),
+        stop_strings=_stop_sequences(body.get("stop_sequences")),
     )
     stream = h.boolean(body, "stream", False)
     call_id = f"msg_{uuid.uuid4().hex[:24]}"
     return Call("messages", request, stream, id=call_id, tools=offered, forced_call=forced)
+
+
+def _stop_sequences(value) -> tuple[str, ...]:
+    """``stop_sequences``: an array of strings (OpenAI's ``stop`` may be one string; this
+    field may not)."""
+    if value is not None and not isinstance(value, list):
+        raise h.invalid("stop_sequences", f"must be an array of strings, got {h.shown(value)}")
+    return h.stop_strings(value, "stop_sequences")
 
 
 def parse_count(body: dict, limits: Limits):

@@ -38,11 +38,12 @@ from redrafter_mlx.server import anthropic as anthropic_api
 from redrafter_mlx.server import openai
 from redrafter_mlx.server import protocol as api
 from redrafter_mlx.server import responses as responses_api
-from redrafter_mlx.server.wire import Wire
+from redrafter_mlx.server.wire import HEADER_SECONDS, Waiting, Wire, most_waiting
 
 MAX_BODY_BYTES = 4 << 20  # a 128k-token conversation is about 0.5 MB of text
 DRAIN_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 arrives
 RETRY_AFTER_SECONDS = 1
+BACKLOG = 64  # connections waiting to be accepted, and accepted at once by the event loop
 IDLE_SECONDS = 300  # how long a kept-alive connection may wait for its next request
 SHUTDOWN_SECONDS = 5  # on SIGINT / SIGTERM, answers still running get this long
 SSE_HEADERS = {  # no length: the stream ends with the connection (see wire.Framing.send)
@@ -115,24 +116,42 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(64)  # many clients may connect at once
+        sock.listen(BACKLOG)  # many clients may connect at once
     except OSError:
         sock.close()
         raise
     return sock
 
 
-def serve(app: App, sock: socket.socket) -> None:
+def serve(
+    app: App,
+    sock: socket.socket,
+    *,
+    header_timeout: float = HEADER_SECONDS,
+    idle_timeout: float = IDLE_SECONDS,
+    waiting: int | None = None,
+) -> None:
     """Answer on ``sock`` until SIGINT or SIGTERM, which uvicorn raises again once it has
-    stopped (KeyboardInterrupt for SIGINT)."""
+    stopped (KeyboardInterrupt for SIGINT). A request's head must be complete
+    ``header_timeout`` s after its first byte (its body may not stall longer either), a
+    connection may idle ``idle_timeout`` s between requests, and at most ``waiting``
+    connections (default: about half the free file descriptors) wait for a request at once."""
     host, port = sock.getsockname()[:2]
+    wire = partial(
+        Wire,
+        error_body=app.error_bytes,
+        header_timeout=header_timeout,
+        waiting=Waiting(waiting or most_waiting(BACKLOG)),
+    )
     config = uvicorn.Config(
         asgi(app),
         host=host,
         port=port,
-        http=partial(Wire, error_body=app.error_bytes),
+        http=wire,
         lifespan="off",
-        timeout_keep_alive=IDLE_SECONDS,
+        timeout_keep_alive=idle_timeout,
+        # uvicorn's 2048 is also how many asyncio accepts at once, before Waiting counts them
+        backlog=BACKLOG,
         timeout_graceful_shutdown=SHUTDOWN_SECONDS,
         server_header=False,
         headers=[("server", "redrafter-mlx")],
@@ -240,17 +259,18 @@ class Handlers:
         return json_response(200, openai.models(app.limits, app.created)["data"][0])
 
     async def refused(self, request: Request, exc: HTTPException) -> Response:
-        """Starlette's 404 and 405 in the API's shape; a method other than GET and POST is
-        not implemented anywhere (501, as before on http.server)."""
+        """Starlette's 404 and 405 in the API's shape; a method other than GET, HEAD and POST
+        is not implemented anywhere (501, as before on http.server). A HEAD's refusal is not
+        warned of: clients probe with it (Claude Code's ``HEAD /api/hello`` on every run)."""
         path, method = request.url.path, request.method
-        if method not in ("GET", "POST"):
+        if method not in ("GET", "HEAD", "POST"):
             error = api.ApiError(501, f"method {method} is not served", code="not_implemented")
         elif exc.status_code == 405:
             takes = "POST" if path in POST_ROUTES else "GET"
             error = api.ApiError(405, f"{path} takes {takes}", code="method_not_allowed")
         else:
             error = api.ApiError(404, f"no endpoint {path}", code="not_found")
-        return self.error(path, error)
+        return self.error(path, error, quiet=method == "HEAD")
 
     async def post(self, request: Request, parse) -> Response:
         path = request.url.path
@@ -426,8 +446,13 @@ class Handlers:
             )
         return await request.body()
 
-    def error(self, path: str, error: api.ApiError, headers: dict | None = None) -> Response:
-        log.warning("%d %s", error.status, error.message)
+    def error(
+        self, path: str, error: api.ApiError, headers: dict | None = None, *, quiet: bool = False
+    ) -> Response:
+        """The API's error response; warned of in the log unless ``quiet`` (the access log
+        still has its line)."""
+        if not quiet:
+            log.warning("%d %s", error.status, error.message)
         if error.status == 413:  # its body was dropped, or never sent (Expect: 100-continue)
             headers = {**(headers or {}), "connection": "close"}
         return json_response(error.status, self.app.api(path).error_body(error), headers)

@@ -114,6 +114,8 @@ def _message(message, where: str) -> dict:
         out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
     if role == "tool" and message.get("tool_call_id") is not None:
         out["tool_call_id"] = h.text(message["tool_call_id"], f"{where}.tool_call_id")
+    if message.get("name") is not None:  # a participant's name: checked, not templated
+        h.text(message["name"], f"{where}.name")
     return out
 
 
@@ -152,12 +154,7 @@ def _thinking(body: dict) -> bool | None:
         raise h.invalid("chat_template_kwargs", "must be an object")
     if (kwargs or {}).get("enable_thinking") is not None:
         return h.boolean(kwargs, "enable_thinking", False, "chat_template_kwargs.")
-    effort = body.get("reasoning_effort")
-    if effort is None:
-        return None
-    if not isinstance(effort, str):
-        raise h.invalid("reasoning_effort", f"must be a string, got {h.shown(effort)}")
-    return effort != "none"
+    return h.effort(body.get("reasoning_effort"), "reasoning_effort")
 
 
 def _tool_choice(body: dict, tools: list[dict]):

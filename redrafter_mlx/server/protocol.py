@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 import uuid
@@ -41,6 +42,10 @@ MAX_INT_DIGITS = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_d
 # Deepest nesting of a request body: far past any real JSON schema, far below Python's
 # recursion limit, which a chat template (or json.dumps) walking the body would reach.
 MAX_JSON_DEPTH = 128
+# JSON may escape half a surrogate pair (``"\ud800"``), which is no text: tokenizers refuse it
+SURROGATE = re.compile("[\ud800-\udfff]")
+# reasoning efforts as OpenAI's APIs take them ("none": thinking off)
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass
@@ -153,7 +158,29 @@ def parse_json(raw: bytes) -> dict:
         raise ApiError(400, message, code="invalid_json")
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    check_surrogates(body)
     return body
+
+
+def check_surrogates(body: dict) -> None:
+    """ApiError 400 naming a field (``messages[0].content``; an object, for one of its keys)
+    whose text holds a lone surrogate: the tokenizer would refuse it later, in words of its
+    own."""
+    todo: list[tuple[str, object]] = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            if found := SURROGATE.search(value):
+                message = (
+                    f"a lone surrogate (U+{ord(found[0]):04X}) at character {found.start()} is "
+                    "not text: send UTF-8 text, surrogate pairs whole"
+                )
+                raise invalid(where or "body", message)
+        elif isinstance(value, dict):
+            for key, child in value.items():
+                todo += [(where, key), (f"{where}.{key}" if where else key, child)]
+        elif isinstance(value, list):
+            todo += [(f"{where}[{i}]", child) for i, child in enumerate(value)]
 
 
 def json_depth(value) -> int:
@@ -221,6 +248,15 @@ def sampling(body: dict, limits: Limits, *, max_temperature: float) -> Sampling:
     if seed is not None and (not is_int(seed) or not 0 <= seed < 1 << 64):
         raise invalid("seed", f"must be an integer from 0 to 2**64 - 1, got {shown(seed)}")
     return Sampling(temp, top_p, top_k, seed)
+
+
+def effort(value, name: str) -> bool | None:
+    """A reasoning effort -> the template's thinking switch ("none": off; None: default)."""
+    if value is None:
+        return None
+    if value not in EFFORTS:
+        raise invalid(name, f"must be one of {', '.join(EFFORTS)}, got {shown(value)}")
+    return value != "none"
 
 
 def stop_strings(value, name: str) -> tuple[str, ...]:

@@ -63,7 +63,7 @@ def parse_responses(body: dict, limits: Limits) -> Call:
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise h.invalid("reasoning", "must be an object")
-    thinking = _thinking((reasoning or {}).get("effort"))
+    thinking = h.effort((reasoning or {}).get("effort"), "reasoning.effort")
     prompt, offered, forced = h.chat_prompt(messages.chat, tools, choice, limits, thinking)
     _text_format(body.get("text"))
     request = Request(
@@ -98,15 +98,6 @@ def _refuse_stateful(body: dict) -> None:
         raise h.unsupported("top_logprobs", "log-probs are served by /v1/chat/completions")
 
 
-def _thinking(effort) -> bool | None:
-    """``reasoning.effort`` -> the template's thinking switch ("none": off; None: default)."""
-    if effort is None:
-        return None
-    if not isinstance(effort, str):
-        raise h.invalid("reasoning.effort", f"must be a string, got {h.shown(effort)}")
-    return effort != "none"
-
-
 def _text_format(value) -> None:
     """``text.format``: plain text only (JSON needs constrained decoding)."""
     if value is None:
@@ -126,6 +117,7 @@ class _Messages:
         self.system = [instructions] if instructions else []
         self.turns: list[dict] = []
         self.left_out: list[str] = []
+        self.call_ids: set[str] = set()  # of the calls so far: each output answers one
 
     @property
     def chat(self) -> list[dict]:
@@ -141,6 +133,7 @@ class _Messages:
             last = {"role": "assistant", "content": ""}
             self.turns.append(last)
         last.setdefault("tool_calls", []).append(call)
+        self.call_ids.add(call["id"])
 
 
 def _input(value, instructions: str) -> _Messages:
@@ -181,6 +174,9 @@ def _item(item, where: str, messages: _Messages) -> None:
         output = item.get("output", "")
         text = output if isinstance(output, str) else _content(output, f"{where}.output")
         call_id = h.text(item.get("call_id"), f"{where}.call_id")
+        if call_id not in messages.call_ids:
+            message = f"no call before it has call_id {h.shown(call_id)}"
+            raise h.invalid(f"{where}.call_id", message)
         messages.turns.append({"role": "tool", "tool_call_id": call_id, "content": text})
     elif kind == "reasoning":
         return  # past thinking: chat templates leave it out of the prompt too

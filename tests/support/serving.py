@@ -118,13 +118,23 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def serving(log: Path, *args: str, ready_line: str = "serving the OpenAI API at"):
-    """A `serve --port 0` process with ``args``, its stderr into ``log``: its
-    :class:`Served` once ``ready_line`` (then the URL) is printed; stopped after."""
-    command = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0", *args]
+def serving(
+    log: Path,
+    *args: str,
+    ready_line: str = "serving the OpenAI API at",
+    command: list[str] | None = None,
+):
+    """A `serve --port 0` process with ``args`` (or ``command`` with them), its stderr into
+    ``log``: its :class:`Served` once ``ready_line`` (then the URL) is printed; stopped
+    after."""
+    command = [*(command or [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "0"]), *args]
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while tests run
         process = subprocess.Popen(
-            command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=stderr
+            command,
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
         )
     found = []
 
@@ -139,3 +149,12 @@ def serving(log: Path, *args: str, ready_line: str = "serving the OpenAI API at"
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+WIRE_SERVER = [sys.executable, str(ROOT / "tests" / "support" / "wire_server.py")]
+
+
+def wire_serving(log: Path, *args: str):
+    """:func:`serving` of the HTTP server with no model behind it (``wire_server.py``):
+    every API's checks and refusals, a 503 for what passes them; starts in a second."""
+    return serving(log, *args, command=WIRE_SERVER)
