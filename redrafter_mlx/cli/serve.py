@@ -20,6 +20,7 @@ extends it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import ipaddress
 import os
 import socket
@@ -246,6 +247,12 @@ def main(args: argparse.Namespace) -> None:
         max_batch_bytes=args.max_batch_bytes,
     )
     engine = start_or_exit(service)
+    if service.max_batch < args.max_batch:
+        print(
+            f"note: --shard {args.shard}: requests are answered one at a time (--max-batch 1; "
+            "a sharded target does not batch)",
+            file=sys.stderr,
+        )
     checks = limits(args, loaded.runtime)
     app = App(
         service,
@@ -268,11 +275,22 @@ def main(args: argparse.Namespace) -> None:
     print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
     print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
-    try:
-        server_app.serve(app, sock)
-    except KeyboardInterrupt:  # uvicorn stops its server, then raises the signal it caught
-        pass
+    stopped_by = server_app.serve(app, sock)
+    exit_stopped(service, stopped_by)
+
+
+def exit_stopped(service: GenerationService, signal_number: int | None) -> None:
+    """After SIGINT or SIGTERM stopped the server (every answer has ended): let the worker end,
+    say so, exit 0 (1 when something else stopped it). By ``os._exit`` once the exit
+    functions ran (a sharded lead's tells the other ranks to stop), as :func:`start_or_exit`
+    does: MLX's teardown may abort a process whose model-loading thread has ended."""
+    service.end_answers()
+    service.close()
     print("\nstopped", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(0 if signal_number is not None else 1)
 
 
 def start_or_exit(service: GenerationService) -> Engine:
