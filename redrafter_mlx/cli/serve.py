@@ -10,11 +10,12 @@ Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/com
 log-probs on chat and text completions. The model, drafter, autotune profile and sampling
 flags are chat's; a request's own fields (temperature, top_p, top_k, seed, max_tokens) win.
 Generation runs on one worker thread
-(:class:`~redrafter_mlx.core.service.GenerationService`): requests are answered one at a
-time in arrival order, at most ``--queue-size`` wait (more get 503 with ``Retry-After``), a
-client that leaves stops its generation before the next step or prompt chunk, and the KV
-caches of up to ``--prompt-cache-size`` conversations are kept, each reused by a request that
-extends it.
+(:class:`~redrafter_mlx.core.service.GenerationService`): up to ``--max-batch`` requests are
+answered at once in arrival order (one at a time with ``--shard``), at most ``--queue-size``
+more wait (more get 503 with ``Retry-After``), a client that leaves stops its generation
+before the next step or prompt chunk, and the KV caches of up to ``--prompt-cache-size``
+conversations are kept, each reused by a request that extends it. SIGINT and SIGTERM stop it
+alike (docs/server.md): the running answers get 5 s, then end with their last event; exit 0.
 """
 
 from __future__ import annotations
@@ -81,14 +82,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--queue-size",
         type=flags.at_least(1),
         default=8,
-        help="requests that may wait behind the running one; more get 503 (default: 8)",
+        help="requests that may wait behind the --max-batch answered; more get 503 (default: 8)",
     )
     parser.add_argument(
         "--max-batch",
         type=flags.at_least(1),
         default=MAX_BATCH,
         help="requests answered at once, their decode steps batched into one forward; 1 "
-        f"answers one at a time (default: {MAX_BATCH})",
+        f"answers one at a time, as --shard does (default: {MAX_BATCH})",
     )
     parser.add_argument(
         "--max-batch-bytes",
