@@ -390,7 +390,7 @@ class GenerationService:
             if self.ending:
                 raise stopping()
             outcome = self._generate(job)
-        except (ReDrafterError, Stopping) as e:  # the request's fault (a prompt too long...)
+        except (ReDrafterError, Stopping) as e:  # its own fault (a prompt too long), or stopping
             return job.fail(e)
         except Exception as e:  # a bug: say so to the caller, keep serving from a clean cache
             if self.session is not None:
