@@ -184,11 +184,11 @@ def test_sampling_with_mtp_keeps_the_targets_distribution(tmp_path, qwen3_5):
 def test_a_malformed_mtp_config_is_a_one_line_error(tmp_path, qwen3_5, field, value, message):
     """``"mtp_num_hidden_layers": "1"`` ended in a TypeError from telling the drafter's type,
     zero heads in a ZeroDivisionError inside mlx-lm's args."""
-    from redrafter_mlx.io.field_drafters import load_any
+    from redrafter_mlx.io.field_drafters import create_drafter
 
     folder = original_folder(tmp_path / "o")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, field: value}))
     assert drafter_kind(folder) == "mtp"
     with pytest.raises(DrafterError, match=f"not a Qwen3.5 MTP config \\({message}\\)"):
-        load_any(folder, qwen3_5)
+        create_drafter(folder, qwen3_5)

@@ -1,6 +1,8 @@
 """core/service.py as the server uses it: one worker thread, requests in arrival order, each at
 the shape its temperature picks; closing cancels what still waits; a request's own error or a
-failure mid-answer reaches its caller alone and the next request is served from a clean cache.
+failure mid-answer reaches its caller alone and the next request is served from a clean cache;
+a burst is admitted up to ``max_batch + queue_size``; ending the answers (a server stopping)
+gives each running one its last step and refuses the rest.
 (Arrival order, a full queue, clients that leave and the prompt cache through the service are
 in test_serve.py.)"""
 
@@ -15,7 +17,14 @@ from support.serving import reference_tokens, run, tiny_service
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.service import Engine, GenerationService, Request, Sampling
+from redrafter_mlx.core.service import (
+    Engine,
+    GenerationService,
+    QueueFull,
+    Request,
+    Sampling,
+    Stopping,
+)
 from redrafter_mlx.core.shape import BeamShape
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -165,3 +174,75 @@ def test_a_prompt_past_its_band_decodes_plainly_and_says_so(target, drafter, max
     assert sampled.start(timeout=60).shape == shape  # no bands for sampled requests here
     list(sampled.steps(timeout=60))
     service.close()
+
+
+def holding():
+    """A ``client_gone`` that holds the worker once ``hold`` is set, until ``release``."""
+    hold, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def client_gone() -> bool:
+        if hold.is_set():
+            held.set()
+            release.wait(30)
+        return False
+
+    return client_gone, hold, held, release
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_a_burst_gets_max_batch_plus_queue_size_places_whatever_the_batch_picked_up(
+    target, max_batch
+):
+    """24 requests at once against max batch 8 and queue size 16 are all taken, the 25th is
+    refused: the places the batch has not picked up yet are not counted as waiting (the
+    worker is held while the burst arrives, as it is mid-step in a real burst)."""
+    client_gone, hold, held, release = holding()
+    hold.set()
+    service = tiny_service(target, max_batch=max_batch, queue_size=16)
+    try:
+        first = service.submit(Request(PROMPT, max_tokens=3), client_gone)
+        assert held.wait(30)
+        jobs = [first]
+        jobs += [service.submit(Request([20 + i, 21], max_tokens=3)) for i in range(max_batch + 15)]
+        with pytest.raises(QueueFull, match="16 requests are already waiting"):
+            service.submit(Request(PROMPT, max_tokens=3))
+        hold.clear()
+        release.set()
+        assert all(len(run(job)[0]) == 3 for job in jobs)
+        again = [service.submit(Request(PROMPT, max_tokens=3)) for _ in range(max_batch + 16)]
+        assert all(len(run(job)[0]) == 3 for job in again)  # every place was given back
+    finally:
+        release.set()
+        service.close()
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_ending_answers_gives_each_running_one_its_last_step_and_refuses_the_rest(
+    target, max_batch
+):
+    client_gone, hold, held, release = holding()
+    service = tiny_service(target, max_batch=max_batch)
+    try:
+        running = [
+            service.submit(Request(PROMPT, max_tokens=1000), client_gone) for _ in range(max_batch)
+        ]
+        for job in running:
+            job.start(timeout=30)
+        waiting = service.submit(Request(PROMPT + [10], max_tokens=4))
+        hold.set()
+        assert held.wait(30)  # mid-answer
+        service.end_answers()
+        with pytest.raises(Stopping):
+            service.submit(Request(PROMPT, max_tokens=4))
+        release.set()
+        with pytest.raises(Stopping):
+            waiting.start(timeout=30)
+        for job in running:
+            steps = list(job.steps(timeout=30))
+            tokens = [t for s in steps for t in s.tokens]
+            assert steps[-1].finish_reason == "length" and 0 < len(tokens) < 1000
+            assert tokens == reference_tokens(target, PROMPT, len(tokens))
+            assert job.outcome == "finished"
+    finally:
+        release.set()
+        service.close()

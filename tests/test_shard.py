@@ -1,7 +1,7 @@
 """A target sharded over 2 ranks (``mlx.launch``, ring backend, localhost) decodes what one
 process decodes: tensor and pipeline parallel (a tiny Qwen2, which mlx-lm splits both ways),
 greedy with drafter beams, with lookup beams alone and autoregressive; seeded sampling the same
-on every rank; and a killed rank ends the run.
+on every rank; `serve` answers on two ranks; and a killed rank ends the run.
 
 Every process imports this checkout (``PYTHONPATH``, ``cwd``).
 """
@@ -9,9 +9,11 @@ Every process imports this checkout (``PYTHONPATH``, ``cwd``).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from support import shared_data
@@ -238,3 +241,51 @@ def test_a_hung_rank_ends_every_rank_with_a_line_naming_it_and_a_failed_status(
     assert proc.returncode != 0, text
     line = "error: rank 0 of 2: rank 1 has not answered for 2 s (stopped or hung; --rank-timeout)"
     assert line in text and "Traceback" not in text, text
+
+
+@pytest.mark.slow  # a launch of two ranks serving: 80 s to over 3 min here
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+@pytest.mark.soak
+def test_serve_on_two_ranks_with_the_default_max_batch_answers_then_stops_cleanly(
+    folders, tmp_path, capsys, monkeypatch
+):
+    """`launch -- serve --shard tensor` with the default --max-batch (8) used never to say
+    "serving": rank 0 warmed up batch steps the other rank never joined. It serves one
+    request at a time, says so once, answers as `generate` does, and SIGTERM to rank 0 ends
+    every rank (the launch exits 0)."""
+    _, model, drafter = folders
+    folders_args = ["--model", str(model), "--drafter", str(drafter), *CHAT[:4]]
+    argv = ["generate", *folders_args, "--max-tokens", "12", "--prompt", "Hello there", "--json"]
+    one = json.loads(in_process(argv, capsys, monkeypatch))
+    serve = ["-m", "redrafter_mlx", "serve", *folders_args, "--port", "0", "--shard", "tensor"]
+    marker, log = uuid.uuid4().hex, tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            wrapped(2, serve), cwd=ROOT, env=env(marker), stdin=subprocess.PIPE, stdout=out,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    try:
+        deadline, url = time.monotonic() + TIMEOUT, None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            found = re.findall(r"serving the OpenAI API at (http://[^/\s]+)", log.read_text())
+            url = found[0] if found else None
+            time.sleep(0.1)
+        parts = urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        conn.close()
+        os.kill(rank_pid(marker, 0), signal.SIGTERM)
+        proc.wait(60)  # rank 0 stops rank 1, and the launch ends
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    text = log.read_text()
+    assert response.status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == one["text"]
+    note = "note: --shard tensor: requests are answered one at a time (--max-batch 1"
+    assert text.count(note) == 1, text
+    assert proc.returncode == 0 and "Traceback" not in text and "stopped" in text, text

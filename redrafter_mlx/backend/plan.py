@@ -37,7 +37,7 @@ def make_forward(model: nn.Module, plan: Plan = GENERIC_PLAN) -> Forward:
     layer is a plain Llama/Qwen2 block, else the generic one."""
     if plan.llama_layers and has_llama_layers(model):
         return FusedForward(model, plan)
-    return Forward(model)
+    return Forward(model, dispatch_every=plan.async_layers)
 
 
 def build_decoder(

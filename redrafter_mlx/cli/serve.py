@@ -10,16 +10,18 @@ Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/com
 log-probs on chat and text completions. The model, drafter, autotune profile and sampling
 flags are chat's; a request's own fields (temperature, top_p, top_k, seed, max_tokens) win.
 Generation runs on one worker thread
-(:class:`~redrafter_mlx.core.service.GenerationService`): requests are answered one at a
-time in arrival order, at most ``--queue-size`` wait (more get 503 with ``Retry-After``), a
-client that leaves stops its generation before the next step or prompt chunk, and the KV
-caches of up to ``--prompt-cache-size`` conversations are kept, each reused by a request that
-extends it.
+(:class:`~redrafter_mlx.core.service.GenerationService`): up to ``--max-batch`` requests are
+answered at once in arrival order (one at a time with ``--shard``), at most ``--queue-size``
+more wait (more get 503 with ``Retry-After``), a client that leaves stops its generation
+before the next step or prompt chunk, and the KV caches of up to ``--prompt-cache-size``
+conversations are kept, each reused by a request that extends it. SIGINT and SIGTERM stop it
+alike (docs/server.md): the running answers get 5 s, then end with their last event; exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import ipaddress
 import os
 import socket
@@ -80,14 +82,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--queue-size",
         type=flags.at_least(1),
         default=8,
-        help="requests that may wait behind the running one; more get 503 (default: 8)",
+        help="requests that may wait behind the --max-batch answered; more get 503 (default: 8)",
     )
     parser.add_argument(
         "--max-batch",
         type=flags.at_least(1),
         default=MAX_BATCH,
         help="requests answered at once, their decode steps batched into one forward; 1 "
-        f"answers one at a time (default: {MAX_BATCH})",
+        f"answers one at a time, as --shard does (default: {MAX_BATCH})",
     )
     parser.add_argument(
         "--max-batch-bytes",
@@ -268,6 +270,12 @@ def main(args: argparse.Namespace) -> None:
         max_batch_bytes=args.max_batch_bytes,
     )
     engine = start_or_exit(service)
+    if service.max_batch < args.max_batch:
+        print(
+            f"note: --shard {args.shard}: requests are answered one at a time (--max-batch 1; "
+            "a sharded target does not batch)",
+            file=sys.stderr,
+        )
     checks = limits(args, loaded.runtime)
     app = App(
         service,
@@ -291,13 +299,24 @@ def main(args: argparse.Namespace) -> None:
     print(f"serving the OpenAI API at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
     print(f"serving OpenAI's Responses API at {url}/v1/responses", file=sys.stderr)
     print(f"serving Anthropic's Messages API at {url}/v1/messages", file=sys.stderr, flush=True)
-    try:
-        server_app.serve(
-            app, sock, header_timeout=args.header_timeout, idle_timeout=args.idle_timeout
-        )
-    except KeyboardInterrupt:  # uvicorn stops its server, then raises the signal it caught
-        pass
+    stopped_by = server_app.serve(
+        app, sock, header_timeout=args.header_timeout, idle_timeout=args.idle_timeout
+    )
+    exit_stopped(service, stopped_by)
+
+
+def exit_stopped(service: GenerationService, signal_number: int | None) -> None:
+    """After SIGINT or SIGTERM stopped the server (every answer has ended): let the worker end,
+    say so, exit 0 (1 when something else stopped it). By ``os._exit`` once the exit
+    functions ran (a sharded lead's tells the other ranks to stop), as :func:`start_or_exit`
+    does: MLX's teardown may abort a process whose model-loading thread has ended."""
+    service.end_answers()
+    service.close()
     print("\nstopped", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(0 if signal_number is not None else 1)
 
 
 def start_or_exit(service: GenerationService) -> Engine:

@@ -171,12 +171,18 @@ class Forward:
     ``ArraysCache`` a recurrent one).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, dispatch_every: int = 0):
         self.model = _with_token_rope(structural_copy(model))
         self.layout = cache_layout(model)
+        layers = inner_model(self.model).layers
         if slot_counts(self.layout)[1]:
-            for layer in inner_model(self.model).layers:
+            for layer in layers:
                 wrap_mixers(layer)
+        # the device starts on the first layers while Python builds the rest (a tree step's
+        # graph is not known before the last step's read, so it cannot be pipelined whole)
+        if dispatch_every > 0:
+            for i in range(dispatch_every - 1, len(layers) - 1, dispatch_every):
+                layers[i] = Dispatched(layers[i])
         self._view: View | JointView | None = None  # the running forward's (for its taps)
 
     def __call__(
@@ -286,20 +292,12 @@ def forward(model: nn.Module, tokens, positions, mask, sequence: Sequence) -> mx
     return Forward(model)(tokens, positions, mask, sequence)
 
 
-class Tap(nn.Module):
-    """A layer whose output ``(1, T, H)`` is also handed to ``record(index, output)``; every
-    other attribute is the layer's."""
+class Wrapped(nn.Module):
+    """A layer with something added around its call; every other attribute is the layer's."""
 
-    def __init__(self, layer: nn.Module, index: int, record):
+    def __init__(self, layer: nn.Module):
         super().__init__()
         self.inner = layer
-        self._tap = (index, record)
-
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        index, record = self._tap
-        record(index, out)
-        return out
 
     def __getattr__(self, name: str):
         try:
@@ -309,6 +307,30 @@ class Tap(nn.Module):
             if inner is None:
                 raise
             return getattr(inner, name)
+
+
+class Tap(Wrapped):
+    """A layer whose output ``(1, T, H)`` is also handed to ``record(index, output)``."""
+
+    def __init__(self, layer: nn.Module, index: int, record):
+        super().__init__(layer)
+        self._tap = (index, record)
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        index, record = self._tap
+        record(index, out)
+        return out
+
+
+class Dispatched(Wrapped):
+    """A layer whose output is handed to the device as soon as its graph is built
+    (``mx.async_eval``): the layers before it compute while the next ones are built."""
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        mx.async_eval(out)
+        return out
 
 
 class TokenRope(nn.Module):

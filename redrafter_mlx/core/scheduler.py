@@ -8,7 +8,9 @@ cache never hands it a session another request is using), and it becomes a
 job its response; a member leaves when its answer ends, its caller cancels or goes, or its
 context is full. At most ``max_batch`` requests are joining or answering, and one joins only
 while their KV caches hold less than ``max_bytes``; the rest wait in the service's queue
-(whose bound still refuses overload).
+(whose bound still refuses overload). Once the service is ending, each answer ends at its
+next step with a last response, and requests still reading their prompts fail with
+:class:`Stopping`.
 
 A seeded request keeps its own random key (it draws what it would draw alone); unseeded ones
 share MLX's generator.
@@ -20,7 +22,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -42,6 +44,21 @@ from redrafter_mlx.core.prompt_cache import session_bytes
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.step import Step
 from redrafter_mlx.core.stream import StepResponse, responses
+
+
+class Stopping(RuntimeError):
+    """The service is ending its answers (``GenerationService.end_answers``): no request
+    starts any more."""
+
+
+def stopping() -> Stopping:
+    return Stopping("the server is stopping")
+
+
+def ended(response: StepResponse) -> StepResponse:
+    """``response`` as the last of its answer, ended early: finish reason "length", as if its
+    token budget ran out there (each API's own last event for a cut answer)."""
+    return replace(response, finish_reason="length")
 
 
 class Feed:
@@ -142,6 +159,9 @@ class Scheduler:
             job.finish("cancelled")
             return None
         service, request = self.service, job.request
+        if service.ending:
+            job.fail(stopping())
+            return None
         try:
             ids = service.encode(request.prompt)
             busy = [e.session for e in self.entries]
@@ -200,6 +220,9 @@ class Scheduler:
 
     def _step(self) -> None:
         """One batch step of every answering request still wanted."""
+        if self.service.ending:  # the answering ones end with this step's responses
+            for entry in list(self.joining):
+                self._fail(entry, stopping())
         for entry in list(self.active):
             if entry.job.cancelled():  # checked before each step: the next one is not run
                 self._leave(entry, "cancelled")
@@ -226,6 +249,8 @@ class Scheduler:
         except Exception as e:
             entry.session.reset()
             return self._fail(entry, e)
+        if response.finish_reason is None and self.service.ending:
+            response = ended(response)
         entry.job.put(response)
         if response.finish_reason is not None:
             self._leave(entry, "finished")

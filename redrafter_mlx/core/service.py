@@ -31,7 +31,7 @@ from redrafter_mlx.core.distributed import LeadDecoder, session_for
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.prompt_cache import PromptCache, check_bounds
-from redrafter_mlx.core.scheduler import Scheduler
+from redrafter_mlx.core.scheduler import Scheduler, Stopping, ended, stopping
 from redrafter_mlx.core.scheduler import warm_up as warm_up_batches
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.shape import BeamShape
@@ -161,12 +161,18 @@ class Job:
     """One submitted request, as its caller sees it. The worker puts events on it; the caller
     reads them with :meth:`start` then :meth:`steps`."""
 
-    def __init__(self, request: Request, client_gone: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        request: Request,
+        client_gone: Callable[[], bool] | None = None,
+        on_end: Callable[[], None] | None = None,
+    ):
         self.request = request
         self.outcome: str | None = None  # "finished", "cancelled" or "failed", when done
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._client_gone = client_gone or (lambda: False)
+        self._on_end = on_end  # called once, when the job ends (its place is free again)
 
     def cancel(self) -> None:
         """Stop before the next step (or never start, if still queued)."""
@@ -209,14 +215,19 @@ class Job:
 
     def fail(self, error: BaseException) -> None:
         """End the job with ``error`` (raised to its caller)."""
-        self.outcome = "failed"
-        self._put(error)
+        self._end("failed", error)
 
     def finish(self, outcome: str) -> None:
         """End the job: "finished" (its last response was put) or "cancelled"."""
+        self._end(outcome, _END if outcome == "cancelled" else None)
+
+    def _end(self, outcome: str, event) -> None:
         self.outcome = outcome
-        if outcome == "cancelled":
-            self._put(_END)
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+        if event is not None:
+            self._put(event)
 
 
 class GenerationService:
@@ -225,10 +236,12 @@ class GenerationService:
     (:mod:`~redrafter_mlx.core.scheduler`: continuous batching), a request joining only while
     the answering ones' KV caches hold less than ``max_batch_bytes`` (None: no bound).
 
-    ``setup`` builds the :class:`Engine` on the worker (load the model there); at most
-    ``queue_size`` requests wait behind the running ones, more raise :class:`QueueFull`; the
-    KV caches of at most ``prompt_cache_size`` conversations (and ``prompt_cache_bytes``) are
-    kept between requests (more while more are answered at once).
+    ``setup`` builds the :class:`Engine` on the worker (load the model there); it takes
+    ``max_batch + queue_size`` requests not yet ended (answered or waiting, however many the
+    batch has picked up so far), more raise :class:`QueueFull`; the KV caches of at most
+    ``prompt_cache_size`` conversations (and ``prompt_cache_bytes``) are kept between requests
+    (more while more are answered at once). A sharded target's lead answers one request at a
+    time: ``max_batch`` is then 1 once started.
     """
 
     def __init__(
@@ -251,7 +264,11 @@ class GenerationService:
         self._cache_bounds = {"max_sessions": prompt_cache_size, "max_bytes": prompt_cache_bytes}
         check_bounds(prompt_cache_size, prompt_cache_bytes)  # here, not on the worker
         self._setup = setup
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        self._queue: queue.Queue = queue.Queue()  # bounded by submit's count of jobs not ended
+        self._taken = 0  # jobs submitted and not ended
+        self._lock = threading.Lock()
+        self._ending = threading.Event()
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="redrafter-worker", daemon=True)
@@ -272,29 +289,63 @@ class GenerationService:
         return self.engine
 
     def submit(self, request: Request, client_gone: Callable[[], bool] | None = None) -> Job:
-        """Queue ``request``; QueueFull when ``queue_size`` requests already wait."""
-        job = Job(request, client_gone)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        """Queue ``request``; QueueFull when ``max_batch`` requests are answered and
+        ``queue_size`` already wait (counted from here: a burst is not refused because the
+        batch has not picked its first requests up yet); Stopping after :meth:`end_answers`."""
+        with self._lock:
+            if self._ending.is_set():
+                raise stopping()
+            if self._taken >= self.max_batch + self.queue_size:
+                raise QueueFull(
+                    f"{self.queue_size} requests are already waiting and {self.max_batch} "
+                    "being answered"
+                )
+            self._taken += 1
+        job = Job(request, client_gone, on_end=self._release)
+        self._queue.put(job)
         return job
+
+    def _release(self) -> None:
+        with self._lock:
+            self._taken -= 1
+
+    def end_answers(self) -> None:
+        """Stop: no request starts any more (those waiting, and those submitted from now on,
+        get :class:`Stopping`), and each answer running ends at its next step with a last
+        response (:func:`ended`). The worker goes on until :meth:`close`."""
+        self._ending.set()
+        for job in self._drain():
+            job.fail(stopping())
 
     def close(self) -> None:
         """Stop the worker once the running request ends; requests still queued are cancelled."""
+        for job in self._drain():
+            job.cancel()
+            job.finish("cancelled")
+        self._queue.put(None)
+        self._thread.join()
+
+    def _drain(self) -> list[Job]:
+        """Take every job still queued (not the worker's stop)."""
+        jobs = []
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                break
-            job.cancel()
-            job._put(_END)
-        self._queue.put(None)  # may wait for the worker to free a place: it is the last
-        self._thread.join()
+                return jobs
+            if job is None:  # close() came first: leave it for the worker
+                self._queue.put(None)
+                return jobs
+            jobs.append(job)
+
+    @property
+    def ending(self) -> bool:
+        """Whether :meth:`end_answers` was called."""
+        return self._ending.is_set()
 
     @property
     def waiting(self) -> int:
-        """Requests queued behind the running one."""
+        """Requests queued, not yet taken up by the worker."""
         return self._queue.qsize()
 
     @property
@@ -310,6 +361,10 @@ class GenerationService:
     def _run(self) -> None:
         try:
             self.engine = self._setup()
+            if isinstance(self.engine.decoder, LeadDecoder):
+                # the other ranks mirror one session's answer at a time (no batch step, nor
+                # its warm-up, which they would never join)
+                self.max_batch = 1
             self.engine.warm_up()
             if self.max_batch > 1:
                 warm_up_batches(self.engine.decoder, self.engine.decodings(), self.max_batch)
@@ -319,10 +374,8 @@ class GenerationService:
             return
         finally:
             self._ready.set()
-        if self.max_batch > 1 and not isinstance(self.engine.decoder, LeadDecoder):
-            Scheduler(
-                self, self.max_batch, self.max_batch_bytes
-            ).run()  # a sharded target answers one at a time
+        if self.max_batch > 1:
+            Scheduler(self, self.max_batch, self.max_batch_bytes).run()
             return
         while (job := self._queue.get()) is not None:
             self._running = job
@@ -333,26 +386,22 @@ class GenerationService:
 
     def _serve(self, job: Job) -> None:
         if job.cancelled():  # its caller left while it waited
-            job.outcome = "cancelled"
-            job._put(_END)
-            return
+            return job.finish("cancelled")
         try:
-            job.outcome = self._generate(job)
-        except ReDrafterError as e:  # the request's own fault (a prompt too long...)
-            job.outcome = "failed"
-            job._put(e)
-            return
+            if self.ending:
+                raise stopping()
+            outcome = self._generate(job)
+        except (ReDrafterError, Stopping) as e:  # its own fault (a prompt too long), or stopping
+            return job.fail(e)
         except Exception as e:  # a bug: say so to the caller, keep serving from a clean cache
-            job.outcome = "failed"
             if self.session is not None:
                 self.session.reset()
-            job._put(e)
-            return
-        if job.outcome == "cancelled":
-            job._put(_END)
+            return job.fail(e)
+        job.finish(outcome)
 
     def _generate(self, job: Job) -> str:
-        """Run ``job`` to its end; "finished" or "cancelled"."""
+        """Run ``job`` to its end; "finished" or "cancelled". Once the service is ending, the
+        answer ends at its next step, or with Stopping if it is still reading its prompt."""
         engine, request = self.engine, job.request
         ids = self.encode(request.prompt)
         self.session = self.prompt_cache.take(ids)
@@ -363,7 +412,7 @@ class GenerationService:
             max_tokens=request.max_tokens,
             stop_strings=request.stop_strings,
             decoding=engine.decoding_for(request.sampling, request.top_logprobs, len(ids)),
-            cancelled=job.cancelled,
+            cancelled=lambda: job.cancelled() or self.ending,
         )
         started = False
         try:
@@ -371,11 +420,15 @@ class GenerationService:
                 if not started:  # the prompt is in the cache: say how much was reused
                     job._put(self.started(ids, request, self.session))
                     started = True
+                if step.finish_reason is None and self.ending:
+                    step = ended(step)
                 job._put(step)
                 if step.finish_reason is not None:
                     return "finished"
                 if job.cancelled():  # checked before each step: the next one is not run
                     return "cancelled"
+            if not started and self.ending and not job.cancelled():
+                raise stopping()
             return "cancelled" if job.cancelled() else "finished"
         finally:
             steps.close()

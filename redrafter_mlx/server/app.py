@@ -13,9 +13,11 @@ on threads (a prompt's template and tokenizer take milliseconds; the worker's qu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -32,7 +34,15 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from redrafter_mlx.core.errors import ContextFull, ReDrafterError
-from redrafter_mlx.core.service import Engine, GenerationService, Job, QueueFull, Sampling, Started
+from redrafter_mlx.core.service import (
+    Engine,
+    GenerationService,
+    Job,
+    QueueFull,
+    Sampling,
+    Started,
+    Stopping,
+)
 from redrafter_mlx.core.stream import StepResponse
 from redrafter_mlx.server import anthropic as anthropic_api
 from redrafter_mlx.server import openai
@@ -46,6 +56,7 @@ RETRY_AFTER_SECONDS = 1
 BACKLOG = 64  # connections waiting to be accepted, and accepted at once by the event loop
 IDLE_SECONDS = 300  # how long a kept-alive connection may wait for its next request
 SHUTDOWN_SECONDS = 5  # on SIGINT / SIGTERM, answers still running get this long
+LAST_EVENT_SECONDS = 10  # then this long for their last step and event (uvicorn then cancels)
 SSE_HEADERS = {  # no length: the stream ends with the connection (see wire.Framing.send)
     "content-type": "text/event-stream",
     "cache-control": "no-cache",
@@ -130,9 +141,9 @@ def serve(
     header_timeout: float = HEADER_SECONDS,
     idle_timeout: float = IDLE_SECONDS,
     waiting: int | None = None,
-) -> None:
-    """Answer on ``sock`` until SIGINT or SIGTERM, which uvicorn raises again once it has
-    stopped (KeyboardInterrupt for SIGINT). A request's head must be complete
+) -> int | None:
+    """Answer on ``sock`` until SIGINT or SIGTERM (:class:`Server`); the signal that stopped
+    it, once every answer has ended. A request's head must be complete
     ``header_timeout`` s after its first byte (its body may not stall longer either), a
     connection may idle ``idle_timeout`` s between requests, and at most ``waiting``
     connections (default: about half the free file descriptors) wait for a request at once."""
@@ -152,12 +163,52 @@ def serve(
         timeout_keep_alive=idle_timeout,
         # uvicorn's 2048 is also how many asyncio accepts at once, before Waiting counts them
         backlog=BACKLOG,
-        timeout_graceful_shutdown=SHUTDOWN_SECONDS,
+        timeout_graceful_shutdown=SHUTDOWN_SECONDS + LAST_EVENT_SECONDS,
         server_header=False,
         headers=[("server", "redrafter-mlx")],
         log_config=log_config(),
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = Server(config, app.service)
+    server.run(sockets=[sock])
+    return server.stopped_by
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopped alike by SIGINT and SIGTERM: no new connection, the answers
+    still running get SHUTDOWN_SECONDS, then each ends at its next step with its API's last
+    event (the service's :meth:`~GenerationService.end_answers`; requests not started get
+    503). The signal is not raised again once it has stopped (uvicorn's own does: a
+    KeyboardInterrupt, or a death by SIGTERM): the command ends the process itself."""
+
+    def __init__(self, config: uvicorn.Config, service: GenerationService):
+        super().__init__(config)
+        self.service = service
+        self.stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.stopped_by = self.stopped_by or sig
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        stops = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(SHUTDOWN_SECONDS, self.service.end_answers)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def log_config() -> dict:
@@ -300,11 +351,8 @@ class Handlers:
             return call, app.service.submit(call.request, client_gone=client_gone), in_thought
         except api.ApiError as e:
             return self.error(path, e)
-        except QueueFull as e:
-            error = api.ApiError(
-                503, f"the server is busy: {e}; retry later", None, "queue_full", "server_error"
-            )
-            return self.error(path, error, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except (QueueFull, Stopping) as e:
+            return self.unavailable(path, e)
         except Exception as e:
             return self.error(path, self.internal_error(e))
 
@@ -314,6 +362,8 @@ class Handlers:
         """Wait for the worker to take ``job`` up, then answer whole or streamed."""
         try:
             started = await on_thread(job.start)
+        except Stopping as e:  # the server stopped before the request began
+            return self.unavailable(path, e)
         except ReDrafterError as e:  # the prompt's fault: too long, or refused by the template
             code = "context_length_exceeded" if isinstance(e, ContextFull) else "invalid_value"
             param = {"text": "prompt", "responses": "input"}.get(call.kind, "messages")
@@ -456,6 +506,15 @@ class Handlers:
         if error.status == 413:  # its body was dropped, or never sent (Expect: 100-continue)
             headers = {**(headers or {}), "connection": "close"}
         return json_response(error.status, self.app.api(path).error_body(error), headers)
+
+    def unavailable(self, path: str, error: QueueFull | Stopping) -> Response:
+        """503 with ``Retry-After``: the queue is full, or the server is stopping."""
+        if isinstance(error, QueueFull):
+            message, code = f"the server is busy: {error}; retry later", "queue_full"
+        else:
+            message, code = f"{error}; retry later", "server_stopping"
+        refusal = api.ApiError(503, message, None, code, "server_error")
+        return self.error(path, refusal, {"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     def internal_error(self, error: Exception) -> api.ApiError:
         """A bug: its traceback to the server's stderr, one line to the client."""
