@@ -32,6 +32,9 @@ class NoService:
     def submit(self, request, client_gone=None):
         raise QueueFull("no model behind this test server")
 
+    def end_answers(self) -> None:  # what a signal asks of the service: nothing runs here
+        return None
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
