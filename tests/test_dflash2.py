@@ -29,7 +29,7 @@ from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_d
 KERNEL, GROUP, RANK, TOP_K = 3, 16, 8, 6
 
 
-def dflash2_folder(out: Path, *, block=6, seed=0, **own) -> Path:
+def dflash2_folder(out: Path, *, block=6, seed=0, vocab=VOCAB, **own) -> Path:
     """A random DFlash2 drafter as z-lab saves one: DFlash's folder plus each layer's
     ``attention_conv`` / ``mlp_conv`` (``base_kernel (2, C, H)``, ``kernel_projection``) and
     the ``candidate_selector`` (codebooks without ``.weight``), its sizes in ``dflash_config``
@@ -47,8 +47,8 @@ def dflash2_folder(out: Path, *, block=6, seed=0, **own) -> Path:
             tensors[p + "base_kernel"] = w(2, KERNEL, HIDDEN, scale=0.5)
             tensors[p + "kernel_projection.weight"] = w(2 * KERNEL * HIDDEN // GROUP, HIDDEN)
     tensors |= {
-        "candidate_selector.predecessor_codebook": w(VOCAB, RANK, scale=1.0),
-        "candidate_selector.successor_codebook": w(VOCAB, RANK, scale=1.0),
+        "candidate_selector.predecessor_codebook": w(vocab, RANK, scale=1.0),
+        "candidate_selector.successor_codebook": w(vocab, RANK, scale=1.0),
         "candidate_selector.hidden_projection.weight": w(RANK, HIDDEN, scale=0.5),
     }
     mx.save_safetensors(str(out / "model.safetensors"), tensors)
@@ -230,7 +230,7 @@ def test_a_batch_with_a_dflash_family_drafter_answers_each_as_alone(tmp_path, qw
 
 def test_generate_with_a_dflash2_folder_says_so(tmp_path, capsys):
     def make(vocab):
-        folder = dflash2_folder(tmp_path / "dflash2")
+        folder = dflash2_folder(tmp_path / "dflash2", vocab=vocab)
         config = json.loads((folder / "config.json").read_text())
         config["dflash_config"]["mask_token_id"] = vocab - 1
         return edit(folder, vocab_size=vocab, dflash_config=config["dflash_config"])
@@ -385,3 +385,18 @@ def test_dflash_family_folders_this_runtime_does_not_load_are_refused_by_name(
     with pytest.raises(DrafterError, match=message) as refused:
         create_drafter(folder, qwen3)
     assert "\n" not in str(refused.value)
+
+
+def test_one_host_read_per_step_with_dflash2(tmp_path, qwen3, monkeypatch):
+    """The selector's chain and its tree stay on the device: the step's one read."""
+    import itertools
+
+    from redrafter_mlx.core import speculative as tree_step
+
+    drafter = load_dflash2(dflash2_folder(tmp_path / "d"), qwen3)
+    reads = []
+    real = tree_step.host_read
+    monkeypatch.setattr(tree_step, "host_read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    steps = list(itertools.islice(run_steps(qwen3, [5, 17, 33], drafter, BeamShape(6, 5)), 8))
+    assert len(reads) == len(steps)
+    assert all(step.tree_size <= 1 + 6 for step in steps[1:])
