@@ -89,6 +89,25 @@ def speculators(folder: Path, kind: str, **extra) -> Path:
     return folder
 
 
+def open_spec(folder: Path, method: str, **extra) -> Path:
+    """``folder``'s drafter in the Open Spec Config speculators writes: the layer sizes at
+    the top level, a ``DflashDraftModel`` architecture, the rest under ``speculative_config``
+    (``target_layer_ids`` counted from ``target_layer_start_idx`` 1)."""
+    config = json.loads((folder / "config.json").read_text())
+    dflash = config.pop("dflash_config")
+    spec = {
+        "method": method,
+        "speculative_tokens": config.pop("block_size") - 1,
+        "target_layer_ids": [i + 1 for i in dflash.pop("target_layer_ids")],
+        "target_layer_start_idx": 1,
+        **dflash,
+        **extra,
+    }
+    config |= {"architectures": ["DflashDraftModel"], "speculative_config": spec}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def edit(folder: Path, **changes) -> Path:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
@@ -266,13 +285,14 @@ def test_a_malformed_dflash2_config_is_a_one_line_error(tmp_path, qwen3, own, me
         load_dflash2(dflash2_folder(tmp_path / "d", **own), qwen3)
 
 
+@pytest.mark.parametrize("layout", [speculators, open_spec], ids=["speculators", "open-spec"])
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_speculators_configs_load_as_their_type(tmp_path, qwen3, kind):
+def test_speculators_configs_load_as_their_type(tmp_path, qwen3, kind, layout):
     """They failed with KeyError('hidden_size'): the sizes are nested in
     ``transformer_layer_config``. The same weights give the same logits as z-lab's layout."""
     write = dflash_folder if kind == "dflash" else dflash2_folder
     zlab = (load_dflash if kind == "dflash" else load_dflash2)(write(tmp_path / "z"), qwen3)
-    folder = speculators(write(tmp_path / "s"), kind)
+    folder = layout(write(tmp_path / "s"), kind)
     assert drafter_kind(folder) == kind
     theirs = create_drafter(folder, qwen3)
     assert theirs.kind == kind and theirs.taps == zlab.taps == (0, 1)
@@ -284,9 +304,26 @@ def test_speculators_configs_load_as_their_type(tmp_path, qwen3, kind):
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
-def test_a_speculators_dflash_with_a_smaller_draft_vocabulary_is_refused(tmp_path, qwen3):
-    folder = speculators(dflash_folder(tmp_path / "s"), "dflash", draft_vocab_size=64)
-    with pytest.raises(DrafterError, match="a draft vocabulary of 64 \\(not the target's 97\\)"):
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"draft_vocab_size": 64}, "a draft vocabulary of 64 \\(not the target's 97\\)"),
+        ({"sample_from_anchor": True}, "blocks drafted from the anchor \\(sample_from_anchor\\)"),
+    ],
+)
+@pytest.mark.parametrize("layout", [speculators, open_spec], ids=["speculators", "open-spec"])
+def test_a_speculators_dflash_this_runtime_cannot_run_is_refused(
+    tmp_path, qwen3, layout, extra, message
+):
+    folder = layout(dflash_folder(tmp_path / "s"), "dflash", **extra)
+    with pytest.raises(DrafterError, match=f"not a DFlash config: {message}"):
+        create_drafter(folder, qwen3)
+
+
+def test_a_speculators_dspark_is_refused_by_name(tmp_path, qwen3):
+    """Not read as DFlash (nor left to ReDrafter's loader) when no DSpark loader claims it."""
+    folder = open_spec(dflash_folder(tmp_path / "s"), "dspark")
+    with pytest.raises(DrafterError, match="DSpark drafter: not supported"):
         create_drafter(folder, qwen3)
 
 

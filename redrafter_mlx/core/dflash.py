@@ -98,24 +98,52 @@ def parsed(config: object, name: str, extra=None) -> dict:
 
 
 def flattened(config: dict) -> tuple[dict, dict]:
-    """``(flat, dflash)``: a z-lab config and its ``dflash_config`` as they are; a speculators
-    config (``speculators_model_type``) as z-lab's: its ``transformer_layer_config`` under its
-    own keys, ``aux_hidden_state_layer_ids`` (Hugging Face hidden-state indices, as EAGLE-3's:
-    index ``i`` is layer ``i - 1``'s output) as ``target_layer_ids``."""
-    if "speculators_model_type" not in config:
-        return config, checked.section(config, "dflash_config")
+    """``(flat, dflash)``: a z-lab config and its ``dflash_config`` as they are; speculators'
+    layouts as z-lab's, with no ``dflash_config`` (:func:`_speculators`, :func:`_open_spec`)."""
+    spec = config.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("method"):
+        return _open_spec(config, spec)
+    if "speculators_model_type" in config:
+        return _speculators(config)
+    return config, checked.section(config, "dflash_config")
+
+
+def _speculators(config: dict) -> tuple[dict, dict]:
+    """speculators' own layout: the sizes under ``transformer_layer_config``, the target
+    layers as ``aux_hidden_state_layer_ids`` (Hugging Face hidden-state indices, as EAGLE-3's:
+    index ``i`` is layer ``i - 1``'s output)."""
     layer = checked.section(config, "transformer_layer_config")
-    outer = {k: v for k, v in config.items() if k != "transformer_layer_config"}
-    flat = {**layer, **{k: v for k, v in outer.items() if v is not None}}
+    outer = {k: v for k, v in config.items() if k != "transformer_layer_config" and v is not None}
+    ids = checked.indices("aux_hidden_state_layer_ids", config["aux_hidden_state_layer_ids"])
+    return _from_speculators({**layer, **outer}, ids, 1)
+
+
+def _open_spec(config: dict, spec: dict) -> tuple[dict, dict]:
+    """The Open Spec Config speculators writes (sizes at the top level, the rest under
+    ``speculative_config``: ``target_layer_ids`` counted from ``target_layer_start_idx``,
+    ``speculative_tokens`` drafts per block after the anchor)."""
+    flat = {**config, **{k: v for k, v in spec.items() if v is not None}}
+    ids = checked.indices("target_layer_ids", spec["target_layer_ids"])
+    start = checked.integer(
+        "target_layer_start_idx", spec.get("target_layer_start_idx", 0), least=0
+    )
+    tokens = checked.integer("speculative_tokens", spec["speculative_tokens"])
+    return _from_speculators({**flat, "block_size": tokens + 1}, ids, start)
+
+
+def _from_speculators(flat: dict, ids: list[int], start: int) -> tuple[dict, dict]:
+    """A speculators layout's ``flat`` keys with the layers read (``ids`` counted from
+    ``start``) and its sliding layers' causality, refusing what z-lab's layout cannot say."""
     vocab, draft = flat.get("vocab_size"), flat.get("draft_vocab_size")
     if draft is not None and draft != vocab:
         raise DrafterError(f"a draft vocabulary of {draft} (not the target's {vocab})")
-    ids = checked.indices("aux_hidden_state_layer_ids", config["aux_hidden_state_layer_ids"])
-    flat["target_layer_ids"] = [max(i - 1, 0) for i in ids]
-    flat["causal_sliding"] = not checked.flag(
-        "sliding_window_non_causal", config.get("sliding_window_non_causal", False)
+    if checked.flag("sample_from_anchor", flat.get("sample_from_anchor", False)):
+        raise DrafterError("blocks drafted from the anchor (sample_from_anchor) are not supported")
+    non_causal = checked.flag(
+        "sliding_window_non_causal", flat.get("sliding_window_non_causal", False)
     )
-    return flat, {}
+    flat = {**flat, "target_layer_ids": [max(i - start, 0) for i in ids]}
+    return flat | {"causal_sliding": not non_causal}, {}
 
 
 def _fields(config: dict, dflash: dict) -> dict:

@@ -86,7 +86,8 @@ def _is_dflash(config: dict) -> bool:
     return not _is_dflash2(config) and (
         "dflash_config" in config
         or any("DFlash" in str(a) for a in architectures)
-        or config.get("speculators_model_type") == DFLASH
+        or DFLASH in (config.get("speculators_model_type"), _method(config))
+        or _other_dflash(config) is not None  # refused by DFlash's loader, by name
     )
 
 
@@ -96,8 +97,14 @@ def _is_dflash2(config: dict) -> bool:
     architectures = [str(a) for a in config.get("architectures") or []]
     dflash = config.get("dflash_config")
     own = isinstance(dflash, dict) and ("selector_top_k" in dflash or "conv_kernel_size" in dflash)
-    types = (config.get("speculators_model_type"), config.get("model_type"))
+    types = (config.get("speculators_model_type"), config.get("model_type"), _method(config))
     return own or DFLASH2 in types or any("DFlash2" in a for a in architectures)
+
+
+def _method(config: dict) -> object:
+    """The ``speculative_config.method`` of speculators' Open Spec Config (None: none)."""
+    spec = config.get("speculative_config")
+    return spec.get("method") if isinstance(spec, dict) else None
 
 
 def _other_dflash(config: dict) -> str | None:
@@ -106,7 +113,8 @@ def _other_dflash(config: dict) -> str | None:
     dflash = checked.given(config, "dflash_config", {})
     dflash = dflash if isinstance(dflash, dict) else {}
     architectures = " ".join(str(a) for a in config.get("architectures") or [])
-    dspark = "dspark" in (config.get("speculators_model_type"), dflash.get("projector_type"))
+    kinds = (config.get("speculators_model_type"), dflash.get("projector_type"), _method(config))
+    dspark = "dspark" in kinds
     markov = config.get("markov_rank") or dflash.get("markov_rank")
     if dspark or markov or "DSpark" in architectures:
         return "DSpark"
