@@ -17,6 +17,11 @@ top ``N`` of depth ``d``, so a beam search of width ``N`` per depth followed by 
 over all depths finds them on the device, without the heap's host loop. They go to the decoder
 as ``N`` beams (each the path to one node, continued by token -1 at log-prob -inf, which the
 step prunes away), so the verified tree is exactly those nodes (plus the root).
+
+A layer may slide (``layer_types``, ``sliding_window`` ``w``): it sees only the context within
+``w - 1`` positions of its query, by a key mask over the whole context (:meth:`DFlash.masks`).
+Configs come in z-lab's layout or speculators' (:func:`flattened`); DFlash2 (core/dflash2.py)
+is this module with its own layers and tree.
 """
 
 from __future__ import annotations
