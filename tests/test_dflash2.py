@@ -331,14 +331,17 @@ def sliding(folder: Path, types, window) -> Path:
     return edit(folder, layer_types=types, sliding_window=window)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 @pytest.mark.parametrize("window", [3, 5, 64])
-def test_sliding_layers_equal_mlx_vlms_after_a_prompt(tmp_path, qwen3, window):
+def test_sliding_layers_equal_mlx_vlms_after_a_prompt(tmp_path, qwen3, window, kind):
     """Gemma 4's z-lab DFlash drafters: a sliding layer sees the last ``window - 1`` context
     positions (and the whole block), as mlx-vlm's, after a prompt (its chunked cache then
-    keeps a varying number: no reference after)."""
-    folder = sliding(dflash_folder(tmp_path / "d"), ["sliding_attention", "full_attention"], window)
-    ref = reference(folder, qwen3, "qwen3_dflash")
-    ours = load_dflash(folder, qwen3)
+    keeps a varying number: no reference after). DFlash2's layers slide alike."""
+    write = dflash_folder if kind == "dflash" else dflash2_folder
+    folder = sliding(write(tmp_path / "d"), ["sliding_attention", "full_attention"], window)
+    ref = reference(folder, qwen3, "qwen3_dflash" if kind == "dflash" else "dflash2")
+    ours = create_drafter(folder, qwen3)
+    assert ours.kind == kind
     rng = np.random.default_rng(3)
     context = states(rng, 9, ours.taps)
     expected = ref(mx.array([[21] + [96] * 5]), mx.concatenate(context, -1)[None], ref.make_cache())
