@@ -331,6 +331,15 @@ def sliding(folder: Path, types, window) -> Path:
     return edit(folder, layer_types=types, sliding_window=window)
 
 
+def speculators_sliding(folder: Path, types, window, causal: bool) -> Path:
+    """``folder`` in speculators' layout with sliding layers, causal or not inside the block."""
+    folder = speculators(folder, "dflash", sliding_window_non_causal=not causal)
+    layer = json.loads((folder / "config.json").read_text())["transformer_layer_config"]
+    return edit(
+        folder, transformer_layer_config={**layer, "layer_types": types, "sliding_window": window}
+    )
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 @pytest.mark.parametrize("window", [3, 5, 64])
 def test_sliding_layers_equal_mlx_vlms_after_a_prompt(tmp_path, qwen3, window, kind):
@@ -356,17 +365,9 @@ def test_a_sliding_layer_sees_only_its_window_after_steps(tmp_path, qwen3, causa
     """After a prompt and a step, an all-sliding drafter's logits are those of a fresh one fed
     only the last ``window - 1`` committed rows (attention depends on relative positions):
     the older context is out of reach. With full layers, it is not (the test can fail)."""
-    window, types = 4, ["sliding_attention"] * 2
-    folder = speculators(
-        dflash_folder(tmp_path / "d"), "dflash", sliding_window_non_causal=not causal
-    )
-    folder = edit(
-        folder,
-        transformer_layer_config={
-            **json.loads((folder / "config.json").read_text())["transformer_layer_config"],
-            "layer_types": types,
-            "sliding_window": window,
-        },
+    window = 4
+    folder = speculators_sliding(
+        dflash_folder(tmp_path / "d"), ["sliding_attention"] * 2, window, causal
     )
     ours = create_drafter(folder, qwen3)
     assert ours.module.args.causal_sliding is causal
@@ -440,3 +441,27 @@ def test_one_host_read_per_step_with_dflash2(tmp_path, qwen3, monkeypatch):
     steps = list(itertools.islice(run_steps(qwen3, [5, 17, 33], drafter, BeamShape(6, 5)), 8))
     assert len(reads) == len(steps)
     assert all(step.tree_size <= 1 + 6 for step in steps[1:])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_sliding_masks_equal_a_brute_force_window(tmp_path, qwen3, causal):
+    """Query ``i`` of the block (position ``offset + i``) sees a context key iff it joins and
+    lies within ``w - 1`` of the block's first position (non-causal) or of its own (causal),
+    and block key ``j`` always (non-causal) or iff ``i - w < j <= i`` (causal)."""
+    window, size = 3, 6
+    types = ["sliding_attention", "full_attention"]
+    module = create_drafter(
+        speculators_sliding(dflash_folder(tmp_path / "d"), types, window, causal), qwen3
+    ).module
+    assert module.args.causal_sliding is causal
+    visible = mx.array([True] * 7 + [True, True, False])  # 7 committed, 2 of 3 staged join
+    slid, full = module.masks(visible, mx.arange(10), 9)
+    assert np.array(full).tolist() == [True] * 9 + [False] + [True] * size
+    want = np.zeros((size, 10 + size), bool)
+    for i in range(size):
+        query = 9 + (i if causal else 0)
+        for k in range(10):
+            want[i, k] = bool(visible[k].item()) and k > query - window
+        for j in range(size):
+            want[i, 10 + j] = (i - window < j <= i) if causal else True
+    assert (np.array(slid) == want).all()
