@@ -17,6 +17,11 @@ top ``N`` of depth ``d``, so a beam search of width ``N`` per depth followed by 
 over all depths finds them on the device, without the heap's host loop. They go to the decoder
 as ``N`` beams (each the path to one node, continued by token -1 at log-prob -inf, which the
 step prunes away), so the verified tree is exactly those nodes (plus the root).
+
+A layer may slide (``layer_types``, ``sliding_window`` ``w``): it sees only the context within
+``w - 1`` positions of its query, by a key mask over the whole context (:meth:`DFlash.masks`).
+Configs come in z-lab's layout or speculators' (:func:`flattened`); DFlash2 (core/dflash2.py)
+is this module with its own layers and tree.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class DFlashArgs:
     max_position_embeddings: int = 262144
     final_logit_softcapping: float | None = None
     layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    causal_sliding: bool = False  # sliding layers causal inside the block (speculators' default)
 
     @property
     def draft_vocab(self) -> int:
@@ -65,19 +72,83 @@ class DFlashArgs:
     @classmethod
     def from_dict(cls, config: dict) -> DFlashArgs:
         """From a z-lab ``config.json`` (``dflash_config``: ``mask_token_id``,
-        ``target_layer_ids``). DrafterError (one line) for what this runtime cannot run."""
-        if not isinstance(config, dict):
-            raise DrafterError("not a DFlash config: not a JSON object")
-        try:
-            dflash = checked.section(config, "dflash_config")
-            args = cls(**_fields(config, dflash))
-        except KeyError as e:
-            raise DrafterError(f"not a DFlash config: {e!r} missing or malformed") from None
-        except DrafterError as e:
-            raise DrafterError(f"not a DFlash config: {e}") from None
-        if any(t != "full_attention" for t in args.layer_types) or dflash.get("causal"):
-            raise DrafterError("DFlash drafters with sliding or causal layers are not supported")
-        return args
+        ``target_layer_ids``) or a speculators one (``transformer_layer_config``,
+        ``aux_hidden_state_layer_ids``). DrafterError (one line) for what this runtime
+        cannot run."""
+        return cls(**parsed(config, "DFlash"))
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def parsed(config: object, name: str, extra=None) -> dict:
+    """The fields of a DFlash-family config (``name``'s: "DFlash", "DFlash2"), flattened from
+    either layout (:func:`flattened`) and type-checked; ``extra(flat, dflash)`` adds a
+    subtype's own. DrafterError (one line) naming ``name`` for a malformed config."""
+    if not isinstance(config, dict):
+        raise DrafterError(f"not a {name} config: not a JSON object")
+    try:
+        flat, dflash = flattened(config)
+        fields = _fields(flat, dflash) | (extra(flat, dflash) if extra else {})
+    except KeyError as e:
+        raise DrafterError(f"not a {name} config: {e!r} missing or malformed") from None
+    except DrafterError as e:
+        raise DrafterError(f"not a {name} config: {e}") from None
+    if dflash.get("causal"):
+        raise DrafterError(f"{name} drafter: causal draft blocks are not supported")
+    return fields
+
+
+def flattened(config: dict) -> tuple[dict, dict]:
+    """``(flat, dflash)``: a z-lab config and its ``dflash_config`` as they are; speculators'
+    layouts as z-lab's, with no ``dflash_config`` (:func:`_speculators`, :func:`_open_spec`)."""
+    spec = config.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("method"):
+        return _open_spec(config, spec)
+    if "speculators_model_type" in config:
+        return _speculators(config)
+    return config, checked.section(config, "dflash_config")
+
+
+def _speculators(config: dict) -> tuple[dict, dict]:
+    """speculators' own layout: the sizes under ``transformer_layer_config``, the target
+    layers as ``aux_hidden_state_layer_ids`` (Hugging Face hidden-state indices, as EAGLE-3's:
+    index ``i`` is layer ``i - 1``'s output)."""
+    layer = checked.section(config, "transformer_layer_config")
+    outer = {k: v for k, v in config.items() if k != "transformer_layer_config" and v is not None}
+    ids = checked.indices("aux_hidden_state_layer_ids", config["aux_hidden_state_layer_ids"])
+    return _from_speculators({**layer, **outer}, ids, 1)
+
+
+def _open_spec(config: dict, spec: dict) -> tuple[dict, dict]:
+    """The Open Spec Config speculators writes (sizes at the top level, the rest under
+    ``speculative_config``: ``target_layer_ids`` counted from ``target_layer_start_idx``,
+    ``speculative_tokens`` drafts per block after the anchor)."""
+    flat = {**config, **{k: v for k, v in spec.items() if v is not None}}
+    ids = checked.indices("target_layer_ids", spec["target_layer_ids"])
+    start = checked.integer(
+        "target_layer_start_idx", spec.get("target_layer_start_idx", 0), least=0
+    )
+    tokens = checked.integer("speculative_tokens", spec["speculative_tokens"])
+    return _from_speculators({**flat, "block_size": tokens + 1}, ids, start)
+
+
+def _from_speculators(flat: dict, ids: list[int], start: int) -> tuple[dict, dict]:
+    """A speculators layout's ``flat`` keys with the layers read (``ids`` counted from
+    ``start``) and its sliding layers' causality, refusing what z-lab's layout cannot say."""
+    vocab, draft = flat.get("vocab_size"), flat.get("draft_vocab_size")
+    if draft is not None and draft != vocab:
+        raise DrafterError(f"a draft vocabulary of {draft} (not the target's {vocab})")
+    if checked.flag("sample_from_anchor", flat.get("sample_from_anchor", False)):
+        raise DrafterError("blocks drafted from the anchor (sample_from_anchor) are not supported")
+    non_causal = checked.flag(
+        "sliding_window_non_causal", flat.get("sliding_window_non_causal", False)
+    )
+    flat = {**flat, "target_layer_ids": [max(i - start, 0) for i in ids]}
+    return flat | {"causal_sliding": not non_causal}, {}
 
 
 def _fields(config: dict, dflash: dict) -> dict:
@@ -92,7 +163,7 @@ def _fields(config: dict, dflash: dict) -> dict:
     rope = dict(checked.section(config, "rope_parameters"))
     theta = rope.pop("rope_theta", checked.given(config, "rope_theta", 10000.0))
     mask_token = dflash.get("mask_token_id", config.get("mask_token_id"))
-    softcap = config.get("final_logit_softcapping")
+    softcap = dflash.get("final_logit_softcapping", config.get("final_logit_softcapping"))
     return {
         "hidden_size": hidden,
         "intermediate_size": inter,
@@ -105,7 +176,9 @@ def _fields(config: dict, dflash: dict) -> dict:
         "target_layer_ids": checked.indices(
             "target_layer_ids", dflash.get("target_layer_ids") or config["target_layer_ids"]
         ),
-        "block_size": checked.integer("block_size", checked.given(config, "block_size", 16)),
+        "block_size": checked.integer(
+            "block_size", dflash.get("block_size", checked.given(config, "block_size", 16))
+        ),
         "rms_norm_eps": checked.number("rms_norm_eps", checked.given(config, "rms_norm_eps", 1e-6)),
         "rope_theta": checked.number("rope_theta", theta),
         "rope_scaling": rope or config.get("rope_scaling"),
@@ -115,7 +188,23 @@ def _fields(config: dict, dflash: dict) -> dict:
         "final_logit_softcapping": None
         if softcap is None
         else checked.number("final_logit_softcapping", softcap),
-        "layer_types": list(config.get("layer_types") or []),
+        **_windows(config, layers),
+    }
+
+
+def _windows(config: dict, layers: int) -> dict:
+    """``layer_types``, ``sliding_window`` and ``causal_sliding``, checked: one known type
+    per layer, and a window when a layer slides."""
+    types = list(checked.given(config, "layer_types", []) or [])
+    if types and (len(types) != layers or any(t not in LAYER_TYPES for t in types)):
+        raise DrafterError(f"layer_types {types}: need one of {list(LAYER_TYPES)} per layer")
+    window = checked.given(config, "sliding_window", None)
+    if "sliding_attention" in types:
+        window = checked.integer("sliding_window", window, least=2)
+    return {
+        "layer_types": types,
+        "sliding_window": window if "sliding_attention" in types else None,
+        "causal_sliding": bool(config.get("causal_sliding", False)),
     }
 
 
@@ -175,6 +264,9 @@ class DFlash(nn.Module):
     ``norm``; a ``model.`` prefix is dropped); the token embedding and LM head are the
     target's (a checkpoint's own ``embed_tokens`` is used when it has one)."""
 
+    name = "DFlash"  # what its errors call it
+    layer_class = Layer
+
     def __init__(self, args: DFlashArgs):
         super().__init__()
         self.args = args
@@ -182,7 +274,7 @@ class DFlash(nn.Module):
             len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False
         )
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [Layer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [self.layer_class(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.rope = initialize_rope(
             args.head_dim,
@@ -202,7 +294,7 @@ class DFlash(nn.Module):
         try:
             self.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
-            raise DrafterError(f"DFlash weights: {' '.join(str(e).split())[:200]}") from None
+            raise DrafterError(f"{self.name} weights: {' '.join(str(e).split())[:200]}") from None
         if own is not None:
             embed = nn.Embedding(*own.shape)
             embed.weight = own
@@ -220,10 +312,13 @@ class DFlash(nn.Module):
         """Each layer's K/V of ``features (T, H)`` at positions ``offset ..``."""
         return [layer.self_attn.context(features[None], self.rope, offset) for layer in self.layers]
 
-    def marginals(self, pending, offset, context, mask) -> mx.array:
+    def marginals(self, pending, offset, context, masks) -> mx.array:
         """Logits ``(L - 1, V)`` of the tokens after ``pending ()`` (at position ``offset``,
-        an int or ``()`` array) given each layer's context K/V and the key ``mask``."""
-        embed, head = self._target
+        an int or ``()`` array) given each layer's context K/V and key mask (:meth:`masks`)."""
+        return self.scores(self.hidden(pending, offset, context, masks))
+
+    def hidden(self, pending, offset, context, masks) -> mx.array:
+        """The block's final-norm hidden states ``(L - 1, H)`` after ``pending`` (its masks)."""
         size = self.args.block_size
         block = mx.concatenate(
             [
@@ -231,12 +326,40 @@ class DFlash(nn.Module):
                 mx.full((size - 1,), self.args.mask_token_id, mx.int32),
             ]
         )
-        h = embed(block)[None]
-        for layer, (keys, values) in zip(self.layers, context, strict=True):
+        h = self.embed(block)[None]
+        for layer, (keys, values), mask in zip(self.layers, context, masks, strict=True):
             h = layer(h, self.rope, offset, keys, values, mask)
-        logits = head(self.norm(h[0, 1:]))
+        return self.norm(h[0, 1:])
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Token ids ``(L,)`` -> the block's input ``(L, H)``: the target's embedding."""
+        return self._target[0](tokens)
+
+    def scores(self, hidden: mx.array) -> mx.array:
+        """Final-norm hidden ``(..., H)`` -> logits ``(..., V)`` through the target's head."""
+        logits = self._target[1](hidden)
         cap = self.args.final_logit_softcapping
         return logits if not cap else mx.tanh(logits / cap) * cap
+
+    def masks(self, visible: mx.array, positions: mx.array, offset) -> list[mx.array]:
+        """Each layer's key mask over ``[context, block]``: ``visible (S,)`` the context keys
+        that join, at ``positions (S,)``; the block at ``offset ..``. A full layer sees them
+        all (``(S + L,)``); a sliding one of window ``w`` only the context positions within
+        ``w - 1`` of its query (``(L, S + L)``): of the block's first, as mlx-vlm's
+        non-causal sliding layers, or of each query, causally inside the block (speculators)."""
+        size, args = self.args.block_size, self.args
+        full = mx.concatenate([visible, mx.ones((size,), mx.bool_)])
+        if "sliding_attention" not in args.layer_types:
+            return [full] * len(self.layers)
+        rows = mx.arange(size)
+        queries = offset + (rows if args.causal_sliding else mx.zeros((size,), mx.int32))
+        near = visible[None] & (positions[None] > queries[:, None] - args.sliding_window)
+        inside = mx.ones((size, size), mx.bool_)  # mlx-vlm's: the whole block
+        if args.causal_sliding:
+            gap = rows[:, None] - rows[None]
+            inside = (gap >= 0) & (gap < args.sliding_window)
+        sliding = mx.concatenate([near, inside], axis=1)
+        return [sliding if args.sliding(i) else full for i in range(len(self.layers))]
 
     def parameter_names(self) -> set[str]:
         return {k for k, _ in tree_flatten(self.parameters())}
@@ -313,7 +436,7 @@ class DFlashDrafter(Source):
         token and ``block_size - 1`` marginals)."""
         if shape.length > self.module.args.block_size:
             raise ValueError(
-                f"beam length {shape.length} exceeds the DFlash drafter's block size "
+                f"beam length {shape.length} exceeds the {self.module.name} drafter's block size "
                 f"{self.module.args.block_size}"
             )
 
@@ -324,8 +447,13 @@ class DFlashDrafter(Source):
         return [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for _ in self.module.layers]
 
     def logits(self, sequence: Sequence, reading: Reading) -> mx.array:
-        """The marginals' logits ``(L - 1, V)`` after ``reading.pending``: the context is the
-        committed tokens' plus the staged rows that join (``reading.count`` of them)."""
+        """The marginals' logits ``(L - 1, V)`` after ``reading.pending``."""
+        return self.module.marginals(*self.block(sequence, reading))
+
+    def block(self, sequence: Sequence, reading: Reading) -> tuple:
+        """The block forward's inputs after ``reading.pending``: ``(pending, offset, context,
+        masks)``; the context is the committed tokens' plus the staged rows that join
+        (``reading.count`` of them)."""
         part = self.part(sequence)
         context = part.cache or self.blank(0)
         staged = 0
@@ -335,13 +463,12 @@ class DFlashDrafter(Source):
                 (mx.concatenate([k, sk], 2), mx.concatenate([v, sv], 2))
                 for (k, v), (sk, sv) in zip(context, part.staged, strict=True)
             ]
-        size = self.module.args.block_size
         joins = mx.arange(staged) < reading.count
-        mask = mx.concatenate(
-            [mx.ones((part.length,), mx.bool_), joins, mx.ones((size,), mx.bool_)]
-        )
+        visible = mx.concatenate([mx.ones((part.length,), mx.bool_), joins])
+        positions = mx.arange(part.length + staged)  # staged rows follow the committed ones
         offset = part.length + (reading.count if staged else 0)
-        return self.module.marginals(reading.pending, offset, context, mask)
+        masks = self.module.masks(visible, positions, offset)
+        return reading.pending, offset, context, masks
 
     def draft(self, sequence: Sequence, reading: Reading, *, width: int, length: int, **_):
         """``width`` beams of ``length`` from the best-first tree of ``width`` nodes: beam
@@ -355,22 +482,39 @@ def best_first(logprobs: mx.array, pending: mx.array, nodes: int) -> tuple[mx.ar
     """The ``nodes`` most probable prefixes under per-depth ``logprobs (d, V)`` (DDTree's
     Algorithm 1), as beams ``(nodes, d + 1)`` from ``pending`` (each the path to one node,
     then -1) and their tokens' log-probs ``(nodes, d)`` (-inf after the node)."""
-    depth, vocab = logprobs.shape
-    keep = min(nodes, vocab)
+    tokens = mx.arange(logprobs.shape[1], dtype=mx.int32)[None]
+    return best_tree(lambda d, last: (tokens, logprobs[d][None]), logprobs.shape[0], pending, nodes)
+
+
+def best_tree(step, depth: int, pending: mx.array, nodes: int) -> tuple[mx.array, mx.array]:
+    """:func:`best_first` for any chain: ``step(d, last (P,))`` gives the tokens ``(P, K)``
+    (or ``(1, K)`` for all) that may follow each path's ``last`` token at depth ``d`` and
+    their log-probs. A child scores no higher than its parent, so the top ``nodes`` of each
+    depth extend the top ``nodes`` of the one before, and one top-``nodes`` over all depths
+    keeps a closed tree (too few candidates: the rest are beams of the root alone)."""
     paths = mx.zeros((1, 0), mx.int32)
     scores = mx.zeros((1,))
     token_logprobs = mx.zeros((1, 0))
-    candidates = []  # per depth: (paths (keep, d), scores, token_logprobs)
+    last = pending.reshape(1).astype(mx.int32)
+    candidates = []  # per depth: (paths (P, d), scores, token_logprobs)
     for d in range(depth):
-        flat = (scores[:, None] + logprobs[d][None]).reshape(-1)
-        top = best(flat, min(keep, flat.shape[0]))
-        source, token = top // vocab, (top % vocab).astype(mx.int32)
-        paths = mx.concatenate([paths[source], token[:, None]], axis=1)
+        tokens, logprobs = step(d, last)
+        shape = (paths.shape[0], logprobs.shape[-1])
+        tokens, logprobs = mx.broadcast_to(tokens, shape), mx.broadcast_to(logprobs, shape)
+        flat = (scores[:, None] + logprobs).reshape(-1)
+        top = best(flat, min(nodes, flat.shape[0]))
+        source, last = top // shape[1], tokens.reshape(-1)[top]
+        paths = mx.concatenate([paths[source], last[:, None]], axis=1)
         token_logprobs = mx.concatenate(
-            [token_logprobs[source], logprobs[d][token][:, None]], axis=1
+            [token_logprobs[source], logprobs.reshape(-1)[top][:, None]], axis=1
         )
         scores = flat[top]
         candidates.append((paths, scores, token_logprobs))
+    return _chosen(candidates, depth, pending, nodes)
+
+
+def _chosen(candidates: list, depth: int, pending: mx.array, nodes: int):
+    """The ``nodes`` best of all depths' ``candidates`` as :func:`best_first`'s beams."""
     rows, all_scores, all_logprobs = [], [], []
     for d, (paths, scores, lps) in enumerate(candidates):
         pad = depth - d - 1
@@ -378,7 +522,11 @@ def best_first(logprobs: mx.array, pending: mx.array, nodes: int) -> tuple[mx.ar
         all_logprobs.append(mx.concatenate([lps, mx.full((lps.shape[0], pad), -mx.inf)], axis=1))
         # ties between a node and its child: the shallower first, so the set stays closed
         all_scores.append(scores - 1e-6 * d)
+    rows, all_logprobs = mx.concatenate(rows), mx.concatenate(all_logprobs)
+    if (short := nodes - rows.shape[0]) > 0:  # fewer nodes than asked: root-only beams
+        rows = mx.concatenate([rows, mx.full((short, depth), -1, mx.int32)])
+        all_logprobs = mx.concatenate([all_logprobs, mx.full((short, depth), -mx.inf)])
+        all_scores.append(mx.full((short,), -mx.inf))
     chosen = best(mx.concatenate(all_scores), nodes)
-    beams = mx.concatenate(rows)[chosen]
     root = mx.broadcast_to(pending.reshape(1, 1).astype(mx.int32), (nodes, 1))
-    return mx.concatenate([root, beams], axis=1), mx.concatenate(all_logprobs)[chosen]
+    return mx.concatenate([root, rows[chosen]], axis=1), all_logprobs[chosen]

@@ -5,7 +5,9 @@ of the types the field ships (EAGLE-3, DFlash, Qwen3.5 MTP heads) from their lay
 A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
 ``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
 and the folders mlx-vlm converts them into) is EAGLE-3; a ``dflash_config`` or a
-``DFlash*`` architecture (z-lab ``*-DFlash``) is DFlash; ``model_type`` ``qwen3_5_mtp``
+``DFlash*`` architecture (z-lab ``*-DFlash``) or ``speculators_model_type`` ``dflash`` is
+DFlash, but a ``DFlash2*`` architecture, type ``dflash2`` or a ``dflash_config`` with a
+candidate selector is DFlash2; ``model_type`` ``qwen3_5_mtp``
 (mlx-vlm's split folder) or a config declaring ``mtp_num_hidden_layers`` (an original Qwen3.5
 checkpoint, its ``mtp.*`` tensors) is a native MTP head; anything else is left to ReDrafter's
 loader. A drafter that does not fit its target is refused in one line naming what differs:
@@ -24,6 +26,7 @@ from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from redrafter_mlx.core import checked
 from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
+from redrafter_mlx.core.dflash2 import DFlash2, DFlash2Args, DFlash2Drafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.drafting import Source
@@ -36,8 +39,10 @@ from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
 
 REDRAFTER = "redrafter"
 DFLASH = "dflash"
+DFLASH2 = "dflash2"
 MTP = "mtp"
 KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter"}
+KIND_NAMES[DFLASH2] = "DFlash2"
 
 
 def create_drafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None) -> Source:
@@ -75,8 +80,47 @@ def _is_mtp(config: dict) -> bool:
 
 
 def _is_dflash(config: dict) -> bool:
+    """z-lab's (a ``dflash_config`` or a ``DFlash*`` architecture) or speculators'; never
+    a DFlash2 folder (whose tensors DFlash's loader would call unknown)."""
     architectures = config.get("architectures") or []
-    return "dflash_config" in config or any("DFlash" in str(a) for a in architectures)
+    return not _is_dflash2(config) and (
+        "dflash_config" in config
+        or any("DFlash" in str(a) for a in architectures)
+        or DFLASH in (config.get("speculators_model_type"), _method(config))
+        or _other_dflash(config) is not None  # refused by DFlash's loader, by name
+    )
+
+
+def _is_dflash2(config: dict) -> bool:
+    """A ``DFlash2*`` architecture (z-lab), type ``dflash2`` (speculators), or a
+    ``dflash_config`` with DFlash2's own sizes (a convolution, a candidate selector)."""
+    architectures = [str(a) for a in config.get("architectures") or []]
+    dflash = config.get("dflash_config")
+    own = isinstance(dflash, dict) and ("selector_top_k" in dflash or "conv_kernel_size" in dflash)
+    types = (config.get("speculators_model_type"), config.get("model_type"), _method(config))
+    return own or DFLASH2 in types or any("DFlash2" in a for a in architectures)
+
+
+def _method(config: dict) -> object:
+    """The ``speculative_config.method`` of speculators' Open Spec Config (None: none)."""
+    spec = config.get("speculative_config")
+    return spec.get("method") if isinstance(spec, dict) else None
+
+
+def _other_dflash(config: dict) -> str | None:
+    """The name of a DFlash-family type this runtime does not load (None: not one): DSpark
+    (a Markov head on DFlash's block) and Laguna's causal DFlash."""
+    dflash = checked.given(config, "dflash_config", {})
+    dflash = dflash if isinstance(dflash, dict) else {}
+    architectures = " ".join(str(a) for a in config.get("architectures") or [])
+    kinds = (config.get("speculators_model_type"), dflash.get("projector_type"), _method(config))
+    dspark = "dspark" in kinds
+    markov = config.get("markov_rank") or dflash.get("markov_rank")
+    if dspark or markov or "DSpark" in architectures:
+        return "DSpark"
+    if config.get("model_type") == "laguna":
+        return "Laguna DFlash"
+    return None
 
 
 def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -159,31 +203,50 @@ def _weights(folder: Path) -> dict[str, mx.array]:
 
 
 def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm folder,
-    checked against ``target``; its weights cast to ``dtype`` when given."""
+    """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm /
+    speculators folder, checked against ``target``; its weights cast to ``dtype`` when given."""
+    return _load_dflash_family(folder, target, dtype, (DFlashArgs, DFlash, DFlashDrafter))
+
+
+def load_dflash2(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A :class:`~redrafter_mlx.core.dflash2.DFlash2Drafter` from a z-lab / speculators
+    folder, checked against ``target``; its weights cast to ``dtype`` when given."""
+    return _load_dflash_family(folder, target, dtype, (DFlash2Args, DFlash2, DFlash2Drafter))
+
+
+def _load_dflash_family(folder, target: nn.Module, dtype, classes: tuple):
+    """A DFlash-family drafter of ``classes`` (args, module, source) from ``folder``."""
+    args_class, module_class, source_class = classes
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
-        args = DFlashArgs.from_dict(json.loads(config_file.read_text()))
+        config = json.loads(config_file.read_text())
+        if isinstance(config, dict) and (other := _other_dflash(config)):
+            raise DrafterError(f"{other} drafter: not supported by this runtime")
+        args = args_class.from_dict(config)
     except (OSError, ValueError) as e:
         raise DrafterError(f"{config_file}: {e}") from None
-    hidden, vocab = target_dims(target)
-    layers = len(inner_model(target).layers)
-    problem = None
-    if args.hidden_size != hidden:
-        problem = f"has hidden size {args.hidden_size}, but the target's is {hidden}"
-    elif args.vocab_size != vocab or not 0 <= args.mask_token_id < vocab:
-        problem = f"has vocabulary {args.vocab_size}, but the target's is {vocab}"
-    elif max(args.target_layer_ids) >= layers:
-        problem = f"reads target layers {args.target_layer_ids}, but the target has {layers} layers"
-    if problem:
-        raise DrafterError(f"{folder}: DFlash drafter {problem}")
-    module = DFlash(args)
+    if problem := _dflash_misfit(args, target):
+        raise DrafterError(f"{folder}: {module_class.name} drafter {problem}")
+    module = module_class(args)
     _named(folder, module.load, _weights(folder), embedding(target), partial(head_linear, target))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())
-    return DFlashDrafter(module)
+    return source_class(module)
+
+
+def _dflash_misfit(args: DFlashArgs, target: nn.Module) -> str | None:
+    """What of a DFlash-family drafter does not fit ``target``, in words (None: it fits)."""
+    hidden, vocab = target_dims(target)
+    layers = len(inner_model(target).layers)
+    if args.hidden_size != hidden:
+        return f"has hidden size {args.hidden_size}, but the target's is {hidden}"
+    if args.vocab_size != vocab or not 0 <= args.mask_token_id < vocab:
+        return f"has vocabulary {args.vocab_size}, but the target's is {vocab}"
+    if max(args.target_layer_ids) >= layers:
+        return f"reads target layers {args.target_layer_ids}, but the target has {layers} layers"
+    return None
 
 
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -226,5 +289,6 @@ def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
 TYPES = (
     (EAGLE3, _is_eagle3, load_eagle3),
     (MTP, _is_mtp, load_mtp),
+    (DFLASH2, _is_dflash2, load_dflash2),
     (DFLASH, _is_dflash, load_dflash),
 )
