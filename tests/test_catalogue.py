@@ -189,8 +189,9 @@ def test_the_catalogue_covers_the_models_the_docs_name_and_skips_what_it_cannot_
     assert [e.type_name for e in known["qwen3.8-27b"]] == ["DFlash2"]
 
 
-def test_auto_downloads_the_catalogues_drafter_for_a_hub_id_and_keeps_the_answer(demo, hub, capsys):
-    """The target is served as Qwen/Qwen3-8B too: the whole path a user takes, on the stand-in."""
+def test_auto_fetches_the_catalogues_drafter_for_a_hub_id(demo, hub, capsys, monkeypatch):
+    """The target is served as Qwen/Qwen3-8B too: the whole path a user takes, on the stand-in;
+    the answer is plain decoding's, and a second run offline reads the cached copy."""
     server = hub({"Qwen/Qwen3-8B": demo["model"], "z-lab/Qwen3-8B-DFlash-b16": demo["dflash"]})
     answer, err = generate(capsys, "--model", "Qwen/Qwen3-8B", "--drafter", "auto")
     drafter = Path(answer["drafter"]["path"])
@@ -207,7 +208,7 @@ def test_auto_downloads_the_catalogues_drafter_for_a_hub_id_and_keeps_the_answer
     assert answer["tokens"] == plain["tokens"]
     # cached: a second run offline uses the copy it fetched, asking the Hub nothing
     server.requests.clear()
-    hub_constants.HF_HUB_OFFLINE = True  # restored by the fixture's monkeypatch
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     again, _ = generate(capsys, "--model", "Qwen/Qwen3-8B", "--drafter", "auto")
     assert again["drafter"]["path"] == str(drafter) and server.requests == []
 
@@ -227,7 +228,8 @@ def test_auto_passes_over_a_missing_repo_and_one_that_does_not_fit(demo, hub, ca
     answer, err = generate(capsys, "--model", str(model), "--drafter", "auto")
     assert "models--nebius--EAGLE3-gpt-oss-20b" in answer["drafter"]["path"]
     assert "z-lab/gpt-oss-20b-DFlash (DFlash): not found on the Hub" in err
-    assert "RedHatAI/gpt-oss-20b-speculator.eagle3 (EAGLE-3): " in err
+    refused = "RedHatAI/gpt-oss-20b-speculator.eagle3 (EAGLE-3): EAGLE-3 drafter reads hidden size"
+    assert refused in err
     assert not [r for r in server.requests if "speculator.eagle3" in r and "safetensors" in r]
 
 
@@ -267,3 +269,14 @@ def test_without_drafter_discovery_names_the_catalogues_drafter_and_fetches_noth
     assert "the catalogue lists z-lab/Qwen3-8B-DFlash-b16 (DFlash) for Qwen3-8B" in lines[0]
     assert "--drafter auto downloads it once" in lines[0]
     assert server.requests == []
+
+
+def test_auto_passes_over_an_mtp_head_the_copy_does_not_carry(demo, hub, capsys, tmp_path):
+    """Qwen3.5-4B's entries: z-lab's DFlash drafter (absent here), then the checkpoint's own
+    MTP head, which a conversion (here: the demo model) does not carry."""
+    hub({})
+    model = named_copy(demo["model"], tmp_path / "q35", "mlx-community/Qwen3.5-4B-MLX-4bit")
+    answer, err = generate(capsys, "--model", str(model), "--drafter", "auto")
+    assert answer["drafter"]["path"] is None
+    assert "Qwen3.5-4B's own checkpoint (MTP): this copy has no MTP head" in err
+    assert "no catalogue drafter for Qwen3.5-4B fits" in answer["drafter"]["reason"]
