@@ -173,6 +173,14 @@ def test_the_target_is_named_by_its_id_its_cache_snapshot_or_its_config(tmp_path
         "Qwen/Qwen3-8B"
     )
     assert catalogue.target_name(str(tmp_path), {}) is None
+    # an mlx-lm conversion records the model it converted in its card's base_model
+    card = "---\nbase_model: google/gemma-4-31B-it\ntags:\n- mlx\n---\n"
+    (tmp_path / "README.md").write_text(card)
+    assert catalogue.target_name(str(tmp_path), {}) == "google/gemma-4-31B-it"
+    (tmp_path / "README.md").write_text("---\nbase_model:\n- openai/gpt-oss-20b\n---\n# notes")
+    assert catalogue.target_name(str(tmp_path), {"_name_or_path": "x/y"}) == "openai/gpt-oss-20b"
+    (tmp_path / "README.md").write_text("my own notes, no metadata\n")
+    assert catalogue.target_name(str(tmp_path), {}) is None
 
 
 def test_the_catalogue_covers_the_models_the_docs_name_and_skips_what_it_cannot_load():

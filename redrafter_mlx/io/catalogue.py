@@ -3,8 +3,8 @@
 The catalogue (``data/drafter_catalogue.json``) lists, per model, the drafters their authors
 publish (repository, type, where the name is published), in order of preference. A target is
 matched by its name (:func:`target_name`): its Hub id (``Qwen/Qwen3-8B``), the id of the Hub
-snapshot it was loaded from, or the ``_name_or_path`` its ``config.json`` records; the owner and
-the suffixes of quantized copies (``mlx-community/Qwen3-8B-4bit``, ``-bf16``, ``-MLX-8bit``)
+snapshot it was loaded from, its model card's ``base_model`` or the ``_name_or_path`` its
+``config.json`` records; the owner and the suffixes of quantized copies (``mlx-community/Qwen3-8B-4bit``, ``-bf16``, ``-MLX-8bit``)
 are dropped, since a drafter serves every quantized copy of its model.
 
 ``--drafter auto`` (:func:`auto_drafter`) tries the model's entries in order: an entry of a type
@@ -102,14 +102,30 @@ def base_name(name: str) -> str:
 
 def target_name(model: str, config: dict) -> str | None:
     """The Hub id (or name) the target was loaded as: ``model`` itself when it is a Hub id,
-    the id of the Hugging Face cache snapshot it lies in, or its config's ``_name_or_path``."""
-    if looks_like_hub_id(model) and not Path(model).expanduser().exists():
+    the id of the Hugging Face cache snapshot it lies in, the ``base_model`` of its model card
+    (``README.md``: what mlx-lm's convert records), or its config's ``_name_or_path``."""
+    path = Path(model).expanduser()
+    if looks_like_hub_id(model) and not path.exists():
         return model
-    cached = re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(Path(model).expanduser()))
+    cached = re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(path))
     if cached:
         return f"{cached[1]}/{cached[2]}"
-    named = config.get("_name_or_path")
+    named = _card_base_model(path / "README.md") or config.get("_name_or_path")
     return named if isinstance(named, str) and named.strip() else None
+
+
+def _card_base_model(card: Path) -> str | None:
+    """The first ``base_model`` a model card's metadata names, or None (no card, none named,
+    a card that does not parse)."""
+    if not card.is_file():
+        return None
+    from huggingface_hub import ModelCard
+
+    try:
+        named = ModelCard.load(card).data.base_model
+    except Exception:  # a card of the user's own: any text, any YAML
+        return None
+    return named[0] if isinstance(named, list) and named else named
 
 
 def entries_for(model: str, config: dict) -> tuple[str | None, list[Entry]]:
