@@ -4,8 +4,9 @@ The catalogue (``data/drafter_catalogue.json``) lists, per model, the drafters t
 publish (repository, type, where the name is published), in order of preference. A target is
 matched by its name (:func:`target_name`): its Hub id (``Qwen/Qwen3-8B``), the id of the Hub
 snapshot it was loaded from, its model card's ``base_model`` or the ``_name_or_path`` its
-``config.json`` records; the owner and the suffixes of quantized copies (``mlx-community/Qwen3-8B-4bit``, ``-bf16``, ``-MLX-8bit``)
-are dropped, since a drafter serves every quantized copy of its model.
+``config.json`` records; the owner and the suffixes of quantized copies
+(``mlx-community/Qwen3-8B-4bit``, ``-bf16``, ``-MLX-8bit``) are dropped, since a drafter serves
+every quantized copy of its model.
 
 ``--drafter auto`` (:func:`auto_drafter`) tries the model's entries in order: an entry of a type
 this package does not load yet is skipped with a line; otherwise the drafter's ``config.json``
@@ -193,10 +194,12 @@ def fetch(repo: str, entry: Entry, target) -> Path:
     """The folder of drafter ``repo`` in the Hugging Face cache: its ``config.json`` fetched
     and checked against ``target`` first (:func:`config_misfit`), then its weights. Offline
     when the Hub cannot be reached and nothing is cached; DrafterError (one line) for a repo
-    that is not there or a drafter that does not fit."""
+    that is not there or a drafter that does not fit; OSError (a full disk) as it comes."""
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
         RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -211,9 +214,9 @@ def fetch(repo: str, entry: Entry, target) -> Path:
         raise DrafterError("gated on the Hub: accept its licence there, then log in") from None
     except (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as e:
         raise DrafterError(f"not found on the Hub ({type(e).__name__})") from None
-    except DrafterError:
-        raise
-    except Exception as e:  # offline mode and not cached, no network: the Hub's errors are many
+    except (LocalEntryNotFoundError, HfHubHTTPError, ConnectionError) as e:
+        # offline mode or no network, and not cached; or the Hub failing: a disk that is full
+        # (an OSError) is no reason to fall back, and stops the command in one line
         raise Offline(one_line(e)) from None
 
 
