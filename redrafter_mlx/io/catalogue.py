@@ -171,7 +171,7 @@ def auto_drafter(model: str, config: dict, target, *, discover) -> DrafterChoice
             skipped.append(f"{entry.describe()}: {why}")
             continue
         try:
-            folder = _own_head(model) if entry.repo is None else fetch(entry.repo, entry, target)
+            folder = _own_head(model) if entry.repo is None else fetch(entry, target)
         except Offline as e:
             would = f"offline ({e}): would have fetched {entry.describe()} for {entry.target}"
             return _fallback(discover(), would, skipped)
@@ -190,9 +190,9 @@ def _fallback(found: DrafterChoice, why: str, skipped: list[str]) -> DrafterChoi
     return replace(found, reason=reason, skipped=(*skipped, *found.skipped))
 
 
-def fetch(repo: str, entry: Entry, target) -> Path:
-    """The folder of drafter ``repo`` in the Hugging Face cache: its ``config.json`` fetched
-    and checked against ``target`` first (:func:`config_misfit`), then its weights. Offline
+def fetch(entry: Entry, target) -> Path:
+    """The folder of ``entry``'s repository in the Hugging Face cache: its ``config.json``
+    fetched and checked against ``target`` first (:func:`config_misfit`), then its weights. Offline
     when the Hub cannot be reached and nothing is cached; DrafterError (one line) for a repo
     that is not there or a drafter that does not fit; OSError (a full disk) as it comes."""
     from huggingface_hub import hf_hub_download, snapshot_download
@@ -205,6 +205,7 @@ def fetch(repo: str, entry: Entry, target) -> Path:
         RevisionNotFoundError,
     )
 
+    repo = entry.repo
     try:
         folder = Path(hf_hub_download(repo, "config.json")).parent
         if problem := config_misfit(folder, entry.kind, target):
@@ -214,9 +215,11 @@ def fetch(repo: str, entry: Entry, target) -> Path:
         raise DrafterError("gated on the Hub: accept its licence there, then log in") from None
     except (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as e:
         raise DrafterError(f"not found on the Hub ({type(e).__name__})") from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, ConnectionError) as e:
-        # offline mode or no network, and not cached; or the Hub failing: a disk that is full
-        # (an OSError) is no reason to fall back, and stops the command in one line
+    except (LocalEntryNotFoundError, ConnectionError):
+        # offline mode or no network, and not cached (a full disk, an OSError too, is no
+        # reason to fall back: it stops the command in one line)
+        raise Offline("the Hub cannot be reached and nothing is cached") from None
+    except HfHubHTTPError as e:  # the Hub failing (a 5xx): as unreachable
         raise Offline(one_line(e)) from None
 
 
