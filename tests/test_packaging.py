@@ -174,6 +174,7 @@ def test_wheel_from_sdist_runs_generate_with_the_packaged_drafter(tmp_path):
     for name in DRAFTER_FILES:
         assert f"redrafter_mlx/weights/{DRAFTER}/{name}" in names
     sources = {"redrafter_mlx/data/mt_bench.jsonl", "redrafter_mlx/backend/cpu/csrc/smallrows.c"}
+    sources |= {"redrafter_mlx/data/drafter_catalogue.json"}  # --drafter auto's catalogue
     assert sources <= names
     for package in source_packages():
         assert f"{package.replace('.', '/')}/__init__.py" in names

@@ -170,7 +170,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 DRAFTER_HELP = (
-    "drafter folder, Hub id (USER/NAME, cached for offline use) or none (default: the one "
+    "drafter folder, Hub id (USER/NAME, cached for offline use), auto (the published drafter "
+    "the package's catalogue lists for the model, downloaded once) or none (default: the one "
     "found for the model: trained here, shipped in its redrafter/ folder, or none)"
 )
 

@@ -24,6 +24,7 @@ from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.plan import Plan
 from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.core.step import Decoding
+from redrafter_mlx.io import catalogue
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
 from redrafter_mlx.io.embedded import default_model_path
 from redrafter_mlx.io.field_drafters import KIND_NAMES, REDRAFTER, create_drafter
@@ -86,9 +87,7 @@ def load_runtime(
     try:
         model_path = model or str(default_model_path())
         target, tokenizer, config = load_target(model_path, prepare=prepare)
-        choice = find_drafter(
-            drafter, model=str(model_path), target=target, config=config, tokenizer=tokenizer
-        )
+        choice = _choose_drafter(drafter, str(model_path), target, config, tokenizer)
         drafter_path = choice.path
         loaded = None
         if drafter_path is not None:
@@ -116,6 +115,22 @@ def load_runtime(
         decoder,
         choice,
     )
+
+
+def _choose_drafter(given: str | None, model: str, target, config: dict, tokenizer):
+    """:func:`find_drafter`'s choice; with ``--drafter auto``, the catalogue's drafter for the
+    model (io/catalogue.py), discovery's when it has none; without ``--drafter`` and none
+    found, discovery's reason names the catalogue's drafter, if it lists one (no download)."""
+
+    def discover(given=None):
+        return find_drafter(given, model=model, target=target, config=config, tokenizer=tokenizer)
+
+    if given is not None and given.strip().lower() == catalogue.AUTO:
+        return catalogue.auto_drafter(model, config, target, discover=discover)
+    choice = discover(given)
+    if given is None and choice.path is None and (known := catalogue.hint(model, config)):
+        return dataclasses.replace(choice, reason=f"{choice.reason}; {known}")
+    return choice
 
 
 def _load_any_drafter(path, target, dtype, choice: DrafterChoice):

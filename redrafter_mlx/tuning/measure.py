@@ -741,13 +741,18 @@ def cost_fields(runtime: Runtime, shape: BeamShape, row: dict, *, drafted: bool 
     size = max(1, round(row["mean_tree_size"] or shape.width * shape.length))
     size = verified_size(size, runtime.plan.tree_sizes)
     verify = forward_cost_ratio(runtime.decoder, size)
-    draft = draft_cost_ratio(runtime, shape) if drafted else 0.0
+    # Timed alone only where the draft is a search from the final hidden state (the RNN's); a
+    # field drafter (EAGLE-3, DFlash, MTP) drafts from its sequence's state: None, not timed
+    searched = callable(runtime.drafter)
+    draft = (draft_cost_ratio(runtime, shape) if searched else None) if drafted else 0.0
     return {
         "verify_tokens": size,
         "verify_cost_ratio": verify,
         "draft_cost_ratio": draft,
         "speedup_bound": row["tokens_per_step"] / verify,
-        "speedup_bound_with_draft": row["tokens_per_step"] / (verify + draft),
+        "speedup_bound_with_draft": None
+        if draft is None
+        else row["tokens_per_step"] / (verify + draft),
     }
 
 
