@@ -85,8 +85,9 @@ def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None
 
 
 def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """An :class:`~redrafter_mlx.core.mtp.MTPDrafter` from a Qwen3.5 checkpoint's ``mtp.*``
-    tensors or mlx-vlm's split ``qwen3_5_mtp`` folder, checked against ``target``."""
+    """An :class:`~redrafter_mlx.core.mtp.MTPDrafter` (dense or MoE) from a Qwen3.5 / 3.6
+    checkpoint's ``mtp.*`` tensors or mlx-vlm's split ``qwen3_5_mtp`` folder, checked against
+    ``target``."""
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
@@ -94,8 +95,6 @@ def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = Non
     except (OSError, ValueError) as e:  # DrafterError is a ValueError
         raise DrafterError(f"{config_file}: not a Qwen3.5 MTP config ({e})") from None
     hidden, vocab = target_dims(target)
-    if args.num_experts:
-        raise DrafterError(f"{folder}: MoE MTP heads (Qwen3.5 MoE) are not supported yet")
     if args.hidden_size != hidden:
         raise DrafterError(
             f"{folder}: MTP head has hidden size {args.hidden_size}, but the target's is {hidden}"
@@ -122,6 +121,12 @@ MTP_SIZES = (
 )  # fmt: skip
 
 
+MOE_SIZES = (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)  # fmt: skip
+
+
 def _mtp_args(config: object) -> tuple[TextModelArgs, int]:
     """The head's args and depth from a Qwen3.5 config (its ``text_config`` when it has one),
     each size type-checked first (core/checked.py)."""
@@ -133,6 +138,14 @@ def _mtp_args(config: object) -> tuple[TextModelArgs, int]:
             checked.integer(name, text[name])
     args = TextModelArgs.from_dict(text)
     checked.heads(args.num_attention_heads, args.num_key_value_heads)
+    if args.num_experts:  # a MoE head (Qwen3.5 / 3.6-35B-A3B): its expert sizes too
+        for name in MOE_SIZES:
+            checked.integer(name, getattr(args, name))
+        if args.num_experts_per_tok > args.num_experts:
+            raise DrafterError(
+                f"num_experts_per_tok {args.num_experts_per_tok}: more than its"
+                f" {args.num_experts} experts"
+            )
     depth = checked.given(text, "mtp_num_hidden_layers", 1)
     return args, checked.integer("mtp_num_hidden_layers", depth)
 
