@@ -251,9 +251,10 @@ def test_sampling_with_mtp_keeps_the_targets_distribution(tmp_path, qwen3_5):
 
 @pytest.mark.distribution
 def test_sampling_with_a_moe_head_keeps_the_targets_distribution(tmp_path, qwen3_5_moe):
-    """The same chi-square test with a MoE head over the MoE target."""
+    """The same chi-square test with a MoE head over the MoE target (flatter than the dense
+    one at 0.3: too few tokens would be likely enough to test)."""
     drafter = load_mtp(original_folder(tmp_path / "o", "qwen3_5_moe"), qwen3_5_moe)
-    assert second_token_pvalue(qwen3_5_moe, drafter, 97, temp=0.3) > 1e-3
+    assert second_token_pvalue(qwen3_5_moe, drafter, 97, temp=0.15) > 1e-3
 
 
 @pytest.mark.parametrize("plan", [CPU_PLAN, GENERIC_PLAN], ids=["cpu", "generic"])
