@@ -30,14 +30,32 @@ from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import embedding, head_linear, inner_model, lm_head, target_dims
+from redrafter_mlx.core.gemma4_assistant import (
+    FULL,
+    SLIDING,
+    Assistant,
+    AssistantArgs,
+    AssistantDrafter,
+)
+from redrafter_mlx.core.gemma4_assistant import MODEL_TYPE as GEMMA4_ASSISTANT
+from redrafter_mlx.core.llm import (
+    cache_layout,
+    embedding,
+    head_linear,
+    inner_model,
+    lm_head,
+    target_dims,
+)
 from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
 from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
 
 REDRAFTER = "redrafter"
 DFLASH = "dflash"
 MTP = "mtp"
-KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter"}
+KIND_NAMES = {
+    EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter",
+    GEMMA4_ASSISTANT: "Gemma 4 assistant",
+}  # fmt: skip
 
 
 def create_drafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None) -> Source:
@@ -199,6 +217,60 @@ def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     return DFlashDrafter(module)
 
 
+def _is_gemma4_assistant(config: dict) -> bool:
+    return GEMMA4_ASSISTANT in (config.get("model_type"), config.get("speculators_model_type"))
+
+
+def load_gemma4_assistant(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """An :class:`~redrafter_mlx.core.gemma4_assistant.AssistantDrafter` from an HF / mlx-vlm
+    ``gemma4_assistant`` folder, checked against ``target`` (a Gemma 4)."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        args = AssistantArgs.from_dict(json.loads(config_file.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise DrafterError(f"{config_file}: not a Gemma 4 assistant config ({e})") from None
+    kv_layers = _shared_kv_layers(target)
+    if problem := _assistant_misfit(args, target, kv_layers):
+        raise DrafterError(f"{folder}: Gemma 4 assistant {problem}")
+    module = Assistant(args)
+    _named(folder, module.load, _weights(folder))
+    module.bind(embedding(target), float(getattr(inner_model(target), "embed_scale", 1.0)))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return AssistantDrafter(module, kv_layers, args.text.sliding_window)
+
+
+def _shared_kv_layers(target: nn.Module) -> dict[str, int]:
+    """``{layer type: K/V slot}`` of the last layer of each type that computes K/V (what a
+    Gemma 4's K/V-shared layers, and its assistant, read); empty for another family."""
+    layers = inner_model(target).layers
+    found = {}
+    # the cache stops at the first K/V-shared layer: zip stops with it
+    for layer, slot in zip(layers, cache_layout(target), strict=False):
+        kind = getattr(layer, "layer_type", None)
+        if kind in (FULL, SLIDING) and hasattr(slot, "index"):
+            found[kind] = slot.index
+    return found
+
+
+def _assistant_misfit(args: AssistantArgs, target: nn.Module, kv_layers: dict) -> str | None:
+    """What of a Gemma 4 assistant does not fit ``target``, in words (None: it fits)."""
+    hidden, vocab = target_dims(target)
+    needed = {layer for layer in args.text.layer_types[: args.text.num_hidden_layers]}
+    family = str(getattr(getattr(target, "args", None), "model_type", ""))
+    if not kv_layers or not family.startswith("gemma4"):
+        return f"drafts for Gemma 4 targets only (it reads their K/V), not {family or 'this'}"
+    if args.backbone_hidden_size != hidden:
+        return f"reads hidden size {args.backbone_hidden_size}, but the target's is {hidden}"
+    if args.text.vocab_size != vocab:
+        return f"has vocabulary {args.text.vocab_size}, but the target's is {vocab}"
+    if missing := sorted(needed - set(kv_layers)):
+        return f"reads the target's {', '.join(missing)} K/V, which the target has none of"
+    return None
+
+
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
     """An :class:`~redrafter_mlx.core.eagle3.Eagle3Drafter` from a speculators / SGLang /
     mlx-vlm folder, checked against ``target``; its weights cast to ``dtype`` when given."""
@@ -240,4 +312,5 @@ TYPES = (
     (EAGLE3, _is_eagle3, load_eagle3),
     (MTP, _is_mtp, load_mtp),
     (DFLASH, _is_dflash, load_dflash),
+    (GEMMA4_ASSISTANT, _is_gemma4_assistant, load_gemma4_assistant),
 )
