@@ -20,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.nemotron_h import ModelArgs as NemotronArgs
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from redrafter_mlx.core import checked
@@ -48,13 +49,15 @@ from redrafter_mlx.core.llm import (
 )
 from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
 from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
+from redrafter_mlx.core.nemotron_mtp import MODEL_TYPE as NEMOTRON_MTP
+from redrafter_mlx.core.nemotron_mtp import NemotronMTPDrafter, NemotronMTPHead, head_pattern
 
 REDRAFTER = "redrafter"
 DFLASH = "dflash"
 MTP = "mtp"
 KIND_NAMES = {
     EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter",
-    GEMMA4_ASSISTANT: "Gemma 4 assistant",
+    GEMMA4_ASSISTANT: "Gemma 4 assistant", NEMOTRON_MTP: "Nemotron-H MTP",
 }  # fmt: skip
 
 
@@ -271,6 +274,52 @@ def _assistant_misfit(args: AssistantArgs, target: nn.Module, kv_layers: dict) -
     return None
 
 
+def _is_nemotron_mtp(config: dict) -> bool:
+    """mlx-vlm's split folder, or a Nemotron-H checkpoint declaring its MTP layer."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if NEMOTRON_MTP in (config.get("model_type"), config.get("speculators_model_type")):
+        return True
+    return text.get("model_type") == "nemotron_h" and text.get("num_nextn_predict_layers") not in (
+        None,
+        0,
+    )
+
+
+def load_nemotron_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A :class:`~redrafter_mlx.core.nemotron_mtp.NemotronMTPDrafter` from a Nemotron-H
+    checkpoint's ``mtp.*`` tensors or mlx-vlm's split ``nemotron_h_mtp`` folder, checked
+    against ``target``."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        text = checked.section(config, "text_config") or config
+        layers = checked.integer("num_nextn_predict_layers", text.get("num_nextn_predict_layers"))
+        if layers != 1:
+            raise DrafterError(f"num_nextn_predict_layers {layers}: only 1 is supported")
+        pattern = head_pattern(text)
+        args = NemotronArgs.from_dict({**text, "hybrid_override_pattern": pattern})
+    except (OSError, ValueError, TypeError) as e:  # DrafterError is a ValueError
+        raise DrafterError(f"{config_file}: not a Nemotron-H MTP config ({e})") from None
+    hidden, vocab = target_dims(target)
+    inner = inner_model(target)
+    if getattr(getattr(target, "args", None), "model_type", None) != "nemotron_h":
+        raise DrafterError(f"{folder}: Nemotron-H MTP head drafts for Nemotron-H targets only")
+    for name, ours, theirs in (("hidden size", args.hidden_size, hidden),
+                               ("vocabulary", args.vocab_size, vocab)):  # fmt: skip
+        if ours != theirs:
+            raise DrafterError(
+                f"{folder}: MTP head has {name} {ours}, but the target's is {theirs}"
+            )
+    module = NemotronMTPHead(args, pattern)
+    _named(folder, module.load, _weights(folder))
+    module.bind(embedding(target), inner.norm_f, lambda h: lm_head(target, h))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return NemotronMTPDrafter(module, len(inner.layers) - 1)
+
+
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
     """An :class:`~redrafter_mlx.core.eagle3.Eagle3Drafter` from a speculators / SGLang /
     mlx-vlm folder, checked against ``target``; its weights cast to ``dtype`` when given."""
@@ -313,4 +362,5 @@ TYPES = (
     (MTP, _is_mtp, load_mtp),
     (DFLASH, _is_dflash, load_dflash),
     (GEMMA4_ASSISTANT, _is_gemma4_assistant, load_gemma4_assistant),
+    (NEMOTRON_MTP, _is_nemotron_mtp, load_nemotron_mtp),
 )
