@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from support import decoder_for, decoding_of, run_steps
 from support.batching import alone, batched
 from support.decoding import take
-from support.drafters import second_token_pvalue
+from support.drafters import generate_with_config, second_token_pvalue
 from support.families import BASE, build, build_config
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
@@ -239,3 +239,16 @@ def test_a_folder_for_another_target_is_refused_in_one_line(tmp_path, gemma4, as
 def test_an_assistant_is_no_longer_misread_as_a_redrafter_drafter(assistant_folder):
     """It was left to ReDrafter's loader, which refused it for missing RNN weights."""
     assert drafter_kind(assistant_folder) == "gemma4_assistant"
+
+
+def test_generate_with_an_assistant_folder_answers_as_the_target(tmp_path, capsys):
+    """The CLI path: `generate --model <Gemma 4> --drafter <assistant>` loads it by its type
+    and answers as `--autoregressive` does."""
+
+    def make(vocab):
+        text = {**TEXT, "vocab_size": vocab}
+        return folder_of(tmp_path / "assistant", assistant_config(text_config=text))
+
+    # no per-layer inputs: their table would be sized by the tokenizer's vocabulary too
+    target = {**TARGET, "hidden_size_per_layer_input": 0}
+    generate_with_config(tmp_path, capsys, target, make, "Gemma 4 assistant")

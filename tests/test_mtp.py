@@ -16,6 +16,7 @@ from support.batching import alone, batched
 from support.decoding import take
 from support.drafters import (
     assert_same_arrays,
+    generate_with_config,
     greedy_equals_autoregressive,
     second_token_pvalue,
     second_turn,
@@ -324,3 +325,15 @@ def test_moe_experts_numbered_with_a_gap_are_refused_in_one_line(tmp_path, qwen3
         DrafterError, match=r"MTP weights: layers.0.mlp.experts numbered \[0, 2, 3\]"
     ):
         load_mtp(folder, qwen3_5_moe)
+
+
+def test_generate_with_a_moe_checkpoint_folder_answers_as_the_target(tmp_path, capsys):
+    """The CLI path: `generate --model <Qwen3.5 MoE> --drafter <its checkpoint's folder>`."""
+
+    def make(vocab):
+        folder = original_folder(tmp_path / "head", "qwen3_5_moe")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+        return folder
+
+    generate_with_config(tmp_path, capsys, config("qwen3_5_moe"), make, "MTP")

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from support import decoder_for, decoding_of, run_steps
 from support.batching import alone, batched
 from support.decoding import take
-from support.drafters import second_token_pvalue
+from support.drafters import generate_with_config, second_token_pvalue
 from support.families import build, config
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
@@ -182,3 +182,14 @@ def test_a_head_we_cannot_run_is_refused_in_one_line(tmp_path, nemotron, change,
 def test_a_head_for_another_target_is_refused_in_one_line(tmp_path):
     with pytest.raises(DrafterError, match="drafts for Nemotron-H targets only"):
         create_drafter(original_folder(tmp_path / "o"), build("qwen3_5"))
+
+
+def test_generate_with_a_head_folder_answers_as_the_target(tmp_path, capsys):
+    """The CLI path: `generate --model <Nemotron-H> --drafter <its checkpoint's folder>`."""
+
+    def make(vocab):
+        folder = original_folder(tmp_path / "head")
+        (folder / "config.json").write_text(json.dumps({**HEAD, "vocab_size": vocab}))
+        return folder
+
+    generate_with_config(tmp_path, capsys, config("nemotron_h"), make, "Nemotron-H MTP")
