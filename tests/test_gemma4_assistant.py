@@ -198,6 +198,28 @@ def test_greedy_with_the_assistant_equals_autoregressive_on_both_plans(
     assert got == expected
 
 
+def test_after_an_accepted_path_it_drafts_as_from_a_fresh_prompt(gemma4, assistant_folder):
+    """Mid-step, the assistant reads the committed K/V and the accepted path's (staged, not
+    yet committed) at the last accepted token's position: its beams are those drafted from
+    the same tokens fed as a prompt. Lookup beams get paths accepted (random drafts are not)."""
+    drafter = create_drafter(assistant_folder, gemma4)
+    decoder = decoder_for(gemma4, drafter)
+    decoding = decoding_of(drafter, BeamShape(2, 3, lookup=2))
+    sequence = decoder.new_sequence()
+    state, _ = decoder.prefill(sequence, PROMPT, decoding)
+    paths = 0
+    for _ in range(30):
+        state, step = decoder.step(state)
+        if len(step.tokens) > 1:
+            paths += 1
+            fresh, _ = decoder.prefill(decoder.new_sequence(), list(sequence.ids), decoding)
+            assert (fresh.pending, fresh.drafted.tolist()) == (
+                state.pending,
+                state.drafted.tolist(),
+            )
+    assert paths >= 1
+
+
 @pytest.mark.distribution
 def test_sampling_with_the_assistant_keeps_the_targets_distribution(gemma4, assistant_folder):
     """40 first drafts per step, chi-square against the target's marginal of the second
@@ -221,6 +243,33 @@ def test_the_assistant_in_a_batch_answers_as_alone(gemma4, assistant_folder, pla
     prompts = [PROMPT, [7, 8, 9], [10, 11, 12, 13, 14, 15], [3, 3, 3]]
     expected = [alone(decoder, d, p, 20) for d, p in zip(decodings, prompts, strict=True)]
     assert batched(decoder, decodings, prompts, 20)[0] == expected
+
+
+def test_in_a_batch_it_reads_each_members_own_path(gemma4, assistant_folder):
+    """Stepped in a batch, a member whose path was accepted drafts what a fresh prompt of its
+    tokens drafts: the assistant reads that member's K/V, not its neighbours'."""
+    from redrafter_mlx.core.batch import Member, batch_step
+
+    drafter = create_drafter(assistant_folder, gemma4)
+    decoder = decoder_for(gemma4, drafter)
+    decodings = [decoding_of(drafter, BeamShape(2, 3, lookup=2)), decoding_of(drafter)]
+    members = [
+        Member(decoder.prefill(decoder.new_sequence(), prompt, decoding)[0])
+        for prompt, decoding in zip([PROMPT, [7, 8, 9]], decodings, strict=True)
+    ]
+    paths = 0
+    for _ in range(30):
+        steps = batch_step(decoder, members)
+        for member, step in zip(members, steps, strict=True):
+            if len(step.tokens) > 1:
+                paths += 1
+                ids, state = list(member.state.sequence.ids), member.state
+                fresh, _ = decoder.prefill(decoder.new_sequence(), ids, member.decoding)
+                assert (fresh.pending, fresh.drafted.tolist()) == (
+                    state.pending,
+                    state.drafted.tolist(),
+                )
+    assert paths >= 1
 
 
 def test_a_folder_for_another_target_is_refused_in_one_line(tmp_path, gemma4, assistant_folder):
