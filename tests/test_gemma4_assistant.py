@@ -278,6 +278,9 @@ def test_a_folder_for_another_target_is_refused_in_one_line(tmp_path, gemma4, as
     wide = folder_of(tmp_path / "w", assistant_config(backbone_hidden_size=128))
     with pytest.raises(DrafterError, match="reads hidden size 128, but the target's is 64"):
         create_drafter(wide, gemma4)
+    uneven = assistant_config(use_ordered_embeddings=True, num_centroids=7)
+    with pytest.raises(DrafterError, match="splits a vocabulary of 96 into 7 clusters unevenly"):
+        create_drafter(folder_of(tmp_path / "u", uneven), gemma4)
     broken = tmp_path / "b"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "gemma4_assistant"}))

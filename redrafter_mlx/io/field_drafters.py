@@ -269,6 +269,8 @@ def _assistant_misfit(args: AssistantArgs, target: nn.Module, kv_layers: dict) -
         return f"reads hidden size {args.backbone_hidden_size}, but the target's is {hidden}"
     if args.text.vocab_size != vocab:
         return f"has vocabulary {args.text.vocab_size}, but the target's is {vocab}"
+    if args.use_ordered_embeddings and vocab % args.num_centroids:
+        return f"splits a vocabulary of {vocab} into {args.num_centroids} clusters unevenly"
     if missing := sorted(needed - set(kv_layers)):
         return f"reads the target's {', '.join(missing)} K/V, which the target has none of"
     return None
