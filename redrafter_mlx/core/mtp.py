@@ -6,6 +6,8 @@ Legend: B beams, E entries, S cached entries, H hidden.
 Qwen3.5 checkpoints carry an MTP head (``mtp.*``): ``fc`` over ``[norm(embed(token t + 1)),
 norm(hidden t)]`` (``hidden t`` the target's final-norm hidden state at ``t``), one Qwen3.5
 full-attention decoder layer (gated queries, partial RoPE) with its own K/V, and a final norm;
+in the MoE models (Qwen3.5 / 3.6-35B-A3B) the layer's MLP is mlx-lm's sparse MoE block
+(routed experts and a gated shared expert), as in the target's own layers;
 the target's LM head scores its output, which predicts the token at ``t + 2``. Feeding its own
 output back as the hidden state chains it for depth. Entry ``t`` sits at position ``t``.
 
@@ -18,6 +20,7 @@ target's own final norm, so the head needs no other hook into the forward.
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -114,13 +117,47 @@ class MTPHead(nn.Module):
                 value = value + 1.0
             out[name] = value
         try:
+            out = stack_experts(out)
+        except ValueError as e:
+            raise DrafterError(f"MTP weights: {e}") from None
+        try:
             self.load_weights(list(out.items()), strict=True)
         except ValueError as e:
             raise DrafterError(f"MTP weights: {' '.join(str(e).split())[:200]}") from None
 
 
+EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
+
+
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A MoE head's experts as mlx-lm's ``switch_mlp`` holds them: one tensor ``(E, ...)`` per
+    projection, from per-expert tensors (``experts.{e}.gate_proj.weight``) or the fused
+    ``experts.gate_up_proj`` ``(E, 2 I, H)`` / ``experts.down_proj``; dense heads unchanged.
+    ValueError (one line) for experts numbered with gaps."""
+    out = dict(weights)
+    for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:
+        prefix = key.removesuffix(".experts.gate_up_proj")
+        gate, up = mx.split(out.pop(key), 2, axis=-2)
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = up
+        if f"{prefix}.experts.down_proj" in out:
+            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    groups: dict[tuple, dict[int, str]] = {}
+    for key in out:
+        if match := EXPERT.fullmatch(key):
+            prefix, expert, projection, suffix = match.groups()
+            groups.setdefault((prefix, projection, suffix), {})[int(expert)] = key
+    for (prefix, projection, suffix), keys in groups.items():
+        if sorted(keys) != list(range(len(keys))):
+            raise ValueError(f"{prefix}.experts numbered {sorted(keys)}, not 0..{len(keys) - 1}")
+        stacked = mx.stack([out.pop(keys[e]) for e in range(len(keys))])
+        out[f"{prefix}.switch_mlp.{projection}.{suffix}"] = stacked
+    return out
+
+
 class MTPDrafter(Eagle3Drafter):
-    """A Qwen3.5 MTP head as the speculative step's source (EAGLE-3's drafting, this head)."""
+    """A Qwen3.5 MTP head, dense or MoE, as the speculative step's source (EAGLE-3's drafting,
+    this head)."""
 
     kind = "mtp"
 

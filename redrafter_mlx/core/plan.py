@@ -17,12 +17,16 @@ if TYPE_CHECKING:
 # --speculative-num-steps 3``: 4 beams of 3 drafted tokens); DFlash verifying its whole block
 # as z-lab's model cards do (``--speculative-num-draft-tokens 16``, its block size: 15 drafted
 # tokens, here the best-first tree of 15 nodes; a drafter with a smaller block fits it down,
-# ``Source.fit_default``); an MTP head as SGLang's MTP example (``--speculative-num-steps 1
-# --speculative-eagle-topk 1``). ReDrafter's RNN and lookup beams alone take ``default_shape``.
+# ``Source.fit_default``); DFlash2 at the 5 rows a step mlx-vlm verifies it with at most
+# (``runtime_block_size``, ``min(5, block_size)``); an MTP head (Qwen3.5's, Nemotron-H's) as
+# SGLang's MTP example (``--speculative-num-steps 1 --speculative-eagle-topk 1``). ReDrafter's
+# RNN, lookup beams alone and types with no published setting take ``default_shape``.
 GPU_TYPE_SHAPES = (
     ("eagle3", BeamShape(width=4, length=4)),
     ("dflash", BeamShape(width=15, length=16)),
+    ("dflash2", BeamShape(width=4, length=5)),
     ("mtp", BeamShape(width=1, length=2)),
+    ("nemotron_h_mtp", BeamShape(width=1, length=2)),
 )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.nemotron_h import ModelArgs as NemotronArgs
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from redrafter_mlx.core import checked
@@ -33,16 +34,35 @@ from redrafter_mlx.core.drafting import Source
 from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import embedding, head_linear, inner_model, lm_head, target_dims
+from redrafter_mlx.core.gemma4_assistant import (
+    FULL,
+    SLIDING,
+    Assistant,
+    AssistantArgs,
+    AssistantDrafter,
+)
+from redrafter_mlx.core.gemma4_assistant import MODEL_TYPE as GEMMA4_ASSISTANT
+from redrafter_mlx.core.llm import (
+    cache_layout,
+    embedding,
+    head_linear,
+    inner_model,
+    lm_head,
+    target_dims,
+)
 from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
 from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
+from redrafter_mlx.core.nemotron_mtp import MODEL_TYPE as NEMOTRON_MTP
+from redrafter_mlx.core.nemotron_mtp import NemotronMTPDrafter, NemotronMTPHead, head_pattern
 
 REDRAFTER = "redrafter"
 DFLASH = "dflash"
 DFLASH2 = "dflash2"
 MTP = "mtp"
-KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter"}
-KIND_NAMES[DFLASH2] = "DFlash2"
+KIND_NAMES = {
+    EAGLE3: "EAGLE-3", DFLASH: "DFlash", DFLASH2: "DFlash2", MTP: "MTP", REDRAFTER: "ReDrafter",
+    GEMMA4_ASSISTANT: "Gemma 4 assistant", NEMOTRON_MTP: "Nemotron-H MTP",
+}  # fmt: skip
 
 
 def create_drafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None) -> Source:
@@ -129,8 +149,9 @@ def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None
 
 
 def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """An :class:`~redrafter_mlx.core.mtp.MTPDrafter` from a Qwen3.5 checkpoint's ``mtp.*``
-    tensors or mlx-vlm's split ``qwen3_5_mtp`` folder, checked against ``target``."""
+    """An :class:`~redrafter_mlx.core.mtp.MTPDrafter` (dense or MoE) from a Qwen3.5 / 3.6
+    checkpoint's ``mtp.*`` tensors or mlx-vlm's split ``qwen3_5_mtp`` folder, checked against
+    ``target``."""
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
@@ -138,8 +159,6 @@ def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = Non
     except (OSError, ValueError) as e:  # DrafterError is a ValueError
         raise DrafterError(f"{config_file}: not a Qwen3.5 MTP config ({e})") from None
     hidden, vocab = target_dims(target)
-    if args.num_experts:
-        raise DrafterError(f"{folder}: MoE MTP heads (Qwen3.5 MoE) are not supported yet")
     if args.hidden_size != hidden:
         raise DrafterError(
             f"{folder}: MTP head has hidden size {args.hidden_size}, but the target's is {hidden}"
@@ -166,6 +185,12 @@ MTP_SIZES = (
 )  # fmt: skip
 
 
+MOE_SIZES = (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)  # fmt: skip
+
+
 def _mtp_args(config: object) -> tuple[TextModelArgs, int]:
     """The head's args and depth from a Qwen3.5 config (its ``text_config`` when it has one),
     each size type-checked first (core/checked.py)."""
@@ -177,6 +202,14 @@ def _mtp_args(config: object) -> tuple[TextModelArgs, int]:
             checked.integer(name, text[name])
     args = TextModelArgs.from_dict(text)
     checked.heads(args.num_attention_heads, args.num_key_value_heads)
+    if args.num_experts:  # a MoE head (Qwen3.5 / 3.6-35B-A3B): its expert sizes too
+        for name in MOE_SIZES:
+            checked.integer(name, getattr(args, name))
+        if args.num_experts_per_tok > args.num_experts:
+            raise DrafterError(
+                f"num_experts_per_tok {args.num_experts_per_tok}: more than its"
+                f" {args.num_experts} experts"
+            )
     depth = checked.given(text, "mtp_num_hidden_layers", 1)
     return args, checked.integer("mtp_num_hidden_layers", depth)
 
@@ -249,6 +282,108 @@ def _dflash_misfit(args: DFlashArgs, target: nn.Module) -> str | None:
     return None
 
 
+def _is_gemma4_assistant(config: dict) -> bool:
+    return GEMMA4_ASSISTANT in (config.get("model_type"), config.get("speculators_model_type"))
+
+
+def load_gemma4_assistant(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """An :class:`~redrafter_mlx.core.gemma4_assistant.AssistantDrafter` from an HF / mlx-vlm
+    ``gemma4_assistant`` folder, checked against ``target`` (a Gemma 4)."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        args = AssistantArgs.from_dict(json.loads(config_file.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise DrafterError(f"{config_file}: not a Gemma 4 assistant config ({e})") from None
+    kv_layers = _shared_kv_layers(target)
+    if problem := _assistant_misfit(args, target, kv_layers):
+        raise DrafterError(f"{folder}: Gemma 4 assistant {problem}")
+    module = Assistant(args)
+    _named(folder, module.load, _weights(folder))
+    module.bind(embedding(target), float(getattr(inner_model(target), "embed_scale", 1.0)))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return AssistantDrafter(module, kv_layers, args.text.sliding_window)
+
+
+def _shared_kv_layers(target: nn.Module) -> dict[str, int]:
+    """``{layer type: K/V slot}`` of the last layer of each type that computes K/V (what a
+    Gemma 4's K/V-shared layers, and its assistant, read); empty for another family."""
+    layers = inner_model(target).layers
+    found = {}
+    # the cache stops at the first K/V-shared layer: zip stops with it
+    for layer, slot in zip(layers, cache_layout(target), strict=False):
+        kind = getattr(layer, "layer_type", None)
+        if kind in (FULL, SLIDING) and hasattr(slot, "index"):
+            found[kind] = slot.index
+    return found
+
+
+def _assistant_misfit(args: AssistantArgs, target: nn.Module, kv_layers: dict) -> str | None:
+    """What of a Gemma 4 assistant does not fit ``target``, in words (None: it fits)."""
+    hidden, vocab = target_dims(target)
+    needed = {layer for layer in args.text.layer_types[: args.text.num_hidden_layers]}
+    family = str(getattr(getattr(target, "args", None), "model_type", ""))
+    if not kv_layers or not family.startswith("gemma4"):
+        return f"drafts for Gemma 4 targets only (it reads their K/V), not {family or 'this'}"
+    if args.backbone_hidden_size != hidden:
+        return f"reads hidden size {args.backbone_hidden_size}, but the target's is {hidden}"
+    if args.text.vocab_size != vocab:
+        return f"has vocabulary {args.text.vocab_size}, but the target's is {vocab}"
+    if args.use_ordered_embeddings and vocab % args.num_centroids:
+        return f"splits a vocabulary of {vocab} into {args.num_centroids} clusters unevenly"
+    if missing := sorted(needed - set(kv_layers)):
+        return f"reads the target's {', '.join(missing)} K/V, which the target has none of"
+    return None
+
+
+def _is_nemotron_mtp(config: dict) -> bool:
+    """mlx-vlm's split folder, or a Nemotron-H checkpoint declaring its MTP layer."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if NEMOTRON_MTP in (config.get("model_type"), config.get("speculators_model_type")):
+        return True
+    return text.get("model_type") == "nemotron_h" and text.get("num_nextn_predict_layers") not in (
+        None,
+        0,
+    )
+
+
+def load_nemotron_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A :class:`~redrafter_mlx.core.nemotron_mtp.NemotronMTPDrafter` from a Nemotron-H
+    checkpoint's ``mtp.*`` tensors or mlx-vlm's split ``nemotron_h_mtp`` folder, checked
+    against ``target``."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        text = checked.section(config, "text_config") or config
+        layers = checked.integer("num_nextn_predict_layers", text.get("num_nextn_predict_layers"))
+        if layers != 1:
+            raise DrafterError(f"num_nextn_predict_layers {layers}: only 1 is supported")
+        pattern = head_pattern(text)
+        args = NemotronArgs.from_dict({**text, "hybrid_override_pattern": pattern})
+    except (OSError, ValueError, TypeError) as e:  # DrafterError is a ValueError
+        raise DrafterError(f"{config_file}: not a Nemotron-H MTP config ({e})") from None
+    hidden, vocab = target_dims(target)
+    inner = inner_model(target)
+    if getattr(getattr(target, "args", None), "model_type", None) != "nemotron_h":
+        raise DrafterError(f"{folder}: Nemotron-H MTP head drafts for Nemotron-H targets only")
+    for name, ours, theirs in (("hidden size", args.hidden_size, hidden),
+                               ("vocabulary", args.vocab_size, vocab)):  # fmt: skip
+        if ours != theirs:
+            raise DrafterError(
+                f"{folder}: MTP head has {name} {ours}, but the target's is {theirs}"
+            )
+    module = NemotronMTPHead(args, pattern)
+    _named(folder, module.load, _weights(folder))
+    module.bind(embedding(target), inner.norm_f, lambda h: lm_head(target, h))
+    if dtype is not None:
+        module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return NemotronMTPDrafter(module, len(inner.layers) - 1)
+
+
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
     """An :class:`~redrafter_mlx.core.eagle3.Eagle3Drafter` from a speculators / SGLang /
     mlx-vlm folder, checked against ``target``; its weights cast to ``dtype`` when given."""
@@ -291,4 +426,6 @@ TYPES = (
     (MTP, _is_mtp, load_mtp),
     (DFLASH2, _is_dflash2, load_dflash2),
     (DFLASH, _is_dflash, load_dflash),
+    (GEMMA4_ASSISTANT, _is_gemma4_assistant, load_gemma4_assistant),
+    (NEMOTRON_MTP, _is_nemotron_mtp, load_nemotron_mtp),
 )

@@ -97,3 +97,32 @@ def generate_with_folder(tmp_path, capsys, make_drafter, shapes, kind: str) -> N
     assert got["mode"] == "redrafter" and got["tokens"] == want["tokens"]
     main([*base, "--drafter", str(folder), *beams(shapes[1])])
     assert f"drafter: {folder} (type {kind}; --drafter, given)" in capsys.readouterr().err
+
+
+def generate_with_config(tmp_path, capsys, cfg: dict, make_drafter, kind: str) -> None:
+    """`generate --drafter FOLDER` on a folder of the tiny model of ``cfg`` (the tokenizer's
+    vocabulary): greedy equals `--autoregressive` and the log names the drafter's ``kind``.
+    ``make_drafter(vocab)`` writes the drafter folder for the model's vocabulary."""
+    import shutil
+
+    from redrafter_mlx.cli import main
+    from support.families import CHATML, build_config, save
+
+    tokenizer = shared_data("vicuna-7b-v1.3-tokenizer")
+    vocab = json.loads((tokenizer / "tokenizer_config.json").read_text()).get("vocab_size", 32000)
+    cfg = {**cfg, "vocab_size": vocab, "eos_token_id": 2, "bos_token_id": 1}
+    model = save(build_config(cfg), cfg, tmp_path / "model")
+    for f in tokenizer.iterdir():
+        shutil.copy(f, model / f.name)
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": CHATML}))
+    folder = make_drafter(vocab)
+    base = ["generate", "--model", str(model), "--prompt", "Hi there", "--max-tokens", "16"]
+    capsys.readouterr()
+    main([*base, "--autoregressive", "--json"])
+    want = json.loads(capsys.readouterr().out)
+    drafted = ["--drafter", str(folder), "--beam-width", "3", "--beam-length", "4"]
+    main([*base, *drafted, "--json"])
+    assert json.loads(capsys.readouterr().out)["tokens"] == want["tokens"]
+    main([*base, *drafted])
+    assert f"drafter: {folder} (type {kind}; --drafter, given)" in capsys.readouterr().err
