@@ -19,9 +19,10 @@ def test_bench_runs_a_field_drafter_and_leaves_its_draft_cost_untimed(kind, tmp_
     out = tmp_path / "bench"
     main(["bench", "--model", str(model), "--drafter", str(drafter), "--num-prompts", "1",
           "--beam-width", "2", "--beam-length", "3", "--max-tokens", "8", "--repetitions", "1",
-          "--timed-prompts", "0", "--out", str(out)])  # fmt: skip
+          "--timed-prompts", "0", "--this-plan-only", "--out", str(out)])  # fmt: skip
     capsys.readouterr()
-    rows = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    (plan,) = json.loads((out / "bench.json").read_text())["plans"]
+    rows = {r["method"]: r for r in plan["results"]}
     (drafted,) = [row for method, row in rows.items() if method.startswith("W2L3")]
     assert drafted["exact"] is True and drafted["tokens_per_step"] >= 1
     # its draft is part of the step (it drafts from its sequence's state), not timed alone

@@ -202,9 +202,10 @@ def test_qwen3_from_hf_folder_to_exact_redrafter_output(conversations, tmp_path,
     out = tmp_path / "bench"
     main([
         "bench", *pair, "--num-prompts", "1", "--max-tokens", "12", "--repetitions", "1",
-        "--beam-width", "2", "--beam-length", "3", "--timed-prompts", "0", "--out", str(out),
+        "--beam-width", "2", "--beam-length", "3", "--timed-prompts", "0",
+        "--this-plan-only", "--out", str(out),
     ])  # fmt: skip
-    rows = json.loads((out / "bench.json").read_text())["results"]
+    rows = json.loads((out / "bench.json").read_text())["plans"][0]["results"]
     assert {r["kind"] for r in rows} >= {"mlx-lm", "redrafter"}, rows
     assert all(r["exact"] for r in rows), rows
     main([

@@ -46,8 +46,10 @@ class Plan:
     # first use; MLX ops where they cannot be built).
     cpu_kernels: bool = False
     # Hand the graph to MLX every this many layers (``mx.async_eval``) while Python builds the
-    # rest; 0: never.
-    async_layers: int = 0
+    # rest; 0: never. A tree step's graph depends on the last step's read, so it cannot be
+    # pipelined whole as a one-token step is: without this the device waited for all of its
+    # host work (benchmarks/README.md, "Per-step ledger for a Mac").
+    async_layers: int = 5
     # Forwards of up to this many tokens run compiled per-layer blocks (traced once per T).
     compiled_max_rows: int = 32
     # Tree sizes a step pads its tree to (the smallest that fits); (): verify the exact size.
