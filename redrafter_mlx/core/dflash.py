@@ -57,27 +57,41 @@ class DFlashArgs:
     max_position_embeddings: int = 262144
     final_logit_softcapping: float | None = None
     layer_types: list[str] = field(default_factory=list)
+    rope_traditional: bool = False  # GPT-J pairing; Qwen's checkpoints pair halves (NeoX)
+
+    NAME = "DFlash"  # the type's name in its messages
 
     @property
     def draft_vocab(self) -> int:
         return self.vocab_size
+
+    @property
+    def proposals(self) -> int:
+        """How many marginals one block forward gives (the tokens after the pending one)."""
+        return self.block_size - 1
 
     @classmethod
     def from_dict(cls, config: dict) -> DFlashArgs:
         """From a z-lab ``config.json`` (``dflash_config``: ``mask_token_id``,
         ``target_layer_ids``). DrafterError (one line) for what this runtime cannot run."""
         if not isinstance(config, dict):
-            raise DrafterError("not a DFlash config: not a JSON object")
+            raise DrafterError(f"not a {cls.NAME} config: not a JSON object")
         try:
             dflash = checked.section(config, "dflash_config")
-            args = cls(**_fields(config, dflash))
+            args = cls(**cls.fields(config, dflash))
         except KeyError as e:
-            raise DrafterError(f"not a DFlash config: {e!r} missing or malformed") from None
+            raise DrafterError(f"not a {cls.NAME} config: {e!r} missing or malformed") from None
         except DrafterError as e:
-            raise DrafterError(f"not a DFlash config: {e}") from None
+            raise DrafterError(f"not a {cls.NAME} config: {e}") from None
         if any(t != "full_attention" for t in args.layer_types) or dflash.get("causal"):
-            raise DrafterError("DFlash drafters with sliding or causal layers are not supported")
+            raise DrafterError(
+                f"{cls.NAME} drafters with sliding or causal layers are not supported"
+            )
         return args
+
+    @staticmethod
+    def fields(config: dict, dflash: dict) -> dict:
+        return _fields(config, dflash)
 
 
 def _fields(config: dict, dflash: dict) -> dict:
@@ -187,11 +201,14 @@ class DFlash(nn.Module):
         self.rope = initialize_rope(
             args.head_dim,
             args.rope_theta,
-            False,
+            args.rope_traditional,
             args.rope_scaling,
             args.max_position_embeddings,
         )
         self._target = None  # (embedding, head): the target's, bound by load
+        # the block a forward runs (the pending token, then masks) and the first of its rows
+        # that scores a proposal: DFlash's pending row scores none
+        self.block_length, self.first_row = args.block_size, 1
 
     def load(self, weights: dict[str, mx.array], embed: nn.Module, head) -> None:
         """Strict load of a checkpoint's ``weights``; ``embed``/``head`` the target's token
@@ -202,7 +219,8 @@ class DFlash(nn.Module):
         try:
             self.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
-            raise DrafterError(f"DFlash weights: {' '.join(str(e).split())[:200]}") from None
+            problem = " ".join(str(e).split())[:200]
+            raise DrafterError(f"{self.args.NAME} weights: {problem}") from None
         if own is not None:
             embed = nn.Embedding(*own.shape)
             embed.weight = own
@@ -221,10 +239,11 @@ class DFlash(nn.Module):
         return [layer.self_attn.context(features[None], self.rope, offset) for layer in self.layers]
 
     def marginals(self, pending, offset, context, mask) -> mx.array:
-        """Logits ``(L - 1, V)`` of the tokens after ``pending ()`` (at position ``offset``,
-        an int or ``()`` array) given each layer's context K/V and the key ``mask``."""
+        """Logits ``(P, V)`` of the ``P = args.proposals`` tokens after ``pending ()`` (at
+        position ``offset``, an int or ``()`` array) given each layer's context K/V and the
+        key ``mask``."""
         embed, head = self._target
-        size = self.args.block_size
+        size = self.block_length
         block = mx.concatenate(
             [
                 pending.reshape(1).astype(mx.int32),
@@ -234,7 +253,7 @@ class DFlash(nn.Module):
         h = embed(block)[None]
         for layer, (keys, values) in zip(self.layers, context, strict=True):
             h = layer(h, self.rope, offset, keys, values, mask)
-        logits = head(self.norm(h[0, 1:]))
+        logits = head(self.norm(h[0, self.first_row :]))
         cap = self.args.final_logit_softcapping
         return logits if not cap else mx.tanh(logits / cap) * cap
 
@@ -305,11 +324,12 @@ class DFlashDrafter(Source):
 
     def check_shape(self, shape) -> None:
         """ValueError when beams of ``shape`` are longer than the block drafts (the pending
-        token and ``block_size - 1`` marginals)."""
-        if shape.length > self.module.args.block_size:
+        token and ``args.proposals`` marginals)."""
+        args = self.module.args
+        if shape.length > args.proposals + 1:
             raise ValueError(
-                f"beam length {shape.length} exceeds the DFlash drafter's block size "
-                f"{self.module.args.block_size}"
+                f"beam length {shape.length} exceeds the {args.NAME} drafter's block size "
+                f"{args.proposals + 1}"
             )
 
     def blank(self, count: int) -> list[tuple[mx.array, mx.array]]:
@@ -330,7 +350,7 @@ class DFlashDrafter(Source):
                 (mx.concatenate([k, sk], 2), mx.concatenate([v, sv], 2))
                 for (k, v), (sk, sv) in zip(context, part.staged, strict=True)
             ]
-        size = self.module.args.block_size
+        size = self.module.block_length
         joins = mx.arange(staged) < reading.count
         mask = mx.concatenate(
             [mx.ones((part.length,), mx.bool_), joins, mx.ones((size,), mx.bool_)]
@@ -346,23 +366,36 @@ class DFlashDrafter(Source):
         return beams, token_logprobs, 0
 
 
-def best_first(logprobs: mx.array, pending: mx.array, nodes: int) -> tuple[mx.array, mx.array]:
+def best_first(
+    logprobs: mx.array, pending: mx.array, nodes: int, *, keep: int | None = None, after=None
+) -> tuple[mx.array, mx.array]:
     """The ``nodes`` most probable prefixes under per-depth ``logprobs (d, V)`` (DDTree's
     Algorithm 1), as beams ``(nodes, d + 1)`` from ``pending`` (each the path to one node,
-    then -1) and their tokens' log-probs ``(nodes, d)`` (-inf after the node)."""
+    then -1) and their tokens' log-probs ``(nodes, d)`` (-inf after the node).
+
+    ``after(d, last (k,)) -> (k, V)``, when given, is depth ``d``'s log-probs after each path
+    whose last token is ``last`` (a drafter whose marginals depend on the previous token,
+    DSpark's): still exact, since a top-``nodes`` node's parent is in its depth's top
+    ``nodes``. ``keep`` (default ``nodes``) paths are searched per depth: 1 is the greedy
+    chain."""
     depth, vocab = logprobs.shape
-    keep = min(nodes, vocab)
+    keep = min(keep or nodes, vocab)
     paths = mx.zeros((1, 0), mx.int32)
     scores = mx.zeros((1,))
     token_logprobs = mx.zeros((1, 0))
     candidates = []  # per depth: (paths (keep, d), scores, token_logprobs)
     for d in range(depth):
-        flat = (scores[:, None] + logprobs[d][None]).reshape(-1)
+        if after is None:
+            step = mx.broadcast_to(logprobs[d][None], (paths.shape[0], vocab))
+        else:
+            last = paths[:, -1] if d else pending.reshape(1).astype(mx.int32)
+            step = after(d, last)
+        flat = (scores[:, None] + step).reshape(-1)
         top = best(flat, min(keep, flat.shape[0]))
         source, token = top // vocab, (top % vocab).astype(mx.int32)
         paths = mx.concatenate([paths[source], token[:, None]], axis=1)
         token_logprobs = mx.concatenate(
-            [token_logprobs[source], logprobs[d][token][:, None]], axis=1
+            [token_logprobs[source], step[source, token][:, None]], axis=1
         )
         scores = flat[top]
         candidates.append((paths, scores, token_logprobs))

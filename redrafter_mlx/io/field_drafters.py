@@ -27,38 +27,56 @@ from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.drafting import Source
+from redrafter_mlx.core.dspark import MODEL_TYPE as DSPARK
+from redrafter_mlx.core.dspark import DSpark, DSparkArgs, DSparkDrafter
 from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
 from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.core.llm import embedding, head_linear, inner_model, lm_head, target_dims
 from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
 from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
+from redrafter_mlx.io import drafter_types
 
 REDRAFTER = "redrafter"
 DFLASH = "dflash"
 MTP = "mtp"
+PEAGLE = "peagle"
 KIND_NAMES = {EAGLE3: "EAGLE-3", DFLASH: "DFlash", MTP: "MTP", REDRAFTER: "ReDrafter"}
+KIND_NAMES |= {DSPARK: "DSpark", PEAGLE: "P-EAGLE"}
 
 
 def create_drafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None) -> Source:
     """The drafter in ``folder`` as the decode step's source, loaded by its type's loader
     (:func:`drafter_kind`) and checked against ``target``; its weights cast to ``dtype`` when
-    given. DrafterError (one line) for a folder its type's loader refuses."""
+    given. DrafterError (one line) for a folder its type's loader refuses, or of a type no
+    loader takes (``io/drafter_types``: named, never read as another type)."""
+    found = drafter_types.declared(_config(folder) or {})
+    if found and found[1].kind is None:
+        raise DrafterError(f"{folder}: {drafter_types.refusal(*found)}")
     kind = drafter_kind(folder)
     load = next((load for name, _, load in TYPES if name == kind), load_redrafter)
     return load(folder, target, dtype)
 
 
 def drafter_kind(folder: Path | str) -> str:
-    """The type of the drafter in ``folder``: the first of ``TYPES`` whose test its
-    ``config.json`` passes, else ``"redrafter"`` (what every other config is left to)."""
+    """The type of the drafter in ``folder``: the kind of the type its ``config.json``
+    declares (``io/drafter_types``; a type no loader takes is named by its key), else the
+    first of ``TYPES`` whose test it passes, else ``"redrafter"`` (every other config)."""
+    config = _config(folder)
+    if config is None:
+        return REDRAFTER
+    if found := drafter_types.declared(config):
+        return found[1].kind or found[0]
+    return next((kind for kind, test, _ in TYPES if test(config)), REDRAFTER)
+
+
+def _config(folder: Path | str) -> dict | None:
+    """``folder``'s ``config.json`` when it is a JSON object (None: unreadable or not one)."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
-        return REDRAFTER
-    if not isinstance(config, dict):
-        return REDRAFTER
-    return next((kind for kind, test, _ in TYPES if test(config)), REDRAFTER)
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _is_eagle3(config: dict) -> bool:
@@ -77,6 +95,16 @@ def _is_mtp(config: dict) -> bool:
 def _is_dflash(config: dict) -> bool:
     architectures = config.get("architectures") or []
     return "dflash_config" in config or any("DFlash" in str(a) for a in architectures)
+
+
+def _declares(kind: str):
+    """A ``TYPES`` test: whether a config declares a type ``kind``'s loader takes."""
+
+    def test(config: dict) -> bool:
+        found = drafter_types.declared(config)
+        return found is not None and found[1].kind == kind
+
+    return test
 
 
 def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -158,13 +186,15 @@ def _weights(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
-def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None, *, of=DFlash):
     """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm folder,
-    checked against ``target``; its weights cast to ``dtype`` when given."""
+    checked against ``target``; its weights cast to ``dtype`` when given. ``of``: the module
+    class (DSpark's shares all but its head and args)."""
     folder = Path(folder)
     config_file = folder / "config.json"
+    Args, Drafter = (DSparkArgs, DSparkDrafter) if of is DSpark else (DFlashArgs, DFlashDrafter)
     try:
-        args = DFlashArgs.from_dict(json.loads(config_file.read_text()))
+        args = Args.from_dict(json.loads(config_file.read_text()))
     except (OSError, ValueError) as e:
         raise DrafterError(f"{config_file}: {e}") from None
     hidden, vocab = target_dims(target)
@@ -177,13 +207,16 @@ def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     elif max(args.target_layer_ids) >= layers:
         problem = f"reads target layers {args.target_layer_ids}, but the target has {layers} layers"
     if problem:
-        raise DrafterError(f"{folder}: DFlash drafter {problem}")
-    module = DFlash(args)
+        raise DrafterError(f"{folder}: {args.NAME} drafter {problem}")
+    module = of(args)
     _named(folder, module.load, _weights(folder), embedding(target), partial(head_linear, target))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())
-    return DFlashDrafter(module)
+    return Drafter(module)
+
+
+load_dspark = partial(load_dflash, of=DSpark)  # DFlash's loader, with DSpark's head and args
 
 
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -206,6 +239,19 @@ def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     return Eagle3Drafter(module)
 
 
+def load_peagle(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A speculators P-EAGLE folder as an EAGLE-3 drafter drafting step by step: P-EAGLE is
+    EAGLE-3's model trained to draft several tokens in one pass (from a learned
+    ``mask_hidden``, unused here), with its own trained token embedding (used here)."""
+    drafter = load_eagle3(folder, target, dtype)
+    own = _weights(Path(folder)).get("embed_tokens.weight")
+    if own is not None and own.shape == drafter.module.embed_tokens.weight.shape:
+        drafter.module.embed_tokens = nn.Embedding(*own.shape)
+        drafter.module.embed_tokens.weight = own if dtype is None else own.astype(dtype)
+    drafter.kind = PEAGLE
+    return drafter
+
+
 def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
     """What of an EAGLE-3 drafter does not fit ``target``, in words (None: it fits)."""
     hidden, vocab = target_dims(target)
@@ -225,6 +271,8 @@ def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
 # ``config.json`` is of this type, its loader), asked in this order. A new type is one line.
 TYPES = (
     (EAGLE3, _is_eagle3, load_eagle3),
+    (PEAGLE, _declares(PEAGLE), load_peagle),
     (MTP, _is_mtp, load_mtp),
+    (DSPARK, _declares(DSPARK), load_dspark),
     (DFLASH, _is_dflash, load_dflash),
 )
