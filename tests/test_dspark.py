@@ -327,3 +327,86 @@ def test_an_unknown_speculators_type_is_refused_naming_it(tmp_path, qwen3):
         DrafterError, match=r"speculators 'hydra' drafter: not supported yet \(speculators_model"
     ):
         create_drafter(folder, qwen3)
+
+
+def peagle_folder(out: Path) -> Path:
+    """A speculators P-EAGLE folder: EAGLE-3's (tests/test_eagle3.py) typed ``peagle``, with
+    its ``mask_hidden`` (1, 1, 3 H) for parallel drafting and its own trained embedding."""
+    from test_eagle3 import eagle3_folder
+
+    folder = eagle3_folder(out, layer_ids=(1, 2, 2))
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"speculators_model_type": "peagle", "architectures": ["PEagleSpeculator"]}
+    (folder / "config.json").write_text(json.dumps(config | {"mask_token_id": MASK}))
+    tensors = dict(mx.load(str(folder / "model.safetensors")))
+    tensors["mask_hidden"] = mx.zeros((1, 1, 3 * HIDDEN))
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+    return folder
+
+
+def test_a_speculators_peagle_folder_loads_as_eagle3_with_its_own_embedding(tmp_path, qwen3):
+    """It failed with ``KeyError('hidden_size')`` (read as ReDrafter's)."""
+    from redrafter_mlx.core.llm import embedding
+    from redrafter_mlx.io.field_drafters import load_eagle3
+
+    folder = peagle_folder(tmp_path / "p")
+    assert drafter_kind(folder) == "peagle"
+    drafter = create_drafter(folder, qwen3)
+    assert drafter.kind == "peagle" and drafter.taps == load_eagle3(folder, qwen3).taps
+    own = mx.load(str(folder / "model.safetensors"))["embed_tokens.weight"]
+    assert mx.array_equal(drafter.module.embed_tokens.weight, own)
+    assert not mx.array_equal(own, embedding(qwen3).weight)
+    assert greedy_drafted(qwen3, drafter, BeamShape(4, 4))
+
+
+def greedy_drafted(target, drafter, shape) -> bool:
+    prompt = [5, 17, 33, 2, 41, 8]
+    return (
+        take(run_steps(target, prompt, drafter, shape), 30)[0]
+        == take(run_steps(target, prompt), 30)[0]
+    )
+
+
+def source_service(target, drafter, **bounds):
+    """A started generation service over ``target`` drafting with the source ``drafter``
+    (tests/support/serving.py's, which wraps a ReDrafter module), trees of ``(4, 4)``."""
+    from support import toy_tokenizer
+
+    from redrafter_mlx.core.mode import Mode
+    from redrafter_mlx.core.service import Engine, GenerationService
+
+    shape = BeamShape(4, 4)
+
+    def setup():
+        decoder = decoder_for(target, drafter)
+        return Engine(decoder, toy_tokenizer(), list, Mode.REDRAFTER, shape, shape)
+
+    service = GenerationService(setup, **bounds)
+    service.start()
+    return service
+
+
+@pytest.mark.parametrize("make", [dspark_folder, peagle_folder], ids=["dspark", "peagle"])
+def test_the_batching_service_answers_as_the_serial_one(tmp_path, qwen3, make):
+    from support.serving import run
+
+    from redrafter_mlx.core.service import Request, Sampling
+
+    drafter = create_drafter(make(tmp_path / "d"), qwen3)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13], [3, 3, 3], [5, 6]]
+    requests = [
+        Request(p, max_tokens=16, sampling=Sampling(0.8, seed=10 + i) if i % 2 else Sampling())
+        for i, p in enumerate(prompts)
+    ]
+    serial = source_service(qwen3, drafter, queue_size=8)
+    try:
+        expected = [run(serial.submit(r)) for r in requests]
+    finally:
+        serial.close()
+    service = source_service(qwen3, drafter, max_batch=4, queue_size=8)
+    try:
+        jobs = [service.submit(r) for r in requests]
+        answers = [run(job) for job in jobs]
+    finally:
+        service.close()
+    assert answers == expected

@@ -248,6 +248,7 @@ def load_peagle(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     if own is not None and own.shape == drafter.module.embed_tokens.weight.shape:
         drafter.module.embed_tokens = nn.Embedding(*own.shape)
         drafter.module.embed_tokens.weight = own if dtype is None else own.astype(dtype)
+        mx.eval(drafter.module.embed_tokens.weight)  # lazy, it would run on the loading thread
     drafter.kind = PEAGLE
     return drafter
 
