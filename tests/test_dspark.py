@@ -410,3 +410,26 @@ def test_the_batching_service_answers_as_the_serial_one(tmp_path, qwen3, make):
     finally:
         service.close()
     assert answers == expected
+
+
+@pytest.mark.parametrize("key", ["gemma4_assistant", "dflash2", "speculators:dspark"])
+def test_generate_with_a_folder_of_a_type_not_loaded_says_which_in_one_line(tmp_path, capsys, key):
+    """The folder's own sizes (a Gemma 4 assistant's are not the target's) were compared
+    first: the line named sizes, not the type."""
+    from support import tiny_model_folder
+
+    from redrafter_mlx.cli import main
+
+    model = tiny_model_folder(tmp_path / "model")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    config = declaring(key) | {"hidden_size": 1536, "vocab_size": 262144}
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        main(["generate", "--model", str(model), "--drafter", str(folder), "--prompt", "Hi"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    name = drafter_types.TYPES[key].name
+    assert f": {name} drafter: not supported yet (" in line
