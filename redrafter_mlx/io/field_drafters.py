@@ -1,15 +1,18 @@
 """Drafter folders of every type, loaded as the decode step's sources: :func:`create_drafter`,
 the one place that asks which type a folder is (``TYPES``: one line per type), and the loaders
-of the types the field ships (EAGLE-3, DFlash, Qwen3.5 MTP heads) from their layouts.
+of the types the field ships (EAGLE-3, P-EAGLE, DFlash, DSpark, Qwen3.5 MTP heads) from their
+layouts.
 
-A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
-``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
-and the folders mlx-vlm converts them into) is EAGLE-3; a ``dflash_config`` or a
-``DFlash*`` architecture (z-lab ``*-DFlash``) is DFlash; ``model_type`` ``qwen3_5_mtp``
-(mlx-vlm's split folder) or a config declaring ``mtp_num_hidden_layers`` (an original Qwen3.5
-checkpoint, its ``mtp.*`` tensors) is a native MTP head; anything else is left to ReDrafter's
-loader. A drafter that does not fit its target is refused in one line naming what differs:
-hidden size, vocabulary, or the target layers it reads.
+A drafter folder's type is read from its ``config.json``: first the type it declares
+(``io/drafter_types``: a type no loader takes is refused in one line naming it); else
+``speculators_model_type`` or ``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``,
+SGLang / AngelSlim EAGLE-3, and the folders mlx-vlm converts them into) is EAGLE-3; a
+``dflash_config`` or a ``DFlash*`` architecture (z-lab ``*-DFlash``) is DFlash (DSpark's when
+it has a Markov head); ``model_type`` ``qwen3_5_mtp`` (mlx-vlm's split folder) or a config
+declaring ``mtp_num_hidden_layers`` (an original Qwen3.5 checkpoint, its ``mtp.*`` tensors) is
+a native MTP head; anything else is left to ReDrafter's loader. A drafter that does not fit
+its target is refused in one line naming what differs: hidden size, vocabulary, or the target
+layers it reads.
 """
 
 from __future__ import annotations
