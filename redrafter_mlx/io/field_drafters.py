@@ -189,13 +189,19 @@ def _weights(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
-def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None, *, of=DFlash):
+def load_dflash(
+    folder: Path | str,
+    target: nn.Module,
+    dtype: mx.Dtype | None = None,
+    *,
+    classes=(DFlashArgs, DFlash, DFlashDrafter),
+):
     """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm folder,
-    checked against ``target``; its weights cast to ``dtype`` when given. ``of``: the module
-    class (DSpark's shares all but its head and args)."""
+    checked against ``target``; its weights cast to ``dtype`` when given. ``classes``: its
+    args, module and source (DSpark's extend DFlash's)."""
     folder = Path(folder)
     config_file = folder / "config.json"
-    Args, Drafter = (DSparkArgs, DSparkDrafter) if of is DSpark else (DFlashArgs, DFlashDrafter)
+    Args, Module, Drafter = classes
     try:
         args = Args.from_dict(json.loads(config_file.read_text()))
     except (OSError, ValueError) as e:
@@ -211,7 +217,7 @@ def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
         problem = f"reads target layers {args.target_layer_ids}, but the target has {layers} layers"
     if problem:
         raise DrafterError(f"{folder}: {args.NAME} drafter {problem}")
-    module = of(args)
+    module = Module(args)
     _named(folder, module.load, _weights(folder), embedding(target), partial(head_linear, target))
     if dtype is not None:
         module.set_dtype(dtype)
@@ -219,7 +225,8 @@ def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     return Drafter(module)
 
 
-load_dspark = partial(load_dflash, of=DSpark)  # DFlash's loader, with DSpark's head and args
+# DFlash's loader, with DSpark's args, module (its Markov head) and source (its tree)
+load_dspark = partial(load_dflash, classes=(DSparkArgs, DSpark, DSparkDrafter))
 
 
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
