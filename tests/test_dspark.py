@@ -319,6 +319,18 @@ def test_a_folder_of_a_type_not_loaded_is_refused_naming_its_type(tmp_path, qwen
     assert drafter_kind(folder) == key
 
 
+def test_a_checkpoint_with_its_own_nextn_mtp_head_is_refused_naming_it(tmp_path, qwen3):
+    """A GLM / DeepSeek checkpoint declaring ``num_nextn_predict_layers`` (mlx-vlm loads its
+    head as an MTP drafter) was read as a ReDrafter folder."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    config = {"model_type": "glm4_moe", "hidden_size": HIDDEN, "num_nextn_predict_layers": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterError, match=r"glm4_moe MTP head \(num_nextn_predict_layers\) "):
+        create_drafter(folder, qwen3)
+    assert drafter_types.declared({**config, "num_nextn_predict_layers": 0}) is None
+
+
 def test_an_unknown_speculators_type_is_refused_naming_it(tmp_path, qwen3):
     folder = tmp_path / "d"
     folder.mkdir()

@@ -70,7 +70,25 @@ def declared(config: dict) -> tuple[str, DrafterType] | None:
         key = f"speculators:{speculators}"
         return key, TYPES.get(key, DrafterType(f"speculators {speculators!r}", None))
     key = _mlx_vlm_type(config)
-    return (key, TYPES[key]) if key in TYPES else None
+    if key in TYPES:
+        return key, TYPES[key]
+    if _nextn_layers(config):  # a model's own checkpoint with its MTP head (DeepSeek, GLM)
+        return str(key), DrafterType(f"{key} MTP head (num_nextn_predict_layers)", None)
+    return None
+
+
+def _nextn_layers(config: dict) -> bool:
+    """Whether ``config`` (or its ``text_config``) declares next-token-prediction layers
+    (and no ``mtp_num_hidden_layers``: Qwen3.5's head, which a loader here takes)."""
+    text = config.get("text_config")
+    sections = (config, text if isinstance(text, dict) else {})
+    if any("mtp_num_hidden_layers" in section for section in sections):
+        return False
+    for section in sections:
+        count = section.get("num_nextn_predict_layers")
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            return True
+    return False
 
 
 def _mlx_vlm_type(config: dict) -> str | None:
