@@ -5,16 +5,16 @@ from their layouts.
 
 A drafter folder's type is read from its ``config.json``: first the type it declares
 (``io/drafter_types``: a type no loader takes is refused in one line naming it); else
-``speculators_model_type`` or
-``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
-and the folders mlx-vlm converts them into) is EAGLE-3; a ``dflash_config`` or a
-``DFlash*`` architecture (z-lab ``*-DFlash``) or ``speculators_model_type`` ``dflash`` is
-DFlash, but a ``DFlash2*`` architecture, type ``dflash2`` or a ``dflash_config`` with a
-candidate selector is DFlash2, and one with a Markov head DSpark; ``model_type`` ``qwen3_5_mtp``
-(mlx-vlm's split folder) or a config declaring ``mtp_num_hidden_layers`` (an original Qwen3.5
-checkpoint, its ``mtp.*`` tensors) is a native MTP head; anything else is left to ReDrafter's
-loader. A drafter that does not fit its target is refused in one line naming what differs:
-hidden size, vocabulary, or the target layers it reads.
+``speculators_model_type`` or ``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``,
+SGLang / AngelSlim EAGLE-3, and the folders mlx-vlm converts them into) is EAGLE-3; a
+``dflash_config`` or a ``DFlash*`` architecture (z-lab ``*-DFlash``) or
+``speculators_model_type`` ``dflash`` is DFlash, but a ``DFlash2*`` architecture, type
+``dflash2`` or a ``dflash_config`` with a candidate selector is DFlash2, and one with a Markov
+head DSpark; ``model_type`` ``qwen3_5_mtp`` (mlx-vlm's split folder) or a config declaring
+``mtp_num_hidden_layers`` (an original Qwen3.5 checkpoint, its ``mtp.*`` tensors) is a native
+MTP head; anything else is left to ReDrafter's loader. A drafter that does not fit its target
+is refused in one line naming what differs: hidden size, vocabulary, or the target layers it
+reads.
 """
 
 from __future__ import annotations
