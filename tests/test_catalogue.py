@@ -257,12 +257,14 @@ def test_auto_offline_falls_back_to_discovery_and_says_what_it_would_fetch(
 
 def test_auto_skips_types_not_loaded_yet_with_a_line(demo, hub, capsys, tmp_path):
     server = hub({})
-    model = named_copy(demo["model"], tmp_path / "q38", "Qwen/Qwen3.8-27B")
+    # DFlash2 (Qwen3.8-27B's) loads now; both of Gemma 4 12B's drafters are still skipped
+    model = named_copy(demo["model"], tmp_path / "g12", "google/gemma-4-12B-it")
     main(["generate", "--model", str(model), "--drafter", "auto", "--prompt", "Hi",
           "--max-tokens", "4"])  # fmt: skip
     err = capsys.readouterr().err
-    assert "z-lab/Qwen3.8-27B-DFlash2 (DFlash2): DFlash2 drafters are not loaded yet" in err
-    assert "no catalogue drafter for Qwen3.8-27B fits" in err
+    assert "z-lab/gemma4-12B-it-DFlash (DFlash): Gemma 4 DFlash (gemma4_dflash): " in err
+    assert "google/gemma-4-12B-it-assistant (" in err
+    assert "no catalogue drafter for gemma-4-12B-it fits" in err
     assert server.requests == []  # nothing fetched for a type it cannot load
 
 

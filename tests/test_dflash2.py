@@ -323,7 +323,7 @@ def test_a_speculators_dflash_this_runtime_cannot_run_is_refused(
 def test_a_speculators_dspark_is_refused_by_name(tmp_path, qwen3):
     """Not read as DFlash (nor left to ReDrafter's loader) when no DSpark loader claims it."""
     folder = open_spec(dflash_folder(tmp_path / "s"), "dspark")
-    with pytest.raises(DrafterError, match="DSpark drafter: not supported"):
+    with pytest.raises(DrafterError, match=r"DSpark \(speculators\) drafter: not supported"):
         create_drafter(folder, qwen3)
 
 
@@ -405,8 +405,9 @@ def test_greedy_with_sliding_layers_equals_autoregressive(tmp_path, qwen3, plan)
 @pytest.mark.parametrize(
     "changes,message",
     [
-        ({"markov_rank": 256}, "DSpark drafter: not supported"),
-        ({"architectures": ["DSparkDraftModel"]}, "DSpark drafter: not supported"),
+        # DSpark's loader takes these, and says what a DFlash folder lacks for it
+        ({"markov_rank": 256}, "not a DSpark config|DSpark weights"),
+        ({"architectures": ["DSparkDraftModel"]}, "not a DSpark config|DSpark weights"),
         ({"model_type": "laguna"}, "Laguna DFlash drafter: not supported"),
         (
             {"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 1], "causal": True}},

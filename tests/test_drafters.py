@@ -689,7 +689,9 @@ def test_every_drafter_type_is_a_source_that_names_its_type():
     """ReDrafter's RNN, EAGLE-3, DFlash, MTP and lookup all implement ``drafting.Source`` and
     say which type they are (what banners and ``--json`` print)."""
     from redrafter_mlx.core.dflash import DFlashDrafter
+    from redrafter_mlx.core.dflash2 import DFlash2Drafter
     from redrafter_mlx.core.drafting import Source
+    from redrafter_mlx.core.dspark import DSparkDrafter
     from redrafter_mlx.core.eagle3 import Eagle3Drafter
     from redrafter_mlx.core.lookup import Lookup
     from redrafter_mlx.core.mtp import MTPDrafter
@@ -698,6 +700,8 @@ def test_every_drafter_type_is_a_source_that_names_its_type():
         BeamDrafter: "redrafter",
         Eagle3Drafter: "eagle3",
         DFlashDrafter: "dflash",
+        DFlash2Drafter: "dflash2",
+        DSparkDrafter: "dspark",
         MTPDrafter: "mtp",
         Lookup: "lookup",
     }

@@ -1,7 +1,7 @@
 """DFlash drafters (block diffusion, the z-lab layout) drafting best-first trees.
 
-Legend: L beam length (block size), N tree nodes drafted, S context tokens, H hidden,
-V vocab, Kh K/V heads, D head dim.
+Legend: L beam length (block size), P proposals per block (``block_size - 1``), N tree nodes
+drafted, S context tokens, H hidden, V vocab, Kh K/V heads, D head dim.
 
 A DFlash drafter reads several target layers (``target_layer_ids``: the layers' outputs), fuses
 them into a *context* feature per committed token (``hidden_norm(fc(concat))``), and in ONE
@@ -21,7 +21,9 @@ step prunes away), so the verified tree is exactly those nodes (plus the root).
 A layer may slide (``layer_types``, ``sliding_window`` ``w``): it sees only the context within
 ``w - 1`` positions of its query, by a key mask over the whole context (:meth:`DFlash.masks`).
 Configs come in z-lab's layout or speculators' (:func:`flattened`); DFlash2 (core/dflash2.py)
-is this module with its own layers and tree.
+is this module with its own layers and tree, DSpark (core/dspark.py) with its own block rows
+(:attr:`DFlash.block_length`, :attr:`DFlash.first_row`) and tree: both trees are
+:func:`best_tree`'s, over a chain whose log-probs depend on the token before.
 """
 
 from __future__ import annotations
@@ -64,10 +66,16 @@ class DFlashArgs:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     causal_sliding: bool = False  # sliding layers causal inside the block (speculators' default)
+    rope_traditional: bool = False  # GPT-J pairing; Qwen's checkpoints pair halves (NeoX)
 
     @property
     def draft_vocab(self) -> int:
         return self.vocab_size
+
+    @property
+    def proposals(self) -> int:
+        """How many marginals one block forward gives (the tokens after the pending one)."""
+        return self.block_size - 1
 
     @classmethod
     def from_dict(cls, config: dict) -> DFlashArgs:
@@ -85,9 +93,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def parsed(config: object, name: str, extra=None) -> dict:
-    """The fields of a DFlash-family config (``name``'s: "DFlash", "DFlash2"), flattened from
-    either layout (:func:`flattened`) and type-checked; ``extra(flat, dflash)`` adds a
-    subtype's own. DrafterError (one line) naming ``name`` for a malformed config."""
+    """The fields of a DFlash-family config (``name``'s: "DFlash", "DFlash2", "DSpark"),
+    flattened from either layout (:func:`flattened`) and type-checked; ``extra(flat, dflash)``
+    adds a subtype's own. DrafterError (one line) naming ``name`` for a malformed config."""
     if not isinstance(config, dict):
         raise DrafterError(f"not a {name} config: not a JSON object")
     try:
@@ -279,11 +287,14 @@ class DFlash(nn.Module):
         self.rope = initialize_rope(
             args.head_dim,
             args.rope_theta,
-            False,
+            args.rope_traditional,
             args.rope_scaling,
             args.max_position_embeddings,
         )
         self._target = None  # (embedding, head): the target's, bound by load
+        # the block a forward runs (the pending token, then masks) and the first of its rows
+        # that scores a proposal: DFlash's pending row scores none
+        self.block_length, self.first_row = args.block_size, 1
 
     def load(self, weights: dict[str, mx.array], embed: nn.Module, head) -> None:
         """Strict load of a checkpoint's ``weights``; ``embed``/``head`` the target's token
@@ -313,13 +324,15 @@ class DFlash(nn.Module):
         return [layer.self_attn.context(features[None], self.rope, offset) for layer in self.layers]
 
     def marginals(self, pending, offset, context, masks) -> mx.array:
-        """Logits ``(L - 1, V)`` of the tokens after ``pending ()`` (at position ``offset``,
-        an int or ``()`` array) given each layer's context K/V and key mask (:meth:`masks`)."""
+        """Logits ``(P, V)`` of the ``P = args.proposals`` tokens after ``pending ()`` (at
+        position ``offset``, an int or ``()`` array) given each layer's context K/V and key
+        mask (:meth:`masks`)."""
         return self.scores(self.hidden(pending, offset, context, masks))
 
     def hidden(self, pending, offset, context, masks) -> mx.array:
-        """The block's final-norm hidden states ``(L - 1, H)`` after ``pending`` (its masks)."""
-        size = self.args.block_size
+        """The block's final-norm hidden states ``(P, H)`` of the rows that score the proposals
+        after ``pending`` (its masks)."""
+        size = self.block_length
         block = mx.concatenate(
             [
                 pending.reshape(1).astype(mx.int32),
@@ -329,7 +342,7 @@ class DFlash(nn.Module):
         h = self.embed(block)[None]
         for layer, (keys, values), mask in zip(self.layers, context, masks, strict=True):
             h = layer(h, self.rope, offset, keys, values, mask)
-        return self.norm(h[0, 1:])
+        return self.norm(h[0, self.first_row :])
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Token ids ``(L,)`` -> the block's input ``(L, H)``: the target's embedding."""
@@ -347,7 +360,7 @@ class DFlash(nn.Module):
         all (``(S + L,)``); a sliding one of window ``w`` only the context positions within
         ``w - 1`` of its query (``(L, S + L)``): of the block's first, as mlx-vlm's
         non-causal sliding layers, or of each query, causally inside the block (speculators)."""
-        size, args = self.args.block_size, self.args
+        size, args = self.block_length, self.args
         full = mx.concatenate([visible, mx.ones((size,), mx.bool_)])
         if "sliding_attention" not in args.layer_types:
             return [full] * len(self.layers)
@@ -427,17 +440,19 @@ class DFlashDrafter(Source):
         part.staged = self.module.context(features, part.length)
 
     def fit_default(self, shape):
-        """A tree of at most the block's drafted tokens (``block_size - 1``), as deep as it."""
-        block = self.module.args.block_size
-        return replace(shape, width=min(shape.width, block - 1), length=min(shape.length, block))
+        """A tree of at most the block's drafted tokens (``args.proposals``), as deep as it."""
+        proposals = self.module.args.proposals
+        width, length = min(shape.width, proposals), min(shape.length, proposals + 1)
+        return replace(shape, width=width, length=length)
 
     def check_shape(self, shape) -> None:
         """ValueError when beams of ``shape`` are longer than the block drafts (the pending
-        token and ``block_size - 1`` marginals)."""
-        if shape.length > self.module.args.block_size:
+        token and ``args.proposals`` marginals)."""
+        block = self.module.args.proposals + 1
+        if shape.length > block:
             raise ValueError(
                 f"beam length {shape.length} exceeds the {self.module.name} drafter's block size "
-                f"{self.module.args.block_size}"
+                f"{block}"
             )
 
     def blank(self, count: int) -> list[tuple[mx.array, mx.array]]:
@@ -447,7 +462,7 @@ class DFlashDrafter(Source):
         return [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for _ in self.module.layers]
 
     def logits(self, sequence: Sequence, reading: Reading) -> mx.array:
-        """The marginals' logits ``(L - 1, V)`` after ``reading.pending``."""
+        """The marginals' logits ``(P, V)`` after ``reading.pending``."""
         return self.module.marginals(*self.block(sequence, reading))
 
     def block(self, sequence: Sequence, reading: Reading) -> tuple:
@@ -486,12 +501,18 @@ def best_first(logprobs: mx.array, pending: mx.array, nodes: int) -> tuple[mx.ar
     return best_tree(lambda d, last: (tokens, logprobs[d][None]), logprobs.shape[0], pending, nodes)
 
 
-def best_tree(step, depth: int, pending: mx.array, nodes: int) -> tuple[mx.array, mx.array]:
-    """:func:`best_first` for any chain: ``step(d, last (P,))`` gives the tokens ``(P, K)``
-    (or ``(1, K)`` for all) that may follow each path's ``last`` token at depth ``d`` and
-    their log-probs. A child scores no higher than its parent, so the top ``nodes`` of each
-    depth extend the top ``nodes`` of the one before, and one top-``nodes`` over all depths
-    keeps a closed tree (too few candidates: the rest are beams of the root alone)."""
+def best_tree(
+    step, depth: int, pending: mx.array, nodes: int, *, keep: int | None = None
+) -> tuple[mx.array, mx.array]:
+    """:func:`best_first` for any chain (a drafter whose marginals depend on the token
+    before: DFlash2's selector, DSpark's Markov head): ``step(d, last (P,))`` gives the
+    tokens ``(P, K)`` (or ``(1, K)`` for all) that may follow each path's ``last`` token at
+    depth ``d`` and their log-probs ``(P, K)`` (or ``(1, K)``). A child scores no higher than
+    its parent, so the top ``nodes`` of each depth extend the top ``nodes`` of the one before,
+    and one top-``nodes`` over all depths keeps a closed tree (too few candidates: the rest
+    are beams of the root alone). ``keep`` (default ``nodes``) paths are searched per depth:
+    1 is the greedy chain."""
+    keep = keep or nodes
     paths = mx.zeros((1, 0), mx.int32)
     scores = mx.zeros((1,))
     token_logprobs = mx.zeros((1, 0))
@@ -502,7 +523,7 @@ def best_tree(step, depth: int, pending: mx.array, nodes: int) -> tuple[mx.array
         shape = (paths.shape[0], logprobs.shape[-1])
         tokens, logprobs = mx.broadcast_to(tokens, shape), mx.broadcast_to(logprobs, shape)
         flat = (scores[:, None] + logprobs).reshape(-1)
-        top = best(flat, min(nodes, flat.shape[0]))
+        top = best(flat, min(keep, flat.shape[0]))
         source, last = top // shape[1], tokens.reshape(-1)[top]
         paths = mx.concatenate([paths[source], last[:, None]], axis=1)
         token_logprobs = mx.concatenate(

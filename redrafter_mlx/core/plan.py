@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 # ``Source.fit_default``); DFlash2 at the 5 rows a step mlx-vlm verifies it with at most
 # (``runtime_block_size``, ``min(5, block_size)``); an MTP head (Qwen3.5's, Nemotron-H's) as
 # SGLang's MTP example (``--speculative-num-steps 1 --speculative-eagle-topk 1``). ReDrafter's
-# RNN, lookup beams alone and types with no published setting take ``default_shape``.
+# RNN, lookup beams alone and types with no published setting take ``default_shape``. P-EAGLE
+# drafts as EAGLE-3 does here, DSpark as DFlash (its block forward, run by mlx-vlm's DFlash loop).
 GPU_TYPE_SHAPES = (
     ("eagle3", BeamShape(width=4, length=4)),
+    ("peagle", BeamShape(width=4, length=4)),
     ("dflash", BeamShape(width=15, length=16)),
+    ("dspark", BeamShape(width=15, length=16)),
     ("dflash2", BeamShape(width=4, length=5)),
     ("mtp", BeamShape(width=1, length=2)),
     ("nemotron_h_mtp", BeamShape(width=1, length=2)),

@@ -49,6 +49,7 @@ from redrafter_mlx.core.drafter import DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import DrafterError, LoadError
 from redrafter_mlx.core.llm import target_dims
 from redrafter_mlx.core.paths import cache_dir
+from redrafter_mlx.io import drafter_types
 from redrafter_mlx.io.checks import check_safetensors, looks_like_hub_id, one_line, resolve_path
 from redrafter_mlx.io.embedded import default_drafter_path
 
@@ -164,6 +165,9 @@ def mismatch(folder: Path, identity: ModelIdentity) -> str | None:
     its ``target.json`` when it has one), or None."""
     try:
         config = json.loads((folder / "config.json").read_text())
+        found = drafter_types.declared(config) if isinstance(config, dict) else None
+        if found and found[1].kind is None:  # its type, not its sizes, is what keeps it out
+            return drafter_types.refusal(*found)
         sizes = tuple(checked.sizes(config, "hidden_size", "vocab_size"))
     except (OSError, ValueError, KeyError, TypeError):  # DrafterError is a ValueError
         return None  # not a readable drafter, or a size no integer: its loader says which

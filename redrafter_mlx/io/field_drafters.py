@@ -1,17 +1,20 @@
 """Drafter folders of every type, loaded as the decode step's sources: :func:`create_drafter`,
 the one place that asks which type a folder is (``TYPES``: one line per type), and the loaders
-of the types the field ships (EAGLE-3, DFlash, Qwen3.5 MTP heads) from their layouts.
+of the types the field ships (EAGLE-3, P-EAGLE, DFlash, DFlash2, DSpark, Qwen3.5 MTP heads)
+from their layouts.
 
-A drafter folder's type is read from its ``config.json``: ``speculators_model_type`` or
-``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``, SGLang / AngelSlim EAGLE-3,
-and the folders mlx-vlm converts them into) is EAGLE-3; a ``dflash_config`` or a
-``DFlash*`` architecture (z-lab ``*-DFlash``) or ``speculators_model_type`` ``dflash`` is
-DFlash, but a ``DFlash2*`` architecture, type ``dflash2`` or a ``dflash_config`` with a
-candidate selector is DFlash2; ``model_type`` ``qwen3_5_mtp``
-(mlx-vlm's split folder) or a config declaring ``mtp_num_hidden_layers`` (an original Qwen3.5
-checkpoint, its ``mtp.*`` tensors) is a native MTP head; anything else is left to ReDrafter's
-loader. A drafter that does not fit its target is refused in one line naming what differs:
-hidden size, vocabulary, or the target layers it reads.
+A drafter folder's type is read from its ``config.json``: first the type it declares
+(``io/drafter_types``: a type no loader takes is refused in one line naming it); else
+``speculators_model_type`` or ``model_type`` ``eagle3`` (RedHatAI ``*-speculator.eagle3``,
+SGLang / AngelSlim EAGLE-3, and the folders mlx-vlm converts them into) is EAGLE-3; a
+``dflash_config`` or a ``DFlash*`` architecture (z-lab ``*-DFlash``) or
+``speculators_model_type`` ``dflash`` is DFlash, but a ``DFlash2*`` architecture, type
+``dflash2`` or a ``dflash_config`` with a candidate selector is DFlash2, and one with a Markov
+head DSpark; ``model_type`` ``qwen3_5_mtp`` (mlx-vlm's split folder) or a config declaring
+``mtp_num_hidden_layers`` (an original Qwen3.5 checkpoint, its ``mtp.*`` tensors) is a native
+MTP head; anything else is left to ReDrafter's loader. A drafter that does not fit its target
+is refused in one line naming what differs: hidden size, vocabulary, or the target layers it
+reads.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from redrafter_mlx.core.dflash2 import DFlash2, DFlash2Args, DFlash2Drafter
 from redrafter_mlx.core.draft import BeamDrafter
 from redrafter_mlx.core.drafter import load_drafter
 from redrafter_mlx.core.drafting import Source
+from redrafter_mlx.core.dspark import MODEL_TYPE as DSPARK
+from redrafter_mlx.core.dspark import DSpark, DSparkArgs, DSparkDrafter
 from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
 from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
 from redrafter_mlx.core.errors import DrafterError
@@ -54,36 +59,52 @@ from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
 from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
 from redrafter_mlx.core.nemotron_mtp import MODEL_TYPE as NEMOTRON_MTP
 from redrafter_mlx.core.nemotron_mtp import NemotronMTPDrafter, NemotronMTPHead, head_pattern
+from redrafter_mlx.io import drafter_types
 
 REDRAFTER = "redrafter"
 DFLASH = "dflash"
 DFLASH2 = "dflash2"
 MTP = "mtp"
+PEAGLE = "peagle"
 KIND_NAMES = {
     EAGLE3: "EAGLE-3", DFLASH: "DFlash", DFLASH2: "DFlash2", MTP: "MTP", REDRAFTER: "ReDrafter",
-    GEMMA4_ASSISTANT: "Gemma 4 assistant", NEMOTRON_MTP: "Nemotron-H MTP",
+    DSPARK: "DSpark", PEAGLE: "P-EAGLE", GEMMA4_ASSISTANT: "Gemma 4 assistant",
+    NEMOTRON_MTP: "Nemotron-H MTP",
 }  # fmt: skip
 
 
 def create_drafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None) -> Source:
     """The drafter in ``folder`` as the decode step's source, loaded by its type's loader
     (:func:`drafter_kind`) and checked against ``target``; its weights cast to ``dtype`` when
-    given. DrafterError (one line) for a folder its type's loader refuses."""
+    given. DrafterError (one line) for a folder its type's loader refuses, or of a type no
+    loader takes (``io/drafter_types``: named, never read as another type)."""
+    found = drafter_types.declared(_config(folder) or {})
+    if found and found[1].kind is None:
+        raise DrafterError(f"{folder}: {drafter_types.refusal(*found)}")
     kind = drafter_kind(folder)
     load = next((load for name, _, load in TYPES if name == kind), load_redrafter)
     return load(folder, target, dtype)
 
 
 def drafter_kind(folder: Path | str) -> str:
-    """The type of the drafter in ``folder``: the first of ``TYPES`` whose test its
-    ``config.json`` passes, else ``"redrafter"`` (what every other config is left to)."""
+    """The type of the drafter in ``folder``: the kind of the type its ``config.json``
+    declares (``io/drafter_types``; a type no loader takes is named by its key), else the
+    first of ``TYPES`` whose test it passes, else ``"redrafter"`` (every other config)."""
+    config = _config(folder)
+    if config is None:
+        return REDRAFTER
+    if found := drafter_types.declared(config):
+        return found[1].kind or found[0]
+    return next((kind for kind, test, _ in TYPES if test(config)), REDRAFTER)
+
+
+def _config(folder: Path | str) -> dict | None:
+    """``folder``'s ``config.json`` when it is a JSON object (None: unreadable or not one)."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
-        return REDRAFTER
-    if not isinstance(config, dict):
-        return REDRAFTER
-    return next((kind for kind, test, _ in TYPES if test(config)), REDRAFTER)
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _is_eagle3(config: dict) -> bool:
@@ -107,7 +128,6 @@ def _is_dflash(config: dict) -> bool:
         "dflash_config" in config
         or any("DFlash" in str(a) for a in architectures)
         or DFLASH in (config.get("speculators_model_type"), _method(config))
-        or _other_dflash(config) is not None  # refused by DFlash's loader, by name
     )
 
 
@@ -127,20 +147,14 @@ def _method(config: dict) -> object:
     return spec.get("method") if isinstance(spec, dict) else None
 
 
-def _other_dflash(config: dict) -> str | None:
-    """The name of a DFlash-family type this runtime does not load (None: not one): DSpark
-    (a Markov head on DFlash's block) and Laguna's causal DFlash."""
-    dflash = checked.given(config, "dflash_config", {})
-    dflash = dflash if isinstance(dflash, dict) else {}
-    architectures = " ".join(str(a) for a in config.get("architectures") or [])
-    kinds = (config.get("speculators_model_type"), dflash.get("projector_type"), _method(config))
-    dspark = "dspark" in kinds
-    markov = config.get("markov_rank") or dflash.get("markov_rank")
-    if dspark or markov or "DSpark" in architectures:
-        return "DSpark"
-    if config.get("model_type") == "laguna":
-        return "Laguna DFlash"
-    return None
+def _declares(kind: str):
+    """A ``TYPES`` test: whether a config declares a type ``kind``'s loader takes."""
+
+    def test(config: dict) -> bool:
+        found = drafter_types.declared(config)
+        return found is not None and found[1].kind == kind
+
+    return test
 
 
 def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
@@ -254,8 +268,8 @@ def _load_dflash_family(folder, target: nn.Module, dtype, classes: tuple):
     config_file = folder / "config.json"
     try:
         config = json.loads(config_file.read_text())
-        if isinstance(config, dict) and (other := _other_dflash(config)):
-            raise DrafterError(f"{other} drafter: not supported by this runtime")
+        if problem := _other_type(config, source_class.kind):
+            raise DrafterError(problem)
         args = args_class.from_dict(config)
     except (OSError, ValueError) as e:
         raise DrafterError(f"{config_file}: {e}") from None
@@ -267,6 +281,23 @@ def _load_dflash_family(folder, target: nn.Module, dtype, classes: tuple):
         module.set_dtype(dtype)
     mx.eval(module.parameters())
     return source_class(module)
+
+
+def _other_type(config: object, kind: str) -> str | None:
+    """Why a folder declaring another type than ``kind``'s (``io/drafter_types``) is not read
+    as one (None: it declares ``kind``, or nothing): a DSpark folder is never a DFlash one."""
+    found = drafter_types.declared(config) if isinstance(config, dict) else None
+    if found is None or found[1].kind == kind:
+        return None
+    if found[1].kind is None:
+        return drafter_types.refusal(*found)
+    return f"a {found[1].name} drafter, not {KIND_NAMES.get(kind, kind)}"
+
+
+def load_dspark(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A :class:`~redrafter_mlx.core.dspark.DSparkDrafter` from an mlx-vlm / DeepSeek folder:
+    DFlash's loader with DSpark's args, module (its Markov head) and source (its tree)."""
+    return _load_dflash_family(folder, target, dtype, (DSparkArgs, DSpark, DSparkDrafter))
 
 
 def _dflash_misfit(args: DFlashArgs, target: nn.Module) -> str | None:
@@ -404,6 +435,20 @@ def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = 
     return Eagle3Drafter(module)
 
 
+def load_peagle(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
+    """A speculators P-EAGLE folder as an EAGLE-3 drafter drafting step by step: P-EAGLE is
+    EAGLE-3's model trained to draft several tokens in one pass (from a learned
+    ``mask_hidden``, unused here), with its own trained token embedding (used here)."""
+    drafter = load_eagle3(folder, target, dtype)
+    own = _weights(Path(folder)).get("embed_tokens.weight")
+    if own is not None and own.shape == drafter.module.embed_tokens.weight.shape:
+        drafter.module.embed_tokens = nn.Embedding(*own.shape)
+        drafter.module.embed_tokens.weight = own if dtype is None else own.astype(dtype)
+        mx.eval(drafter.module.embed_tokens.weight)  # lazy, it would run on the loading thread
+    drafter.kind = PEAGLE
+    return drafter
+
+
 def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
     """What of an EAGLE-3 drafter does not fit ``target``, in words (None: it fits)."""
     hidden, vocab = target_dims(target)
@@ -423,7 +468,9 @@ def misfit(args: Eagle3Args, target: nn.Module) -> str | None:
 # ``config.json`` is of this type, its loader), asked in this order. A new type is one line.
 TYPES = (
     (EAGLE3, _is_eagle3, load_eagle3),
+    (PEAGLE, _declares(PEAGLE), load_peagle),
     (MTP, _is_mtp, load_mtp),
+    (DSPARK, _declares(DSPARK), load_dspark),
     (DFLASH2, _is_dflash2, load_dflash2),
     (DFLASH, _is_dflash, load_dflash),
     (GEMMA4_ASSISTANT, _is_gemma4_assistant, load_gemma4_assistant),

@@ -15,8 +15,8 @@ from redrafter_mlx.core.shape import BeamShape
 # whichever of the tree and plain steps measures faster. A batch's products turn
 # compute-bound past a few rows, so a batch verifies at most ``batch_rows`` rows. The field's
 # drafter types take the RNN's shape (their steps cost as its do, tree size for tree size), but
-# DFlash: a step of its 8-node best-first tree cost about what a 4-node one did, so it drafts 7
-# nodes (benchmarks/HISTORY.md, "Field drafters").
+# DFlash (and DSpark, its block forward): a step of its 8-node best-first tree cost about what a
+# 4-node one did, so it drafts 7 nodes (benchmarks/HISTORY.md, "Field drafters").
 CPU_PLAN = Plan(
     llama_layers=True,
     transposed_rows=(2, 3),
@@ -30,6 +30,6 @@ CPU_PLAN = Plan(
     draft_early_stop=True,
     drafter_float32=True,
     default_shape=BeamShape(width=1, length=2, lookup=1),
-    type_shapes=(("dflash", BeamShape(width=7, length=5)),),
+    type_shapes=tuple((kind, BeamShape(width=7, length=5)) for kind in ("dflash", "dspark")),
     plain_from=1536,
 )
