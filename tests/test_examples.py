@@ -94,6 +94,9 @@ def written_by(command: str) -> list[str]:
     """Paths an example writes: its ``--out``/``--cache-dir``, a ``> FILE``, ``curl -O``'s."""
     words = tokens(command)
     out = [words[i + 1] for i, w in enumerate(words[:-1]) if w in (*WRITTEN_FLAGS, ">")]
+    if "demo-model" in words and "--drafter" in words and "--out" in words:  # OUT-TYPE
+        kind, where = (words[words.index(f) + 1] for f in ("--drafter", "--out"))
+        out.append(f"{where.rstrip('/')}-{kind}")
     if words and words[0] == "curl" and "-LO" in words:
         out.append(words[-1].rsplit("/", 1)[-1])
     return out
@@ -166,8 +169,10 @@ def test_every_example_names_only_files_a_user_has(scratch):
     for command in ALL:
         words = tokens(command)
         for flag, value in zip(words, words[1:], strict=False):
-            if flag not in PATH_FLAGS or value.startswith("-") or value == "none":
+            if flag not in PATH_FLAGS or value.startswith("-") or value in ("none", "auto"):
                 continue  # --drafter is a switch of convert's; --drafter none is no file
+            if flag == "--drafter" and "demo-model" in words:
+                continue  # demo-model's --drafter names a type, not a folder
             if is_hub_id(value):
                 continue
             made = any(value == w or value.startswith(w.rstrip("/") + "/") for w in written)

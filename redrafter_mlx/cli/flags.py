@@ -222,7 +222,8 @@ def lookup_when_no_drafter(runtime, shape: BeamShape, source: str) -> tuple[Beam
 
 def drafter_name(runtime) -> str:
     """The drafter type's name as banners say it (``ReDrafter``, ``EAGLE-3``, ``DFlash``...)."""
-    kind = runtime.drafter.kind if runtime.drafter is not None else "redrafter"
+    drafter = getattr(runtime, "drafter", None)  # a test's stand-in runtime may have none
+    kind = drafter.kind if drafter is not None else "redrafter"
     return KIND_NAMES.get(kind, kind)
 
 
