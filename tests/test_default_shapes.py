@@ -38,6 +38,7 @@ def test_each_type_has_its_own_default_shape(drafters):
     assert generic == {
         "eagle3": BeamShape(width=4, length=4),
         "dflash": BeamShape(width=7, length=8),
+        "dflash2": BeamShape(width=4, length=5),  # the 5 rows mlx-vlm verifies it with at most
         "mtp": BeamShape(width=1, length=2),
     }
     assert CPU_PLAN.shape_for(drafters["dflash"]) == BeamShape(width=7, length=5)

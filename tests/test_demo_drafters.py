@@ -32,7 +32,7 @@ def test_demo_drafter_loads_as_its_type_and_keeps_the_answer(kind, tmp_path, cap
 
 
 def test_demo_drafter_refuses_what_it_cannot_write(tmp_path):
-    with pytest.raises(ConfigError, match="one of eagle3, dflash, mtp"):
+    with pytest.raises(ConfigError, match="one of eagle3, dflash, dflash2, mtp"):
         write_demo_drafter(tmp_path / "d", tmp_path, "dflash9")
     with pytest.raises(ConfigError, match="not a model config"):
         write_demo_drafter(tmp_path / "d", tmp_path, "eagle3")

@@ -5,7 +5,8 @@ and benchmarking with that type can be rehearsed offline before downloading giga
 Their proposals are noise (random weights): the target's answer is unchanged, only few drafts
 are accepted. Layouts: EAGLE-3 as speculators writes it (``speculators_model_type``,
 ``transformer_layer_config``, a draft vocabulary), DFlash as z-lab's (``dflash_config``, no
-embedding or head of its own), a Qwen3.5 MTP head as mlx-vlm's split folder (``qwen3_5_mtp``).
+embedding or head of its own), DFlash2 as z-lab's (DFlash's plus each layer's convolutions and
+the candidate selector), a Qwen3.5 MTP head as mlx-vlm's split folder (``qwen3_5_mtp``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from redrafter_mlx.core.errors import ConfigError
 from redrafter_mlx.io.convert import staged_output
 
-KINDS = ("eagle3", "dflash", "mtp")
+KINDS = ("eagle3", "dflash", "dflash2", "mtp")
 HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4, 2, 16, 128
 DRAFT_VOCAB = 2048  # EAGLE-3's draft vocabulary: the first ids (a real one keeps the commonest)
 
@@ -124,6 +125,32 @@ def dflash(target: dict, r: _Random) -> tuple[dict, dict]:
     return config, tensors
 
 
+def dflash2(target: dict, r: _Random) -> tuple[dict, dict]:
+    """DFlash's drafter with a grouped dynamic convolution around each layer's attention and
+    MLP and a low-rank candidate selector over the top 8 candidates (z-lab's DFlash2)."""
+    kernel, group, rank = 3, 16, 8
+    config, tensors = dflash(target, r)
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    for i in range(config["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            p = f"layers.{i}.{conv}."
+            tensors[p + "base_kernel"] = r.weight(2, kernel, hidden, scale=0.5)
+            tensors[p + "kernel_projection.weight"] = r.weight(2 * kernel * hidden // group, hidden)
+    tensors |= {
+        "candidate_selector.predecessor_codebook": r.weight(vocab, rank, scale=1.0),
+        "candidate_selector.successor_codebook": r.weight(vocab, rank, scale=1.0),
+        "candidate_selector.hidden_projection.weight": r.weight(rank, hidden, scale=0.5),
+    }
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["dflash_config"] |= {
+        "conv_kernel_size": kernel,
+        "conv_group_size": group,
+        "selector_rank": rank,
+        "selector_top_k": 8,
+    }
+    return config, tensors
+
+
 def mtp(target: dict, r: _Random) -> tuple[dict, dict]:
     """A Qwen3.5 MTP head (one gated-attention layer) as mlx-vlm's splitter writes it."""
     hidden = target["hidden_size"]
@@ -153,7 +180,7 @@ def mtp(target: dict, r: _Random) -> tuple[dict, dict]:
     return {"model_type": "qwen3_5_mtp", "text_config": text}, tensors
 
 
-WRITERS = {"eagle3": eagle3, "dflash": dflash, "mtp": mtp}
+WRITERS = {"eagle3": eagle3, "dflash": dflash, "dflash2": dflash2, "mtp": mtp}
 
 
 def write_demo_drafter(out: str | Path, model: str | Path, kind: str, *, seed: int = 0) -> Path:
