@@ -118,3 +118,21 @@ def test_bench_into_a_pipe_prints_a_line_every_period_while_generations_run_long
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert len(stamps) >= 10 and max(gaps) < every + 0.25, (gaps, stamps)
     assert any(": measuring: " in line for _, line in stamps)
+
+
+def test_a_slow_phase_is_said_and_a_quick_one_is_not():
+    """A first run's compile (tens of seconds) said what it was doing nothing of; later runs,
+    which reuse it, print nothing."""
+    import time
+
+    from redrafter_mlx.cli.progress import SaidIfSlow
+
+    said = []
+    with SaidIfSlow("compiling", after=0.05, write=said.append):
+        time.sleep(0.3)
+    assert said[0] == "compiling..." and said[1].startswith("compiling: done in ")
+    quiet = []
+    with SaidIfSlow("compiling", after=5.0, write=quiet.append):
+        pass
+    time.sleep(0.1)
+    assert quiet == []

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from redrafter_mlx.cli import flags, sharding
-from redrafter_mlx.cli.progress import progress
+from redrafter_mlx.cli.progress import SaidIfSlow, progress
 from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import write_text
 from redrafter_mlx.core.distributed import MirroredSession, session_for
@@ -770,7 +770,8 @@ def main(args: argparse.Namespace) -> None:
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
-    inner = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=args.seed)
+    with SaidIfSlow("compiling the decode step (once per model and shape)"):
+        inner = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=args.seed)
     follow_context(inner, runtime, source, temp=args.temp)
     session = ChatSession(
         inner,

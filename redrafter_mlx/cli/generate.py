@@ -8,6 +8,7 @@ import sys
 
 from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.cli.flags import fail
+from redrafter_mlx.cli.progress import SaidIfSlow
 from redrafter_mlx.core.distributed import session_for
 from redrafter_mlx.core.step import PhaseTimer
 from redrafter_mlx.core.stream import GenerationStats
@@ -93,7 +94,8 @@ def main(args: argparse.Namespace) -> None:
     decoding = rt.decoding(
         runtime, shape, temp=args.temp, top_p=args.top_p, top_k=args.top_k, mode=mode
     )
-    session = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=args.seed)
+    with SaidIfSlow("compiling the decode step (once per model and shape)"):
+        session = session_for(runtime.decoder, runtime.tokenizer, decoding, seed=args.seed)
     follow_context(session, runtime, source, temp=args.temp)
     if args.raw:
         ids = runtime.tokenizer.encode(prompt)

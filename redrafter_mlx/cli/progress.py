@@ -12,6 +12,7 @@ at once, so no phase is silent.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -141,3 +142,30 @@ class PlainProgress:
 def _clock_text(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 60}:{s % 60:02d}"
+
+
+class SaidIfSlow:
+    """``with SaidIfSlow("compiling ..."):``: the message on stderr once the block has run
+    ``after`` seconds, and how long it took when it ends; nothing for a block that ends sooner
+    (a first run compiles for tens of seconds, later runs reuse it)."""
+
+    def __init__(self, message: str, after: float = 5.0, write=None):
+        self.message, self.after = message, after
+        self.write = write or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.said = False
+
+    def __enter__(self) -> SaidIfSlow:
+        self.began = time.monotonic()
+        self.timer = threading.Timer(self.after, self._say)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def _say(self) -> None:
+        self.said = True
+        self.write(f"{self.message}...")
+
+    def __exit__(self, *exc) -> None:
+        self.timer.cancel()
+        if self.said:
+            self.write(f"{self.message}: done in {time.monotonic() - self.began:.0f} s")
