@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-BUILD_PREFIX = ".build-"  # then the building process's id, "-", and a random part
+BUILD_PREFIX = ".build-"  # then the building process's id, "-", and a name of its own
 
 
 def compiler(variable: str, default: str) -> list[str]:
