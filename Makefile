@@ -28,7 +28,7 @@ help:
 	@echo "redrafter-mlx: lossless speculative decoding (ReDrafter) with MLX"
 	@echo
 	@echo "  make chat       set up, then chat in the terminal with the embedded model (ARGS=...)"
-	@echo "  make test       set up, then run the test suite (about 10 min on 2 cores)"
+	@echo "  make test       set up, then run the test suite (about 13 min on 2 cores)"
 	@echo "  make setup      create .venv and install redrafter-mlx, MLX and the embedded model"
 	@echo "  make generate   one answer: make generate ARGS='--prompt \"Hi\"'"
 	@echo "  make serve      the OpenAI API on http://127.0.0.1:8080/v1 (ARGS='--port 9000')"
