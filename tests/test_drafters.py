@@ -727,7 +727,7 @@ def test_a_source_must_draft_and_defaults_the_rest():
     root = Root()
     assert root.taps == () and root.new_part() is None and not root.prunes
     assert root.check_shape(BeamShape(64, 9)) is None
-    assert not (root.batch_fits or root.searches_together)
+    assert not root.batch_fits
 
 
 def test_a_beam_drafters_shape_check_refuses_more_beams_than_draft_tokens(target):

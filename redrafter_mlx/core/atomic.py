@@ -95,13 +95,19 @@ def check_writable(path: Path | str, what: str) -> None:
         raise ConfigError(f"{what} {path}: {folder} is not writable ({why})") from None
 
 
-def is_disk_full(error: BaseException) -> bool:
+def is_disk_full(error: BaseException, where: Path | None = None) -> bool:
     """Whether ``error`` is a write that ran out of room: ENOSPC or a full quota, or MLX's
     writer's ``RuntimeError("[write] Unable to write N bytes")``, which carries no errno (a
-    full disk is what raises it in practice)."""
+    full disk is what raises it in practice; with ``where``, only when under 1 MiB is left
+    there)."""
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, RuntimeError) and str(error).startswith("[write]")
+    if not (isinstance(error, RuntimeError) and str(error).startswith("[write]")):
+        return False
+    try:
+        return where is None or shutil.disk_usage(where).free < 1 << 20
+    except OSError:
+        return False
 
 
 def free_space(path: Path | str) -> str:

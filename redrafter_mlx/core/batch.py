@@ -205,7 +205,6 @@ def _step_planned(decoder: Decoder, planned: list[_Planned]) -> list[Step]:
     logits = _split(decoder.forward.lm_head(mx.concatenate(hidden)), hidden)
     parts: list = [None] * len(planned)  # per member: (values, evaluated, finish)
     keys: list = [None] * len(planned)  # a seeded member's key after its draws
-    grouped: dict[tuple, list] = {}  # members whose searches run as one
     for i, (p, h, rows) in enumerate(zip(planned, hidden, logits, strict=True)):
         p.member.seed()
         if p.tree is None and isinstance(p.member.state, speculative.TreeState):
@@ -217,21 +216,11 @@ def _step_planned(decoder: Decoder, planned: list[_Planned]) -> list[Step]:
             state.timer.mark("verify", rows)
             taps = p.segment.taps or {}
             accepted = speculative.accept_and_stage(decoder, state, p.tree, h, taps, rows)
-            group = search_group(decoder, state.decoding)
-            if group is None:  # drafted now, in its own random key's turn
-                drafted = speculative.draft(
-                    decoder, state.decoding, state.sequence, accepted.reading
-                )
-                parts[i] = _tree_part(p, accepted.outcome(*drafted))
-            else:
-                grouped.setdefault(group, []).append((i, p, accepted))
+            # drafted now, in its own random key's turn
+            drafted = speculative.draft(decoder, state.decoding, state.sequence, accepted.reading)
+            parts[i] = _tree_part(p, accepted.outcome(*drafted))
         if p.member.key is not None:
             keys[i] = current_key()
-    for group, members in grouped.items():
-        for (i, p, accepted), drafted in zip(
-            members, _search(decoder, group, members), strict=True
-        ):
-            parts[i] = _tree_part(p, accepted.outcome(drafted, 0))
     values = [
         (*vs, *([] if key is None else [key])) for (vs, _, _), key in zip(parts, keys, strict=True)
     ]
@@ -245,44 +234,6 @@ def _step_planned(decoder: Decoder, planned: list[_Planned]) -> list[Step]:
             p.member.key, mine = key_value(mine[-1]), mine[:-1]
         steps.append(finish(mine))
     return steps
-
-
-def search_group(decoder: Decoder, decoding) -> tuple | None:
-    """What members whose drafter searches can run as one search share (the search's
-    options), or None where a member drafts alone: no drafter pass (lookup beams alone), a
-    drafter that does not search together (``Source.searches_together``), or a search that
-    reads its scores per depth (an early stop)."""
-    if not decoding.mode.drafted or not decoder.drafter.searches_together:
-        return None
-    options = decoder.search_options(decoding.shape)
-    return None if options.get("min_prob", 0) > 0 else tuple(sorted(options.items()))
-
-
-def _search(decoder: Decoder, group: tuple, members: list) -> list[tuple]:
-    """One beam search for several members (their contexts and pending tokens stacked, padded
-    to a power of two: a compiled search is traced once per size) -> each member's drafted
-    ``(beams (W, L), log-probs or None)``; a member alone searches as alone."""
-    if len(members) == 1:
-        _, p, accepted = members[0]
-        state = p.member.state
-        return [speculative.draft(decoder, state.decoding, state.sequence, accepted.reading)[0]]
-    contexts = mx.stack([accepted.reading.context for _, _, accepted in members])
-    pending = mx.stack([accepted.reading.pending for _, _, accepted in members])
-    size = search_size(len(members))
-    if size > len(members):  # rows of the first member's: searched, never read
-        contexts = mx.concatenate([contexts, mx.repeat(contexts[:1], size - len(members), 0)])
-        pending = mx.concatenate([pending, mx.repeat(pending[:1], size - len(members), 0)])
-    beams, logprobs, _ = decoder.drafter.search(contexts, pending, **dict(group))
-    drafted = []
-    for j, (_, p, _) in enumerate(members):
-        floor = speculative.pruning_logprobs(decoder, p.member.state.decoding, logprobs[j])
-        drafted.append((beams[j], floor))
-    return drafted
-
-
-def search_size(members: int) -> int:
-    """The rows a joint search runs for ``members`` searches: the next power of two."""
-    return 1 << (members - 1).bit_length()
 
 
 def _tree_part(p: _Planned, outcome: speculative.Outcome):

@@ -167,8 +167,6 @@ class BeamDrafter(Source):
 
     kind = "redrafter"
     batch_fits = True  # its search drafts any width and length up to the asked shape
-    # ``searches_together`` stays False: :meth:`draft` fuses a layered drafter's per-sequence
-    # taps, and batches have searched each member alone since it was added
 
     def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array]):
         self.drafter = drafter

@@ -74,7 +74,6 @@ class Source(ABC):
     taps: tuple[int, ...] = ()  # target layers whose outputs it reads (none: the final hidden)
     prunes = False  # its beams end early (token -1 at log-prob -inf): the step reads log-probs
     batch_fits = False  # a batch may draft for it at a smaller shape than asked (batch.fitted)
-    searches_together = False  # ``search`` drafts several sequences' beams in one call
 
     def new_part(self) -> Part | None:
         """Its per-sequence state, committed and rewound with the sequence (None: none)."""

@@ -35,11 +35,9 @@ from redrafter_mlx.core.batch import (
     fitted,
     key_value,
     root_alone,
-    search_group,
-    search_size,
 )
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.llm import chain_mask, compute_dtype, target_dims
+from redrafter_mlx.core.llm import chain_mask
 from redrafter_mlx.core.prompt_cache import session_bytes
 from redrafter_mlx.core.session import Session
 from redrafter_mlx.core.step import Step
@@ -280,8 +278,7 @@ def warm_up(decoder, decodings=(), max_batch: int = 2) -> None:
     stops mid-answer to compile: the joint forward's row counts (the plan's tree sizes it pads
     to, up to its compiled limit; the generic plan verifies exact sizes eagerly), the shapes
     the decodings are fitted to in batches of up to ``max_batch`` (the plan's
-    ``batch_rows``), and the drafter's joint searches (one per power of two up to
-    ``max_batch`` members)."""
+    ``batch_rows``)."""
     plan = decoder.plan
     sequence = decoder.new_sequence()
     for size in plan.tree_sizes:
@@ -295,18 +292,6 @@ def warm_up(decoder, decodings=(), max_batch: int = 2) -> None:
             if not root_alone(decoding):  # a tree (a root alone runs the one-token forward)
                 decoder.warm_up(decoding)
                 decodings.append(decoding)
-    hidden, _ = target_dims(decoder.model)
-    dtype = compute_dtype(decoder.model)
-    for decoding in decodings:
-        group = search_group(decoder, decoding)
-        if group is None:
-            continue
-        for members in range(2, max_batch + 1):
-            rows = search_size(members)
-            contexts = mx.zeros((rows, hidden), dtype)
-            mx.eval(
-                *decoder.drafter.search(contexts, mx.zeros((rows,), mx.int32), **dict(group))[:2]
-            )
 
 
 def answer_together(

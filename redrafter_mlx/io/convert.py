@@ -8,7 +8,6 @@ Every failure is a :class:`ConversionError` whose message is one line naming the
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import pickle
 import shutil
@@ -23,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from redrafter_mlx.core.atomic import staged_dir
+from redrafter_mlx.core.atomic import is_disk_full, staged_dir
 from redrafter_mlx.core.drafter import MODEL_TYPE as DRAFTER_TYPE
 from redrafter_mlx.core.drafter import Drafter, DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import ConversionError, LoadError
@@ -69,22 +68,9 @@ def staged_output(out: str | Path, *, force: bool = False) -> Iterator[Path]:
         with staged_dir(out) as tmp:  # removed on any failure: nothing half-written stays
             yield tmp
     except (OSError, RuntimeError) as e:
-        if not _is_disk_full(e, out):
+        if not is_disk_full(e, where=out.parent):
             raise
         raise ConversionError(f"{out}: no space left on the device (nothing was written)") from None
-
-
-def _is_disk_full(error: Exception, out: Path) -> bool:
-    """ENOSPC or a full quota; MLX's own writer raises ``RuntimeError("[write] Unable to write
-    ...")`` without an errno: then it is the disk when under 1 MiB is left there."""
-    if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not str(error).startswith("[write]"):
-        return False
-    try:
-        return shutil.disk_usage(out.parent).free < 1 << 20
-    except OSError:
-        return False
 
 
 def _check_replaceable(out: Path, force: bool) -> None:
