@@ -230,7 +230,10 @@ class Pool {
   void claim(uint32_t gen) {
     for (;;) {
       uint64_t v = counter_.load(std::memory_order_acquire);
-      if (static_cast<uint32_t>(v >> 32) != gen || static_cast<int>(v & 0xFFFFFFFFu) >= items_) {
+      // Unsigned: a closed generation's index is 0xFFFFFFFF (run()'s fetch_or), past any job's
+      // items; read as an int it was -1, and a late worker claimed item -1 of the next job.
+      if (static_cast<uint32_t>(v >> 32) != gen ||
+          static_cast<uint32_t>(v & 0xFFFFFFFFu) >= static_cast<uint32_t>(items_)) {
         return;
       }
       if (!counter_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
