@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning import search
 from redrafter_mlx.tuning.measure import REDRAFTER, Method, environment, warm_up

@@ -1,6 +1,6 @@
 """How often a greedy answer decoded in a batch differs from the same request decoded alone.
 
-The batched verify forward (core/joint.py) multiplies all the batch's rows by each weight in
+The batched verify forward (core/decode/joint.py) multiplies all the batch's rows by each weight in
 one product; alone, a request's rows go through a product of their own. BLAS may round a
 row's sums differently with the row count, so where the target's top two logits are nearly
 tied the argmax can flip. For each prompt (MT-Bench and Spec-Bench dev first turns, chat
@@ -25,10 +25,10 @@ reexec_with_blas()
 import mlx.core as mx  # noqa: E402
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder  # noqa: E402
-from redrafter_mlx.core.accept import greedy  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.scheduler import answer_together  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode.accept import greedy  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
+from redrafter_mlx.core.serving.scheduler import answer_together  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.io.prompts import MT_BENCH, load_prompts  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402

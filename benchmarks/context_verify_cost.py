@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from redrafter_mlx.backend.cpu import fused  # noqa: E402
 from redrafter_mlx.backend.cpu.kernels import cpu_kernels  # noqa: E402
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN  # noqa: E402
-from redrafter_mlx.core.tree import pack_beams, tree_mask  # noqa: E402
+from redrafter_mlx.core.decode.tree import pack_beams, tree_mask  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 

@@ -9,9 +9,10 @@ one decoder layer, a 32000-token draft vocabulary; DFlash: 3 layers, block 8; a 
 MTP head: one gated-attention layer): their cost, not their acceptance, is what this measures.
 
 ``oracle``: accepted drafts per step of a best-first tree (DDTree's Algorithm 1,
-``core/dflash.py: best_first``) against a chain of the same node count, when the per-position
-marginals are the embedded target's own distributions along its greedy continuation (an oracle
-DFlash), blurred by Gumbel noise of scale ``sigma`` on the log-probs to a drafter's accuracy.
+``core/drafters/dflash.py: best_first``) against a chain of the same node count, when the
+per-position marginals are the embedded target's own distributions along its greedy continuation
+(an oracle DFlash), blurred by Gumbel noise of scale ``sigma`` on the log-probs to a drafter's
+accuracy.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python benchmarks/field_drafters.py cost --out benchmarks/results/field_cost.json
@@ -31,14 +32,14 @@ import numpy as np
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from redrafter_mlx.backend.plan import build_decoder
-from redrafter_mlx.core.accept import greedy, log_softmax
-from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter, best_first
-from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
-from redrafter_mlx.core.llm import embedding, head_linear, inner_model
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.step import Decoding
+from redrafter_mlx.core.decode.accept import greedy, log_softmax
+from redrafter_mlx.core.decode.llm import embedding, head_linear, inner_model
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.step import Decoding
+from redrafter_mlx.core.drafters.dflash import DFlash, DFlashArgs, DFlashDrafter, best_first
+from redrafter_mlx.core.drafters.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
+from redrafter_mlx.core.drafters.mtp import MTPDrafter, MTPHead
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import load_prompts
 from redrafter_mlx.tuning.measure import environment

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.core import llm
+from redrafter_mlx.core.decode import llm
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning.measure import environment, forward_seconds
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.step import Decoding
-from redrafter_mlx.core.stream import decode_steps
+from redrafter_mlx.core.decode.accept import greedy
+from redrafter_mlx.core.decode.decoder import Decoder
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.step import Decoding
+from redrafter_mlx.core.decode.stream import decode_steps
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH, load_prompts
 from redrafter_mlx.tuning.measure import environment

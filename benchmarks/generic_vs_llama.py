@@ -25,7 +25,7 @@ reexec_with_blas()  # before MLX loads: the BLAS the console script runs with
 import mlx.core as mx  # noqa: E402
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, make_forward, plan_for  # noqa: E402
-from redrafter_mlx.core import llm  # noqa: E402
+from redrafter_mlx.core.decode import llm  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 

@@ -4,7 +4,7 @@ Random-weight models built with mlx-lm's own classes at one size (hidden 1024, 8
 a Qwen3.5-style Gated DeltaNet hybrid (3 of 4 layers recurrent), a Nemotron-H-style Mamba2
 hybrid, an LFM2-style short-convolution hybrid, and an attention-only Qwen3 of the same
 size, all on the generic plan (the path Metal and CUDA run). A tree's recurrent layers run
-depth by depth (``core/recurrent.py``), so its cost grows with its depth as well as its size;
+depth by depth (``core/decode/recurrent.py``), so its cost grows with its depth as well as its size;
 the trees here are at most 4 deep (L = 4): a chain of min(T, 4) nodes, the rest siblings
 spread over depths 1..3. Interleaved medians, one model at a time:
 
@@ -27,8 +27,8 @@ import numpy as np
 
 from redrafter_mlx.backend.cpu.blas import blas_in_use
 from redrafter_mlx.backend.plan import GENERIC_PLAN, make_forward
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.tree import Tree, tree_mask
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.tree import Tree, tree_mask
 from redrafter_mlx.tuning.device import backend, cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

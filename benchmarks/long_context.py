@@ -37,9 +37,9 @@ if __name__ == "__main__":
 
 import mlx.core as mx  # noqa: E402
 
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.session import Session  # noqa: E402
-from redrafter_mlx.core.shape import BeamShape  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.shape import BeamShape  # noqa: E402
+from redrafter_mlx.core.serving.session import Session  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.io.embedded import default_drafter_path, default_model_path  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
@@ -74,7 +74,7 @@ class Ours:
 
     def answer(self, prompt: list[int], decoding, max_tokens: int) -> dict:
         """``decoding`` None: the session's own choice (its bands, and past the plan's
-        ``plain_from`` each step's mode by the speed each got: ``core/adaptive.py``)."""
+        ``plain_from`` each step's mode by the speed each got: ``core/decode/adaptive.py``)."""
         times, tokens, last = [], [], None
         for last in self.session.generate(prompt, max_tokens=max_tokens, decoding=decoding):
             times.append(time.perf_counter())

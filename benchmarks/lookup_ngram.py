@@ -18,9 +18,9 @@ import json
 import statistics
 from pathlib import Path
 
-from redrafter_mlx.core import decode
-from redrafter_mlx.core.lookup import NgramIndex
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode import sequence
+from redrafter_mlx.core.decode.lookup import NgramIndex
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import load_conversations
 from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, LOOKUP, REDRAFTER, Method, measure, warm_up
@@ -39,11 +39,13 @@ VARIANTS = {  # name -> (method, (min n, max n))
 def run(runtime, name: str, ids: list[int], max_tokens: int):
     method, ngrams = VARIANTS[name]
     if ngrams is not None:
-        decode.NgramIndex = functools.partial(NgramIndex, min_ngram=ngrams[0], max_ngram=ngrams[1])
+        sequence.NgramIndex = functools.partial(
+            NgramIndex, min_ngram=ngrams[0], max_ngram=ngrams[1]
+        )
     try:
         return measure(runtime, method, ids, max_tokens=max_tokens)
     finally:
-        decode.NgramIndex = NgramIndex
+        sequence.NgramIndex = NgramIndex
 
 
 def main() -> None:

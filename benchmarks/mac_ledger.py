@@ -107,7 +107,7 @@ def param_bytes(module: nn.Module | list, skip: set[int] = frozenset()) -> int:
 
 
 def sizes(model: nn.Module) -> Sizes:
-    from redrafter_mlx.core.llm import compute_dtype, embedding, inner_model
+    from redrafter_mlx.core.decode.llm import compute_dtype, embedding, inner_model
 
     inner, args = inner_model(model), model.args
     head_module = getattr(model, "lm_head", None) or embedding(model)
@@ -143,7 +143,7 @@ class OursBatch:
     """Members stepped together by ``batch.batch_step``."""
 
     def __init__(self, decoder, prompts: list[list[int]], decoding):
-        from redrafter_mlx.core import batch
+        from redrafter_mlx.core.serving import batch
 
         decoder.warm_up(decoding)
         self.batch, self.decoder = batch, decoder
@@ -249,7 +249,7 @@ def step_bytes(row: dict, context: list[int], unit: Sizes, parts: dict) -> tuple
 def drafter_parts(target, drafters: dict, lm_draft, num_draft: int) -> dict:
     """Per drafter: (own weight bytes, LM-head bytes each pass scores with, its K/V bytes per
     cached token, whether it passes once per drafted depth)."""
-    from redrafter_mlx.core.llm import compute_dtype
+    from redrafter_mlx.core.decode.llm import compute_dtype
 
     shared, unit = ids(target), sizes(target)
     parts = {}
@@ -313,10 +313,10 @@ BATCH = 4
 def stepper(row: Row, target, drafters: dict, prompts: list[list[int]]):
     """A loop of ``row``'s kind after its prompt(s), in its steady state."""
     from redrafter_mlx.backend.plan import GENERIC_PLAN, build_decoder
-    from redrafter_mlx.core.accept import greedy
-    from redrafter_mlx.core.mode import Mode
-    from redrafter_mlx.core.shape import BeamShape
-    from redrafter_mlx.core.step import Decoding
+    from redrafter_mlx.core.decode.accept import greedy
+    from redrafter_mlx.core.decode.mode import Mode
+    from redrafter_mlx.core.decode.shape import BeamShape
+    from redrafter_mlx.core.decode.step import Decoding
 
     if row.loop == "lm_plain":
         return LmPlain(target, prompts[0])
@@ -518,7 +518,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 def run(args, rows: list[Row]) -> dict:
     """Measure every precision's ledger -> the report (predictions not yet added)."""
-    from redrafter_mlx.core.llm import compute_dtype
+    from redrafter_mlx.core.decode.llm import compute_dtype
 
     warm, reps, counted = (2, 2, 1) if args.quick else (3, 10, 2)
     report = {

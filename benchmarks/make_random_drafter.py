@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from redrafter_mlx.core.drafter import random_drafter, save_drafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter, save_drafter
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import load_prompts
 from redrafter_mlx.tuning.measure import (

@@ -23,9 +23,9 @@ if __name__ == "__main__":
 import mlx.core as mx  # noqa: E402
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, build_decoder  # noqa: E402
-from redrafter_mlx.core.accept import greedy  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode.accept import greedy  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 

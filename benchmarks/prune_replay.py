@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.backend.plan import CPU_PLAN
-from redrafter_mlx.core.drafter import load_drafter
-from redrafter_mlx.core.tree import pack_beams, prune, verified_size
+from redrafter_mlx.core.decode.tree import pack_beams, prune, verified_size
+from redrafter_mlx.core.drafters.redrafter import load_drafter
 from redrafter_mlx.io.embedded import default_drafter_path, default_model_path
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.training.evaluate import beams_everywhere

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from redrafter_mlx.core import accept
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode import accept
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import load_prompts
 from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, REDRAFTER, Method, measure, warm_up

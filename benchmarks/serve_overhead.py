@@ -34,8 +34,8 @@ from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 
 reexec_with_blas()  # before MLX loads: the BLAS the console script (and so the server) runs with
 
-from redrafter_mlx.core.session import Session  # noqa: E402
-from redrafter_mlx.core.shape import SHAPE_FIELDS  # noqa: E402
+from redrafter_mlx.core.decode.shape import SHAPE_FIELDS  # noqa: E402
+from redrafter_mlx.core.serving.session import Session  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402

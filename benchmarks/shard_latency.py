@@ -102,10 +102,10 @@ def timed(session, decoding, tokens: int, answers: int) -> dict:
 
 
 def rank_run(model: str, shard: str, delay: float, args: argparse.Namespace) -> None:
-    from redrafter_mlx.core.distributed import follow, session_for
-    from redrafter_mlx.core.mode import Mode
-    from redrafter_mlx.core.shape import BeamShape
-    from redrafter_mlx.core.step import Decoding
+    from redrafter_mlx.core.decode.mode import Mode
+    from redrafter_mlx.core.decode.shape import BeamShape
+    from redrafter_mlx.core.decode.step import Decoding
+    from redrafter_mlx.core.serving.distributed import follow, session_for
 
     width, length, lookup = (int(x) for x in args.shape.split(","))
     shape = BeamShape(width=width, length=length, lookup=lookup)

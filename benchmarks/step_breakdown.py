@@ -33,7 +33,7 @@ import mlx.core as mx  # noqa: E402 (after the re-exec: MLX must load the preloa
 
 from redrafter_mlx.backend.cpu.fused import attention  # noqa: E402
 from redrafter_mlx.backend.plan import CPU_PLAN  # noqa: E402
-from redrafter_mlx.core import llm  # noqa: E402
+from redrafter_mlx.core.decode import llm  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import environment  # noqa: E402
 

@@ -25,9 +25,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
 
 PROMPT = list(range(3, 67))  # 64 cached tokens
 
@@ -61,16 +61,16 @@ def timer(model, drafter, shape: BeamShape):
             from redrafter_mlx.backend.plan import build_verifier as build_decoder
 
         try:
-            from redrafter_mlx.core.step import Decoding
+            from redrafter_mlx.core.decode.step import Decoding
         except ImportError:  # before #41
-            from redrafter_mlx.core.decode import Decoding
-        from redrafter_mlx.core.mode import Mode
-        from redrafter_mlx.core.session import Session
+            from redrafter_mlx.core.decode.decoder import Decoding
+        from redrafter_mlx.core.decode.mode import Mode
+        from redrafter_mlx.core.serving.session import Session
         from redrafter_mlx.tuning.measure import time_steps
     except ImportError:  # the decode core before #31
         from redrafter_mlx.backend.plan import plan_for
-        from redrafter_mlx.core.accept import greedy
-        from redrafter_mlx.core.decode import Decoder
+        from redrafter_mlx.core.decode.accept import greedy
+        from redrafter_mlx.core.decode.decoder import Decoder
 
         decoder = Decoder(model, greedy, drafter, shape, plan=plan_for())
         decoder.warm_up()

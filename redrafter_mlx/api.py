@@ -37,15 +37,15 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
 from redrafter_mlx.backend.plan import build_decoder  # noqa: E402
-from redrafter_mlx.core.accept import Sampler, greedy, temperature  # noqa: E402
-from redrafter_mlx.core.decode import Decoder  # noqa: E402
-from redrafter_mlx.core.drafting import Source  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.scheduler import answer_together  # noqa: E402
-from redrafter_mlx.core.session import Session  # noqa: E402
-from redrafter_mlx.core.shape import BeamShape  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
-from redrafter_mlx.core.stream import GenerationResponse, token_responses  # noqa: E402
+from redrafter_mlx.core.decode.accept import Sampler, greedy, temperature  # noqa: E402
+from redrafter_mlx.core.decode.decoder import Decoder  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.shape import BeamShape  # noqa: E402
+from redrafter_mlx.core.decode.source import Source  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode.stream import GenerationResponse, token_responses  # noqa: E402
+from redrafter_mlx.core.serving.scheduler import answer_together  # noqa: E402
+from redrafter_mlx.core.serving.session import Session  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.profiles import follow_context, resolve_shape  # noqa: E402
 
@@ -201,7 +201,7 @@ def stream_generate(
     ``sampler``: e.g. ``mlx_lm.sample_utils.make_sampler(0.7)`` (None: greedy). The beam shape
     keywords override this chip's autotune profile or the default; ``autoregressive`` decodes
     one token per step. ``drafter``: a plain mlx-lm model's drafter (as mlx-lm's
-    ``draft_model``), any ``core/drafting.Source``: a folder's from
+    ``draft_model``), any ``core/decode/source.py: Source``: a folder's from
     ``io.field_drafters.create_drafter(folder, model)``, or a ReDrafter module bound to the
     model's embedding (``BeamDrafter(drafter, llm.embedding(model))``).
     ``logprobs``: each response carries the target's log-probs ``(V,)`` its token was chosen

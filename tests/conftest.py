@@ -10,10 +10,10 @@ import pytest
 from support import tiny_llama
 from support.serving import QUEUE_SIZE, SHAPE, serving
 
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.redrafter import random_drafter
+from redrafter_mlx.core.serving.session import Session
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from redrafter_mlx.core.accept import make_sampler
-from redrafter_mlx.core.distributed import follow, session_for
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.step import Decoding
+from redrafter_mlx.core.decode.accept import make_sampler
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.step import Decoding
+from redrafter_mlx.core.serving.distributed import follow, session_for
 
 PROMPT = [1, 450, 4996, 310, 278, 3186, 338, 263, 5650, 310, 278, 3186, 338]
 MORE = [29892, 322, 278, 3186, 338]

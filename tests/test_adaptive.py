@@ -1,4 +1,4 @@
-"""Adaptive speculation past a context length (core/adaptive.py): the policy's choice from
+"""Adaptive speculation past a context length (core/decode/adaptive.py): the policy's choice from
 measured speeds, and answers that switch between speculative and plain steps mid-answer,
 which stay the target's own tokens (greedy: token for token; log-probs alike)."""
 
@@ -14,14 +14,14 @@ from support.decoding import autoregressive, take
 from support.families import build, mlx_lm_greedy
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.adaptive import Adaptive
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.stream import decode_steps
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.adaptive import Adaptive
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.stream import decode_steps
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.tuning import profiles
 
 SHAPE = BeamShape(2, 3, lookup=1)

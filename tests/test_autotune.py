@@ -17,8 +17,8 @@ from support import make_runtime, toy_tokenizer
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import autotune
 from redrafter_mlx.cli.flags import shape_overrides
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning import profiles, search
 from redrafter_mlx.tuning.search import Observation

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 from support import make_runtime, toy_tokenizer
 
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.decode import Decoding
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.accept import greedy
+from redrafter_mlx.core.decode.decoder import Decoding
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.tuning import profiles, search
 from redrafter_mlx.tuning.profiles import ContextBands
 from redrafter_mlx.tuning.search import BandCosts

@@ -1,5 +1,5 @@
-"""Batched decode steps (core/batch.py, core/joint.py) and the batching service
-(core/scheduler.py): every sequence's answer is the one it gets alone."""
+"""Batched decode steps (core/serving/batch.py, core/decode/joint.py) and the batching service
+(core/serving/scheduler.py): every sequence's answer is the one it gets alone."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from support.families import HYBRIDS, build
 from support.serving import run, tiny_service
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import batch
-from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
 from redrafter_mlx.core.errors import ContextFull
-from redrafter_mlx.core.service import Request, Sampling
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.serving import batch
+from redrafter_mlx.core.serving.service import Request, Sampling
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3, 3]]
 LONG = [[10, 11, 11], [14, 39, 3]]  # the tiny target's greedy answers: 300 tokens, no EOS
@@ -126,7 +126,7 @@ def test_members_fitted_to_their_root_alone_step_as_one_token_then_draft_again(
     alone, and a member left alone verifies and drafts its own trees again."""
     import dataclasses
 
-    from redrafter_mlx.core import speculative
+    from redrafter_mlx.core.decode import speculative
 
     beams = BeamDrafter(drafter, target.model.embed_tokens)
     decoder = decoder_for(target, beams, dataclasses.replace(plan, batch_rows=2))
@@ -179,7 +179,7 @@ def test_warm_up_traces_the_shapes_a_bounded_batch_fits_trees_to(target, drafter
 
     import mlx.core as mx
 
-    from redrafter_mlx.core.scheduler import warm_up
+    from redrafter_mlx.core.serving.scheduler import warm_up
 
     beams = BeamDrafter(drafter, target.model.embed_tokens)
     plan = dataclasses.replace(GENERIC_PLAN, batch_rows=4)
@@ -203,7 +203,7 @@ def test_warm_up_traces_the_shapes_a_bounded_batch_fits_trees_to(target, drafter
 def test_hybrid_members_run_their_recurrent_layers_as_one_batch_exactly(family, monkeypatch):
     """Each recurrent layer runs the members' trees (and a chain's token) depth by depth as
     one batch: every answer is the one it gets alone, and no member's layer runs alone."""
-    from redrafter_mlx.core import joint
+    from redrafter_mlx.core.decode import joint
 
     model = build(family)
     decoder = decoder_for(model)
@@ -260,7 +260,7 @@ def test_a_full_context_ends_its_member_and_the_others_step_on(target, drafter):
 def test_seeded_members_draw_what_they_draw_alone(target, drafter):
     import mlx.core as mx
 
-    from redrafter_mlx.core.accept import make_sampler
+    from redrafter_mlx.core.decode.accept import make_sampler
 
     beams = BeamDrafter(drafter, target.model.embed_tokens)
     decoder = decoder_for(target, beams, CPU_PLAN)
@@ -350,7 +350,7 @@ def test_a_request_joins_only_while_the_batch_holds_less_than_its_byte_bound(
 ):
     """Two requests at once batch together, unless the first one's KV cache already holds
     ``max_batch_bytes``: the second then waits until the first has ended."""
-    from redrafter_mlx.core import scheduler
+    from redrafter_mlx.core.serving import scheduler
 
     sizes = []
     real = scheduler.batch_step
@@ -386,7 +386,7 @@ def test_a_cancelled_member_leaves_and_the_batch_goes_on(target, drafter):
 
 
 def test_past_max_batch_requests_wait_in_the_queue_and_past_it_are_refused(target, drafter):
-    from redrafter_mlx.core.service import QueueFull
+    from redrafter_mlx.core.serving.service import QueueFull
 
     service = tiny_service(target, drafter, max_batch=2, queue_size=1)
     try:

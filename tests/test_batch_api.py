@@ -10,8 +10,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from support import tiny_llama, toy_hf_tokenizer, toy_tokenizer
 
 import redrafter_mlx
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3, 3]]
 

@@ -13,8 +13,8 @@ from support import make_runtime, toy_tokenizer
 
 from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.cli import bench
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
 from redrafter_mlx.io.prompts import load_prompts
 from redrafter_mlx.tuning import measure
 from redrafter_mlx.tuning.measure import BenchConfig, Method, Record, Run

@@ -32,12 +32,12 @@ from redrafter_mlx.cli.chat import (
     save_conversation,
     unknown_hint,
 )
-from redrafter_mlx.core.cache import common_prefix
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
+from redrafter_mlx.core.decode.cache import common_prefix
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
 from redrafter_mlx.core.errors import ContextFull
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.serving.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -258,8 +258,8 @@ EXPECTED_SCRIPT = """
 import json, sys
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.cli.chat import encoder
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.serving.session import Session
 record = json.load(open(sys.argv[1]))
 runtime = rt.load_runtime(None, None, need_drafter=False)
 plain = rt.decoding(runtime, runtime.plan.default_shape, mode=Mode.AUTOREGRESSIVE)
@@ -286,7 +286,7 @@ def drafter_dir(tmp_path_factory) -> str:
     shipped = ROOT / "weights" / "smollm2-135m-instruct-drafter"
     if (shipped / "config.json").is_file():
         return str(shipped)
-    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import random_drafter, save_drafter
 
     out = tmp_path_factory.mktemp("drafter")
     save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), out)
@@ -740,7 +740,7 @@ def test_chat_main_with_lookup_runs_a_model_without_drafter(looping, monkeypatch
 def test_an_answer_cut_by_max_tokens_says_so_in_its_stats_line(looping, capsys):
     """The stats line of a cut answer looked like any other."""
     from redrafter_mlx.cli.chat import Turn
-    from redrafter_mlx.core.stream import GenerationStats
+    from redrafter_mlx.core.decode.stream import GenerationStats
 
     model, beam = looping
     chat = small_session(model, beam, max_tokens=5)

@@ -243,7 +243,7 @@ def pair(tmp_path):
     """The tiny model's folder, a drafter for it and a prompts file of two prompts."""
     from support import tiny_model_folder
 
-    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import random_drafter, save_drafter
 
     model = tiny_model_folder(tmp_path / "model")
     save_drafter(random_drafter(64, 64, seed=1), tmp_path / "drafter")

@@ -26,7 +26,7 @@ from mlx_lm.models import llama
 from support import shared_data
 
 from redrafter_mlx.cli import convert as convert_cli
-from redrafter_mlx.core.llm import target_dims
+from redrafter_mlx.core.decode.llm import target_dims
 from redrafter_mlx.io import convert as conv
 from redrafter_mlx.io.convert import ConversionError, convert_drafter, convert_gguf, convert_hf
 from redrafter_mlx.io.load import LoadError, load_target
@@ -441,7 +441,7 @@ def test_reference_drafter_converts(tmp_path, convert_tiny_mlx, prefix):
     np.testing.assert_array_equal(
         np.array(got["lm_head.2.weight"]), np.array(tensors[f"{prefix}.2.weight"])
     )
-    from redrafter_mlx.core.drafter import load_drafter
+    from redrafter_mlx.core.drafters.redrafter import load_drafter
 
     load_drafter(out)
 
@@ -725,7 +725,12 @@ def test_smollm2_keeps_4bit(tmp_path):
 
 
 def test_a_drafter_that_does_not_match_its_config_or_is_a_file_is_named(tmp_path):
-    from redrafter_mlx.core.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import (
+        DrafterError,
+        load_drafter,
+        random_drafter,
+        save_drafter,
+    )
 
     save_drafter(random_drafter(64, 64, num_draft_layers=2), tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -751,7 +756,12 @@ def test_a_drafter_that_does_not_match_its_config_or_is_a_file_is_named(tmp_path
 )
 def test_a_hand_edited_drafter_config_is_a_one_line_error(tmp_path, edit, message):
     """Wrong types in a drafter's config.json used to reach MLX (a traceback)."""
-    from redrafter_mlx.core.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import (
+        DrafterError,
+        load_drafter,
+        random_drafter,
+        save_drafter,
+    )
 
     save_drafter(random_drafter(64, 64), tmp_path / "d")
     path = tmp_path / "d" / "config.json"
@@ -761,7 +771,12 @@ def test_a_hand_edited_drafter_config_is_a_one_line_error(tmp_path, edit, messag
 
 
 def test_a_truncated_drafter_weights_file_is_called_corrupt(tmp_path):
-    from redrafter_mlx.core.drafter import DrafterError, load_drafter, random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import (
+        DrafterError,
+        load_drafter,
+        random_drafter,
+        save_drafter,
+    )
 
     save_drafter(random_drafter(64, 64), tmp_path / "d")
     weights = tmp_path / "d" / "model.safetensors"

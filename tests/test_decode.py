@@ -22,16 +22,16 @@ from support.decoding import (
 )
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import speculative as tree_step
-from redrafter_mlx.core.accept import choose, greedy
-from redrafter_mlx.core.accept import make_sampler as our_sampler
-from redrafter_mlx.core.draft import BeamDrafter, beam_search, select_paths
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.drafting import SearchSource
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape, verified_sizes
-from redrafter_mlx.core.tree import verified_size
+from redrafter_mlx.core.decode import speculative as tree_step
+from redrafter_mlx.core.decode.accept import choose, greedy
+from redrafter_mlx.core.decode.accept import make_sampler as our_sampler
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.shape import BeamShape, verified_sizes
+from redrafter_mlx.core.decode.source import SearchSource
+from redrafter_mlx.core.decode.tree import verified_size
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter, beam_search, select_paths
+from redrafter_mlx.core.drafters.redrafter import random_drafter
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.tuning.measure import time_steps
 
 GREEDY = greedy  # the fast path: argmax of raw logits
@@ -427,8 +427,8 @@ def test_verified_sizes_span_merged_to_disjoint_trees():
 def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
     """mlx-lm's samplers are compiled at import (invisible to ``traces``) and traced per row
     count: the warm-up must sample at each count an answer does, beyond 32-row trees too."""
-    from redrafter_mlx.core import accept as accept_module
-    from redrafter_mlx.core import decode
+    from redrafter_mlx.core.decode import accept as accept_module
+    from redrafter_mlx.core.decode import decoder
 
     seen, real = [], accept_module.choose
 
@@ -437,7 +437,7 @@ def test_warm_up_samples_at_every_row_count_an_answer_samples(monkeypatch):
         return real(logits, sampler)
 
     monkeypatch.setattr(accept_module, "choose", recording)
-    monkeypatch.setattr(decode, "choose", recording)
+    monkeypatch.setattr(decoder, "choose", recording)
     model = tiny_llama(seed=11)
     drafter = BeamDrafter(random_drafter(64, 64, seed=12), model.model.embed_tokens)
     shape = BeamShape(16, 4)  # up to 49 nodes: trees beyond the compiled 32 rows

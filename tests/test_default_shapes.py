@@ -10,7 +10,7 @@ from support import run_steps, tiny_llama
 from support.decoding import take
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.io.demo_drafters import KINDS, write_demo_drafter
 from redrafter_mlx.io.field_drafters import create_drafter
 

@@ -22,11 +22,11 @@ from support.drafters import (
 )
 from support.families import build
 
-from redrafter_mlx.core.dflash import best_first
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
+from redrafter_mlx.core.drafters.dflash import best_first
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_dflash
 
 VOCAB, HIDDEN = 97, 64
@@ -182,7 +182,7 @@ def test_greedy_with_dflash_equals_autoregressive(tmp_path, family, shape):
 
 
 def test_one_host_read_per_step_with_dflash(tmp_path, qwen3, monkeypatch):
-    from redrafter_mlx.core import speculative as tree_step
+    from redrafter_mlx.core.decode import speculative as tree_step
 
     drafter = load_dflash(dflash_folder(tmp_path / "d"), qwen3)
     reads = []
@@ -212,7 +212,7 @@ def test_generate_with_a_dflash_folder_says_so(tmp_path, capsys):
 def test_marginals_equal_dflash_mlxs(tmp_path, qwen3):
     """dflash-mlx 0.1.8's drafter over the same prompt states (its cache-free call)."""
     model = pytest.importorskip("dflash_mlx.model", reason="dflash-mlx 0.1.8 not installed")
-    from redrafter_mlx.core.llm import embedding, head_linear
+    from redrafter_mlx.core.decode.llm import embedding, head_linear
 
     folder = dflash_folder(tmp_path / "d")
     config = json.loads((folder / "config.json").read_text())

@@ -20,10 +20,10 @@ from support.families import build
 from test_dflash import HIDDEN, VOCAB, dflash_folder, fed
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core.dflash2 import grouped_causal
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
+from redrafter_mlx.core.drafters.dflash2 import grouped_causal
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_dflash, load_dflash2
 
 KERNEL, GROUP, RANK, TOP_K = 3, 16, 8, 6
@@ -433,7 +433,7 @@ def test_one_host_read_per_step_with_dflash2(tmp_path, qwen3, monkeypatch):
     """The selector's chain and its tree stay on the device: the step's one read."""
     import itertools
 
-    from redrafter_mlx.core import speculative as tree_step
+    from redrafter_mlx.core.decode import speculative as tree_step
 
     drafter = load_dflash2(dflash2_folder(tmp_path / "d"), qwen3)
     reads = []

@@ -22,13 +22,18 @@ from support import (
 from support.decoding import take
 
 from redrafter_mlx.backend import plan as plans
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import (
+    load_drafter,
+    random_drafter,
+    save_drafter,
+    tap_features,
+)
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import drafters
 from redrafter_mlx.training.taps import tapped
 
@@ -688,13 +693,13 @@ def test_a_layered_drafter_drafts_from_the_last_accepted_path_rows_taps(deep_tar
 def test_every_drafter_type_is_a_source_that_names_its_type():
     """ReDrafter's RNN, EAGLE-3, DFlash, MTP and lookup all implement ``drafting.Source`` and
     say which type they are (what banners and ``--json`` print)."""
-    from redrafter_mlx.core.dflash import DFlashDrafter
-    from redrafter_mlx.core.dflash2 import DFlash2Drafter
-    from redrafter_mlx.core.drafting import Source
-    from redrafter_mlx.core.dspark import DSparkDrafter
-    from redrafter_mlx.core.eagle3 import Eagle3Drafter
-    from redrafter_mlx.core.lookup import Lookup
-    from redrafter_mlx.core.mtp import MTPDrafter
+    from redrafter_mlx.core.decode.lookup import Lookup
+    from redrafter_mlx.core.decode.source import Source
+    from redrafter_mlx.core.drafters.dflash import DFlashDrafter
+    from redrafter_mlx.core.drafters.dflash2 import DFlash2Drafter
+    from redrafter_mlx.core.drafters.dspark import DSparkDrafter
+    from redrafter_mlx.core.drafters.eagle3 import Eagle3Drafter
+    from redrafter_mlx.core.drafters.mtp import MTPDrafter
 
     kinds = {
         BeamDrafter: "redrafter",
@@ -712,7 +717,7 @@ def test_every_drafter_type_is_a_source_that_names_its_type():
 def test_a_source_must_draft_and_defaults_the_rest():
     """A subclass that does not draft cannot be made; one that only drafts reads the final
     hidden state alone, keeps nothing per sequence and takes any shape."""
-    from redrafter_mlx.core.drafting import Source
+    from redrafter_mlx.core.decode.source import Source
 
     class Silent(Source):
         kind = "silent"
@@ -757,7 +762,7 @@ def test_create_drafter_loads_a_redrafter_folder_as_its_source(tmp_path, target)
 def test_lookup_drafts_the_sequences_own_continuations():
     """Lookup as a source: the beams its index proposes after the pending token, at
     log-prob 0, after one host read (the pending token)."""
-    from redrafter_mlx.core.lookup import Lookup
+    from redrafter_mlx.core.decode.lookup import Lookup
 
     sequence = Sequence(1, mx.float32)
     sequence.commit([1, 2, 3, 1, 2, 4, 1])

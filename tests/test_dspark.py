@@ -21,11 +21,11 @@ from support.families import build
 from test_dflash import HIDDEN, VOCAB, dflash_folder
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core.dflash import best_tree
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
+from redrafter_mlx.core.drafters.dflash import best_tree
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io import drafter_types
 from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_dspark
 
@@ -195,8 +195,8 @@ def test_greedy_with_dspark_equals_autoregressive(tmp_path, family, shape, plan)
 @pytest.mark.parametrize("anchored", [True, False], ids=["anchored", "masked-first"])
 @pytest.mark.parametrize("window", [3, 64])
 def test_greedy_with_sliding_dspark_layers_equals_autoregressive(tmp_path, qwen3, anchored, window):
-    """DSpark's config parses as DFlash's (core/dflash.parsed), so its layers may slide; the
-    sliding masks cover its block (``P`` rows when anchored), not DFlash's ``P + 1``."""
+    """DSpark's config parses as DFlash's (core/drafters/dflash.py: parsed), so its layers may
+    slide; the sliding masks cover its block (``P`` rows when anchored), not DFlash's ``P + 1``."""
     folder = dspark_folder(tmp_path / "d", anchored=anchored)
     config = json.loads((folder / "config.json").read_text())
     config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window}
@@ -213,8 +213,9 @@ def test_greedy_with_sliding_dspark_layers_equals_autoregressive(tmp_path, qwen3
     [("dflash2", "dflash2"), ("speculators:dflash", "dflash"), ("speculators:dflash2", "dflash2")],
 )
 def test_types_that_now_load_are_routed_to_their_loader(tmp_path, key, kind):
-    """DFlash2 and speculators' DFlash layouts load (core/dflash2.py, core/dflash.flattened):
-    their rows name their loader, so a folder declaring them is not refused."""
+    """DFlash2 and speculators' DFlash layouts load (core/drafters/dflash2.py,
+    core/drafters/dflash.py: flattened): their rows name their loader, so a folder declaring them
+    is not refused."""
     assert drafter_types.TYPES[key].kind == kind
     folder = tmp_path / "d"
     folder.mkdir()
@@ -230,7 +231,7 @@ def test_a_dflash_config_with_dflash2s_own_sizes_is_dflash2():
 def test_each_step_verifies_a_drafted_tree_and_reads_the_host_once(tmp_path, qwen3, monkeypatch):
     """Every step after the prompt verifies a tree of drafted nodes (at most the width's),
     with one host read, as DFlash's."""
-    from redrafter_mlx.core import speculative as tree_step
+    from redrafter_mlx.core.decode import speculative as tree_step
 
     drafter = load_dspark(dspark_folder(tmp_path / "d"), qwen3)
     reads = []
@@ -394,7 +395,7 @@ def peagle_folder(out: Path) -> Path:
 
 def test_a_speculators_peagle_folder_loads_as_eagle3_with_its_own_embedding(tmp_path, qwen3):
     """It failed with ``KeyError('hidden_size')`` (read as ReDrafter's)."""
-    from redrafter_mlx.core.llm import embedding
+    from redrafter_mlx.core.decode.llm import embedding
     from redrafter_mlx.io.field_drafters import load_eagle3
 
     folder = peagle_folder(tmp_path / "p")
@@ -420,8 +421,8 @@ def source_service(target, drafter, **bounds):
     (tests/support/serving.py's, which wraps a ReDrafter module), trees of ``(4, 4)``."""
     from support import toy_tokenizer
 
-    from redrafter_mlx.core.mode import Mode
-    from redrafter_mlx.core.service import Engine, GenerationService
+    from redrafter_mlx.core.decode.mode import Mode
+    from redrafter_mlx.core.serving.service import Engine, GenerationService
 
     shape = BeamShape(4, 4)
 
@@ -438,7 +439,7 @@ def source_service(target, drafter, **bounds):
 def test_the_batching_service_answers_as_the_serial_one(tmp_path, qwen3, make):
     from support.serving import run
 
-    from redrafter_mlx.core.service import Request, Sampling
+    from redrafter_mlx.core.serving.service import Request, Sampling
 
     drafter = create_drafter(make(tmp_path / "d"), qwen3)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13], [3, 3, 3], [5, 6]]

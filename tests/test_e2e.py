@@ -12,11 +12,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from support import decoder_for, decoding_of
 
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import load_drafter, random_drafter
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.accept import greedy
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import load_drafter, random_drafter
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io.embedded import default_drafter_path, default_model_path
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.templates import apply_chat_template
@@ -115,7 +115,7 @@ def test_generate_cli_json_reports_steps_syncs_and_tree_sizes(tmp_path):
     ):
         assert key in ar
     drafter = tmp_path / "drafter"
-    from redrafter_mlx.core.drafter import save_drafter
+    from redrafter_mlx.core.drafters.redrafter import save_drafter
 
     save_drafter(random_drafter(576, 49152, seed=0, head="target", draft_vocab_size=4096), drafter)
     sd = json.loads(

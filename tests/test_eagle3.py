@@ -26,11 +26,11 @@ from support.drafters import (
 )
 from support.families import build
 
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.llm import embedding
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import embedding
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_eagle3
 
 VOCAB, DRAFT_VOCAB = 97, 40
@@ -272,7 +272,7 @@ def test_sampling_with_eagle3_keeps_the_targets_distribution(tmp_path, qwen3):
 
 
 def test_one_host_read_per_step_with_eagle3(tmp_path, qwen3, monkeypatch):
-    from redrafter_mlx.core import speculative as tree_step
+    from redrafter_mlx.core.decode import speculative as tree_step
 
     drafter = load_eagle3(eagle3_folder(tmp_path / "d", layer_ids=(1, 2, 2)), qwen3)
     reads = []
@@ -407,7 +407,7 @@ def test_generate_with_an_eagle3_folder_of_other_weights_says_so_in_one_line(tmp
     from support.families import model_folder
 
     from redrafter_mlx.cli import main
-    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import random_drafter, save_drafter
 
     model = model_folder("qwen3", tmp_path / "qwen3", shared_data("vicuna-7b-v1.3-tokenizer"))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]

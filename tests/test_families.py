@@ -36,12 +36,12 @@ from support.families import (
 
 from redrafter_mlx.backend.plan import make_forward
 from redrafter_mlx.cli import main
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.tree import pack_beams, tree_mask
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.tree import pack_beams, tree_mask
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.io.runtime import decoding, encode_chat, load_runtime
 

@@ -22,12 +22,12 @@ from support.drafters import generate_with_config, second_token_pvalue
 from support.families import BASE, build, build_config
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core.accept import log_softmax
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.accept import log_softmax
+from redrafter_mlx.core.decode.llm import inner_model
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
+from redrafter_mlx.core.drafters.gemma4_assistant import Assistant, AssistantArgs
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.gemma4_assistant import Assistant, AssistantArgs
-from redrafter_mlx.core.llm import inner_model
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind
 
 VOCAB = 96  # divisible by the centroid head's 8 clusters
@@ -248,7 +248,7 @@ def test_the_assistant_in_a_batch_answers_as_alone(gemma4, assistant_folder, pla
 def test_in_a_batch_it_reads_each_members_own_path(gemma4, assistant_folder):
     """Stepped in a batch, a member whose path was accepted drafts what a fresh prompt of its
     tokens drafts: the assistant reads that member's K/V, not its neighbours'."""
-    from redrafter_mlx.core.batch import Member, batch_step
+    from redrafter_mlx.core.serving.batch import Member, batch_step
 
     drafter = create_drafter(assistant_folder, gemma4)
     decoder = decoder_for(gemma4, drafter)

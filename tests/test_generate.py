@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from support import decoder_for, decoding_of, run_steps, tiny_llama, toy_tokenizer
 
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.drafting import SearchSource
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import SearchSource
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
+from redrafter_mlx.core.serving.session import Session
 
 PROMPT = [5, 17, 33, 2, 41]
 
@@ -147,7 +147,7 @@ def test_logprobs_equal_mlx_lm_s_token_by_token(model, shape, monkeypatch):
     import mlx_lm
 
     import redrafter_mlx
-    from redrafter_mlx.core import speculative as tree_step
+    from redrafter_mlx.core.decode import speculative as tree_step
 
     tokenizer = toy_tokenizer()
     theirs = list(mlx_lm.stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=20))
@@ -183,7 +183,7 @@ def test_logprobs_equal_mlx_lm_s_token_by_token(model, shape, monkeypatch):
 def test_a_temperature_too_small_to_scale_logits_by_decodes_greedily(model, reference, temp):
     """1 / 1e-40 is inf in float32: mlx-lm's draw from the scaled logits returned garbage.
     The one rule (accept.is_greedy) makes the sampler argmax, plain and speculative alike."""
-    from redrafter_mlx.core.accept import greedy, is_greedy, make_sampler
+    from redrafter_mlx.core.decode.accept import greedy, is_greedy, make_sampler
 
     assert is_greedy(temp) and make_sampler(temp) is greedy
     drafter = BeamDrafter(random_drafter(64, 64, seed=1), model.model.embed_tokens)

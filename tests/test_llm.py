@@ -16,9 +16,9 @@ from support import run_steps, tiny_llama
 from redrafter_mlx.backend.cpu.fused import ONE_TOKEN_EXP2_MIN, attention, exp2, rope_tables
 from redrafter_mlx.backend.cpu.kernels import cpu_kernels
 from redrafter_mlx.backend.plan import CPU_PLAN, make_forward
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.tree import pack_beams, tree_mask
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.tree import pack_beams, tree_mask
 
 PREFIX = [3, 14, 15, 9, 2, 6]
 

@@ -24,18 +24,18 @@ from support.decoding import (
 )
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core import speculative as tree_step
-from redrafter_mlx.core.accept import greedy
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.lookup import NgramIndex
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape, verified_sizes
-from redrafter_mlx.core.speculative import accepted_source as _source
-from redrafter_mlx.core.step import Decoding
-from redrafter_mlx.core.tree import verified_size
+from redrafter_mlx.core.decode import speculative as tree_step
+from redrafter_mlx.core.decode.accept import greedy
+from redrafter_mlx.core.decode.lookup import NgramIndex
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.shape import BeamShape, verified_sizes
+from redrafter_mlx.core.decode.speculative import accepted_source as _source
+from redrafter_mlx.core.decode.step import Decoding
+from redrafter_mlx.core.decode.tree import verified_size
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.tuning.measure import time_steps
 
 

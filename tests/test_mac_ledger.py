@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mac_ledger as ml  # noqa: E402
 from ledger_trace import Tracer  # noqa: E402
 
-from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter  # noqa: E402
 
 
 def _busy(seconds: float) -> None:

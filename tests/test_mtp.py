@@ -24,11 +24,11 @@ from support.drafters import (
 from support.families import build, config
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.llm import inner_model
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import inner_model
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.field_drafters import create_drafter, drafter_kind, load_mtp
 
 HIDDEN, HEADS, KV, DIM, INTER = 64, 4, 2, 16, 96

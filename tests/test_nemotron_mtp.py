@@ -20,12 +20,12 @@ from support.drafters import generate_with_config, second_token_pvalue
 from support.families import build, config
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
-from redrafter_mlx.core.drafting import Reading
+from redrafter_mlx.core.decode.llm import inner_model
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Reading
+from redrafter_mlx.core.drafters.nemotron_mtp import NemotronMTPHead
 from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.llm import inner_model
-from redrafter_mlx.core.nemotron_mtp import NemotronMTPHead
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.shape import BeamShape
 from redrafter_mlx.io.field_drafters import NemotronArgs, create_drafter, drafter_kind
 
 EXPERTS = 4

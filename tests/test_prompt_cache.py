@@ -1,4 +1,4 @@
-"""core/prompt_cache.py: several conversations' sessions for one server. A request gets the
+"""core/serving/prompt_cache.py: several conversations' sessions for one server. A request gets the
 session whose last prompt it extends (the one sharing most), else a new one while there is
 room, else the least recently used one; byte bounds drop the least recently used first."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from support import decoder_for, decoding_of, toy_tokenizer
 
-from redrafter_mlx.core.prompt_cache import TAIL, PromptCache, session_bytes
-from redrafter_mlx.core.session import Session
+from redrafter_mlx.core.serving.prompt_cache import TAIL, PromptCache, session_bytes
+from redrafter_mlx.core.serving.session import Session
 
 A = [5, 6, 7, 8, 9, 12, 13]
 B = [40, 41, 42, 43, 44, 45]

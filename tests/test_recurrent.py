@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from redrafter_mlx.core.recurrent import Levels, StateStore
+from redrafter_mlx.core.decode.recurrent import Levels, StateStore
 
 
 def states(value: float, rows: int = 1) -> list[mx.array]:

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from support import decoder_for, decoding_of, tiny_llama
 
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.cache import KVStore
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.lookup import NgramIndex
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.step import SpentState
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.cache import KVStore
+from redrafter_mlx.core.decode.lookup import NgramIndex
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.step import SpentState
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
 
 PROMPT = [5, 9, 2, 5, 9, 3, 5, 9, 2]
 

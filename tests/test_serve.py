@@ -32,11 +32,11 @@ from support.serving import (
     wait_until,
 )
 
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.core.errors import ConfigError, ContextFull
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.service import Engine, GenerationService, QueueFull, Request
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.serving.service import Engine, GenerationService, QueueFull, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -314,7 +314,7 @@ def test_numbers_past_what_python_parses_and_long_stops_are_refused_by_field():
 
 
 def test_a_temperature_too_small_to_sample_at_runs_at_the_greedy_shape():
-    from redrafter_mlx.core.service import Sampling
+    from redrafter_mlx.core.serving.service import Sampling
     from redrafter_mlx.server.openai import Limits, parse_chat
 
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e-40}
@@ -886,7 +886,7 @@ def test_a_refused_setup_exits_1_in_one_line_every_time(tmp_path):
     """After the worker thread that loaded the model ended, the interpreter's exit aborted in
     MLX's teardown ("terminate called without an active exception", rc 134) in a third to
     half of the runs here: six runs, so that the old code fails this test almost surely."""
-    from redrafter_mlx.core.drafter import random_drafter, save_drafter
+    from redrafter_mlx.core.drafters.redrafter import random_drafter, save_drafter
 
     save_drafter(random_drafter(64, 49152), tmp_path / "drafter")  # the target's is 576
     refused = [["--top-k", "99999999"]] * 6 + [["--drafter", str(tmp_path / "drafter")]]

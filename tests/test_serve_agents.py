@@ -14,7 +14,7 @@ import pytest
 from support import tool_model
 from support.serving import Served, serving
 
-from redrafter_mlx.core.stream import StepResponse
+from redrafter_mlx.core.decode.stream import StepResponse
 
 ANTHROPIC_TOOLS = [
     {
@@ -505,8 +505,8 @@ def test_reasoning_splits_from_the_answer_however_steps_cut_its_tags(opened):
 
 
 def test_reasoning_streams_as_thinking_blocks_and_reasoning_content():
-    from redrafter_mlx.core.service import Request, Started
-    from redrafter_mlx.core.stream import GenerationStats
+    from redrafter_mlx.core.decode.stream import GenerationStats
+    from redrafter_mlx.core.serving.service import Request, Started
     from redrafter_mlx.server.anthropic import Anthropic
     from redrafter_mlx.server.openai import OpenAI
     from redrafter_mlx.server.protocol import Answer, Call, Outcome
@@ -679,8 +679,8 @@ def test_codex_s_input_items_and_custom_tools_become_the_chat_template_s_message
     a reasoning item left out; the custom call comes back as a custom_tool_call item."""
     import importlib
 
-    from redrafter_mlx.core.service import Started
-    from redrafter_mlx.core.stream import GenerationStats
+    from redrafter_mlx.core.decode.stream import GenerationStats
+    from redrafter_mlx.core.serving.service import Started
     from redrafter_mlx.io.templates import ToolFormat
     from redrafter_mlx.server.protocol import Answer, Call, Limits, Outcome
     from redrafter_mlx.server.responses import Responses, parse_responses

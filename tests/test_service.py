@@ -1,6 +1,6 @@
-"""core/service.py as the server uses it: one worker thread, requests in arrival order, each at
-the shape its temperature picks; closing cancels what still waits; a request's own error or a
-failure mid-answer reaches its caller alone and the next request is served from a clean cache;
+"""core/serving/service.py as the server uses it: one worker thread, requests in arrival order,
+each at the shape its temperature picks; closing cancels what still waits; a request's own error or
+a failure mid-answer reaches its caller alone and the next request is served from a clean cache;
 a burst is admitted up to ``max_batch + queue_size``; ending the answers (a server stopping)
 gives each running one its last step and refuses the rest.
 (Arrival order, a full queue, clients that leave and the prompt cache through the service are
@@ -14,10 +14,11 @@ import pytest
 from support import decoder_for, toy_tokenizer
 from support.serving import reference_tokens, run, tiny_service
 
-from redrafter_mlx.core.draft import BeamDrafter
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
 from redrafter_mlx.core.errors import ConfigError
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.service import (
+from redrafter_mlx.core.serving.service import (
     Engine,
     GenerationService,
     QueueFull,
@@ -25,7 +26,6 @@ from redrafter_mlx.core.service import (
     Sampling,
     Stopping,
 )
-from redrafter_mlx.core.shape import BeamShape
 
 PROMPT = [5, 6, 7, 8, 9]
 

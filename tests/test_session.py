@@ -1,5 +1,5 @@
-"""core/session.py: a conversation over one decoder. Each turn reuses the longest cached prefix
-and answers as a fresh cache would; a decoding change is checked, then warmed up; an answer
+"""core/serving/session.py: a conversation over one decoder. Each turn reuses the longest cached
+prefix and answers as a fresh cache would; a decoding change is checked, then warmed up; an answer
 stopped early (closed, or cancelled during its prompt) leaves the conversation usable."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from support import decoder_for, decoding_of, toy_tokenizer
 
-from redrafter_mlx.core.accept import make_sampler
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.accept import make_sampler
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.serving.session import Session
 
 FIRST = [5, 6, 7, 8, 9]
 

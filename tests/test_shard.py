@@ -28,7 +28,7 @@ from support import shared_data
 from support.distributed import LAUNCH, free_ports, rank_pid
 from support.families import model_folder
 
-from redrafter_mlx.core.drafter import random_drafter, save_drafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter, save_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240

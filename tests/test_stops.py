@@ -1,12 +1,18 @@
-"""core/stops.py: an answer ends at its first EOS token or where a stop string begins; text that
-may begin a stop string is held back until later tokens complete or break it."""
+"""core/decode/stops.py: an answer ends at its first EOS token or where a stop string begins; text
+that may begin a stop string is held back until later tokens complete or break it."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from redrafter_mlx.core.stops import find_stop_string, first_stop, held_back, stop_at, through_stop
+from redrafter_mlx.core.decode.stops import (
+    find_stop_string,
+    first_stop,
+    held_back,
+    stop_at,
+    through_stop,
+)
 
 STOPS = st.lists(st.text("abc", min_size=1, max_size=8), min_size=1, max_size=3).map(tuple)
 

@@ -11,10 +11,10 @@ from support import run_steps, tiny_llama
 from redrafter_mlx.backend.cpu import blas
 from redrafter_mlx.backend.cpu.fused import FusedForward
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN, plan_for
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import random_drafter
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.redrafter import random_drafter
 
 
 @pytest.fixture

@@ -17,12 +17,17 @@ from support import shared_data, write_conversations
 
 from redrafter_mlx.backend.plan import build_decoder
 from redrafter_mlx.cli import train as T
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.accept import log_softmax
-from redrafter_mlx.core.drafter import load_drafter, random_drafter, save_drafter, tap_features
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.accept import log_softmax
+from redrafter_mlx.core.decode.lookup import NgramIndex
+from redrafter_mlx.core.decode.shape import shape_grid
+from redrafter_mlx.core.drafters.redrafter import (
+    load_drafter,
+    random_drafter,
+    save_drafter,
+    tap_features,
+)
 from redrafter_mlx.core.errors import TrainError
-from redrafter_mlx.core.lookup import NgramIndex
-from redrafter_mlx.core.shape import shape_grid
 from redrafter_mlx.training import budget, loop
 from redrafter_mlx.training import evaluate as E
 from redrafter_mlx.training.cache import Cache

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from redrafter_mlx.core.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
+from redrafter_mlx.core.decode.tree import pack_beams, pad_tree, prune, tree_mask, verified_size
 
 
 def test_worked_example():
@@ -131,7 +131,7 @@ def test_prune_worked_example():
 
 
 def test_accepted_nodes_move_only_when_not_already_after_the_prefix():
-    from redrafter_mlx.core.speculative import accepted_nodes
+    from redrafter_mlx.core.decode.speculative import accepted_nodes
 
     beams = np.array([[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]])
     tree = pack_beams(beams)  # nodes [91, 92, 93, 95, 94, 96, 97]

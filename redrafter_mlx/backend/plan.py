@@ -1,4 +1,4 @@
-"""The plan each device runs (:class:`redrafter_mlx.core.plan.Plan`): the CPU backend runs
+"""The plan each device runs (:class:`redrafter_mlx.core.decode.plan.Plan`): the CPU backend runs
 :data:`~redrafter_mlx.backend.cpu.plan.CPU_PLAN` (the ``cpu`` package, behind its one switch);
 every other device, Metal and CUDA, runs the generic plan.
 
@@ -15,10 +15,10 @@ from redrafter_mlx.backend import cpu
 from redrafter_mlx.backend.cpu import blas
 from redrafter_mlx.backend.cpu.fused import FusedForward, has_llama_layers
 from redrafter_mlx.backend.cpu.plan import CPU_PLAN
-from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.drafting import Source
-from redrafter_mlx.core.llm import Forward
-from redrafter_mlx.core.plan import Plan
+from redrafter_mlx.core.decode.decoder import Decoder
+from redrafter_mlx.core.decode.llm import Forward
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.source import Source
 
 GENERIC_PLAN = Plan()
 

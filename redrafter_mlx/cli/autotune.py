@@ -17,7 +17,7 @@ from redrafter_mlx.cli.flags import fail, read_prompts
 from redrafter_mlx.cli.progress import console as stderr_console
 from redrafter_mlx.cli.progress import progress as progress_for
 from redrafter_mlx.core.atomic import check_writable, os_error_text
-from redrafter_mlx.core.shape import shape_grid
+from redrafter_mlx.core.decode.shape import shape_grid
 from redrafter_mlx.tuning.device import chip_info
 from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, REDRAFTER, Method, measure, warm_up
 from redrafter_mlx.tuning.profiles import (

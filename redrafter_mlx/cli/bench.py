@@ -30,8 +30,8 @@ from redrafter_mlx.cli.progress import UNWRAPPED_WIDTH
 from redrafter_mlx.cli.progress import console as stderr_console
 from redrafter_mlx.cli.progress import progress as progress_for
 from redrafter_mlx.core import atomic
-from redrafter_mlx.core.shape import BeamShape, shape_grid
-from redrafter_mlx.core.step import PHASES
+from redrafter_mlx.core.decode.shape import BeamShape, shape_grid
+from redrafter_mlx.core.decode.step import PHASES
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.prompts import MT_BENCH
 from redrafter_mlx.tuning.measure import LOOKUP, REDRAFTER, BenchConfig, plan_name, run_bench

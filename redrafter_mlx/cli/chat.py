@@ -31,14 +31,14 @@ from rich.markup import escape
 
 from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.cli.progress import SaidIfSlow, progress
-from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import write_text
-from redrafter_mlx.core.distributed import MirroredSession, session_for
+from redrafter_mlx.core.decode.accept import make_sampler
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.stream import SOURCES, GenerationStats, StepResponse, tokens_per_step
 from redrafter_mlx.core.errors import ConfigError, ContextFull
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.stream import SOURCES, GenerationStats, StepResponse, tokens_per_step
+from redrafter_mlx.core.serving.distributed import MirroredSession, session_for
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text
 from redrafter_mlx.tuning.measure import time_steps

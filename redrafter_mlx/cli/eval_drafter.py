@@ -6,8 +6,9 @@ tokens/step is the number of tokens the speculative steps emitted divided by the
 (the prefill's first token is not counted). The reported mean is pooled over prompts (total
 tokens / total steps), and over the prompts of each category when the prompt file gives lines a
 "category" (MT-Bench, Spec-Bench). With ``--lookup K`` each step also verifies up to K beams
-copied from the context (:mod:`redrafter_mlx.core.lookup`); the JSON counts every row's accepted
-drafted tokens by source: "drafter", "lookup", or "both" (a beam of each held them). No timing.
+copied from the context (:mod:`redrafter_mlx.core.decode.lookup`); the JSON counts every row's
+accepted drafted tokens by source: "drafter", "lookup", or "both" (a beam of each held them). No
+timing.
 
 ``--simulate`` is the cheap variant for sweeps: each prompt is decoded once by the real loop (at
 W 2, L 5) to get its greedy path; every shape is then replayed along that path from the drafter's
@@ -33,9 +34,9 @@ from rich.table import Table
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.cli.progress import progress as progress_for
-from redrafter_mlx.core import llm
 from redrafter_mlx.core.atomic import check_writable, os_error_text
-from redrafter_mlx.core.shape import shape_grid
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.shape import shape_grid
 from redrafter_mlx.io.prompts import MT_BENCH
 from redrafter_mlx.training import evaluate as ev
 from redrafter_mlx.tuning.profiles import fingerprint

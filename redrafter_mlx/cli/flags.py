@@ -18,9 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from redrafter_mlx.core.atomic import os_error_text
+from redrafter_mlx.core.decode.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
 from redrafter_mlx.core.paths import UNWRITABLE
-from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.field_drafters import KIND_NAMES
 from redrafter_mlx.io.prompts import MT_BENCH, load_conversations

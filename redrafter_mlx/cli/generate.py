@@ -9,9 +9,9 @@ import sys
 from redrafter_mlx.cli import flags, sharding
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.cli.progress import SaidIfSlow
-from redrafter_mlx.core.distributed import session_for
-from redrafter_mlx.core.step import PhaseTimer
-from redrafter_mlx.core.stream import GenerationStats
+from redrafter_mlx.core.decode.step import PhaseTimer
+from redrafter_mlx.core.decode.stream import GenerationStats
+from redrafter_mlx.core.serving.distributed import session_for
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.templates import check_text, read_stdin
 from redrafter_mlx.tuning.profiles import follow_context, resolve_shape

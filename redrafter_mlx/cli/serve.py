@@ -10,7 +10,7 @@ Endpoints as mlx-lm's server and the OpenAI API define them: ``POST /v1/chat/com
 log-probs on chat and text completions. The model, drafter, autotune profile and sampling
 flags are chat's; a request's own fields (temperature, top_p, top_k, seed, max_tokens) win.
 Generation runs on one worker thread
-(:class:`~redrafter_mlx.core.service.GenerationService`): up to ``--max-batch`` requests are
+(:class:`~redrafter_mlx.core.serving.service.GenerationService`): up to ``--max-batch`` requests are
 answered at once in arrival order (one at a time with ``--shard``), at most ``--queue-size``
 more wait (more get 503 with ``Retry-After``), a client that leaves stops its generation
 before the next step or prompt chunk, and the KV caches of up to ``--prompt-cache-size``
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from redrafter_mlx.cli import flags, sharding
+from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
-from redrafter_mlx.core.service import Chat, Engine, GenerationService, Sampling
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.serving.service import Chat, Engine, GenerationService, Sampling
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.io.embedded import DEFAULT_NAME
 from redrafter_mlx.io.templates import apply_chat_template, reasoning_tags, tool_format

@@ -1,6 +1,6 @@
 """``--shard tensor|pipeline`` for generate, chat and serve under ``mlx.launch``: every rank
 loads its share of the target; rank 0 runs the command (prints, reads input, serves), the other
-ranks follow its orders (``core/distributed.py``) and print nothing but their own failure.
+ranks follow its orders (``core/serving/distributed.py``) and print nothing but their own failure.
 
 A rank that fails says so in one line naming itself and exits 1; ``mlx.launch`` then ends
 the others (``redrafter-mlx launch`` also exits non-zero then). A rank that loses another
@@ -69,7 +69,7 @@ def load_runtime(args: argparse.Namespace, *, need_drafter: bool) -> rt.Runtime:
     flags.say_loading(args.model)
     import mlx.core as mx
 
-    from redrafter_mlx.core.distributed import PeerFailed, follow
+    from redrafter_mlx.core.serving.distributed import PeerFailed, follow
     from redrafter_mlx.io.sharded import load_runtime as load_sharded
 
     if mx.distributed.init().size() == 1:

@@ -43,8 +43,8 @@ from typing import NoReturn
 from redrafter_mlx.cli import flags
 from redrafter_mlx.cli.flags import fail
 from redrafter_mlx.core.atomic import free_space, is_disk_full, os_error_text
+from redrafter_mlx.core.decode.llm import inner_model, target_dims
 from redrafter_mlx.core.errors import LoadError, ReDrafterError, TrainError
-from redrafter_mlx.core.llm import inner_model, target_dims
 from redrafter_mlx.io.embedded import default_model_path
 from redrafter_mlx.io.load import load_target
 from redrafter_mlx.training.budget import (

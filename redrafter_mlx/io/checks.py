@@ -14,7 +14,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from redrafter_mlx.core import llm
+from redrafter_mlx.core.decode import llm
 from redrafter_mlx.core.errors import LoadError
 
 # What a layer's cache may be (mlx-lm's ``make_cache``): plain and sliding-window attention,

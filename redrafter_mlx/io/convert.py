@@ -23,8 +23,8 @@ import mlx.nn as nn
 import numpy as np
 
 from redrafter_mlx.core.atomic import is_disk_full, staged_dir
-from redrafter_mlx.core.drafter import MODEL_TYPE as DRAFTER_TYPE
-from redrafter_mlx.core.drafter import Drafter, DrafterArgs, tensor_shapes
+from redrafter_mlx.core.drafters.redrafter import MODEL_TYPE as DRAFTER_TYPE
+from redrafter_mlx.core.drafters.redrafter import Drafter, DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import ConversionError, LoadError
 from redrafter_mlx.io.checks import (
     check_safetensors,

@@ -43,11 +43,11 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from redrafter_mlx.core import checked
 from redrafter_mlx.core.atomic import os_error_text, write_text
-from redrafter_mlx.core.drafter import DrafterArgs, tensor_shapes
+from redrafter_mlx.core.decode.llm import target_dims
+from redrafter_mlx.core.drafters import checked
+from redrafter_mlx.core.drafters.redrafter import DrafterArgs, tensor_shapes
 from redrafter_mlx.core.errors import DrafterError, LoadError
-from redrafter_mlx.core.llm import target_dims
 from redrafter_mlx.core.paths import cache_dir
 from redrafter_mlx.io import drafter_types
 from redrafter_mlx.io.checks import check_safetensors, looks_like_hub_id, one_line, resolve_path

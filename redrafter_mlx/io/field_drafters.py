@@ -28,26 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.nemotron_h import ModelArgs as NemotronArgs
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
-from redrafter_mlx.core import checked
-from redrafter_mlx.core.dflash import DFlash, DFlashArgs, DFlashDrafter
-from redrafter_mlx.core.dflash2 import DFlash2, DFlash2Args, DFlash2Drafter
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.drafter import load_drafter
-from redrafter_mlx.core.drafting import Source
-from redrafter_mlx.core.dspark import MODEL_TYPE as DSPARK
-from redrafter_mlx.core.dspark import DSpark, DSparkArgs, DSparkDrafter
-from redrafter_mlx.core.eagle3 import MODEL_TYPE as EAGLE3
-from redrafter_mlx.core.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
-from redrafter_mlx.core.errors import DrafterError
-from redrafter_mlx.core.gemma4_assistant import (
-    FULL,
-    SLIDING,
-    Assistant,
-    AssistantArgs,
-    AssistantDrafter,
-)
-from redrafter_mlx.core.gemma4_assistant import MODEL_TYPE as GEMMA4_ASSISTANT
-from redrafter_mlx.core.llm import (
+from redrafter_mlx.core.decode.llm import (
     cache_layout,
     embedding,
     head_linear,
@@ -55,10 +36,33 @@ from redrafter_mlx.core.llm import (
     lm_head,
     target_dims,
 )
-from redrafter_mlx.core.mtp import MODEL_TYPE as MTP_MODEL_TYPE
-from redrafter_mlx.core.mtp import MTPDrafter, MTPHead
-from redrafter_mlx.core.nemotron_mtp import MODEL_TYPE as NEMOTRON_MTP
-from redrafter_mlx.core.nemotron_mtp import NemotronMTPDrafter, NemotronMTPHead, head_pattern
+from redrafter_mlx.core.decode.source import Source
+from redrafter_mlx.core.drafters import checked
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.drafters.dflash import DFlash, DFlashArgs, DFlashDrafter
+from redrafter_mlx.core.drafters.dflash2 import DFlash2, DFlash2Args, DFlash2Drafter
+from redrafter_mlx.core.drafters.dspark import MODEL_TYPE as DSPARK
+from redrafter_mlx.core.drafters.dspark import DSpark, DSparkArgs, DSparkDrafter
+from redrafter_mlx.core.drafters.eagle3 import MODEL_TYPE as EAGLE3
+from redrafter_mlx.core.drafters.eagle3 import Eagle3, Eagle3Args, Eagle3Drafter
+from redrafter_mlx.core.drafters.gemma4_assistant import (
+    FULL,
+    SLIDING,
+    Assistant,
+    AssistantArgs,
+    AssistantDrafter,
+)
+from redrafter_mlx.core.drafters.gemma4_assistant import MODEL_TYPE as GEMMA4_ASSISTANT
+from redrafter_mlx.core.drafters.mtp import MODEL_TYPE as MTP_MODEL_TYPE
+from redrafter_mlx.core.drafters.mtp import MTPDrafter, MTPHead
+from redrafter_mlx.core.drafters.nemotron_mtp import MODEL_TYPE as NEMOTRON_MTP
+from redrafter_mlx.core.drafters.nemotron_mtp import (
+    NemotronMTPDrafter,
+    NemotronMTPHead,
+    head_pattern,
+)
+from redrafter_mlx.core.drafters.redrafter import load_drafter
+from redrafter_mlx.core.errors import DrafterError
 from redrafter_mlx.io import drafter_types
 
 REDRAFTER = "redrafter"
@@ -158,12 +162,13 @@ def _declares(kind: str):
 
 
 def load_redrafter(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """A ReDrafter RNN drafter (``core/drafter.py``'s folder) bound to ``target``'s embedding."""
+    """A ReDrafter RNN drafter (``core/drafters/redrafter.py``'s folder) bound to ``target``'s
+    embedding."""
     return BeamDrafter(load_drafter(folder, target, dtype), embedding(target))
 
 
 def load_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """An :class:`~redrafter_mlx.core.mtp.MTPDrafter` (dense or MoE) from a Qwen3.5 / 3.6
+    """An :class:`~redrafter_mlx.core.drafters.mtp.MTPDrafter` (dense or MoE) from a Qwen3.5 / 3.6
     checkpoint's ``mtp.*`` tensors or mlx-vlm's split ``qwen3_5_mtp`` folder, checked against
     ``target``."""
     folder = Path(folder)
@@ -207,7 +212,7 @@ MOE_SIZES = (
 
 def _mtp_args(config: object) -> tuple[TextModelArgs, int]:
     """The head's args and depth from a Qwen3.5 config (its ``text_config`` when it has one),
-    each size type-checked first (core/checked.py)."""
+    each size type-checked first (core/drafters/checked.py)."""
     if not isinstance(config, dict):
         raise DrafterError("not a JSON object")
     text = checked.section(config, "text_config") or config
@@ -250,13 +255,13 @@ def _weights(folder: Path) -> dict[str, mx.array]:
 
 
 def load_dflash(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """A :class:`~redrafter_mlx.core.dflash.DFlashDrafter` from a z-lab / mlx-vlm /
+    """A :class:`~redrafter_mlx.core.drafters.dflash.DFlashDrafter` from a z-lab / mlx-vlm /
     speculators folder, checked against ``target``; its weights cast to ``dtype`` when given."""
     return _load_dflash_family(folder, target, dtype, (DFlashArgs, DFlash, DFlashDrafter))
 
 
 def load_dflash2(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """A :class:`~redrafter_mlx.core.dflash2.DFlash2Drafter` from a z-lab / speculators
+    """A :class:`~redrafter_mlx.core.drafters.dflash2.DFlash2Drafter` from a z-lab / speculators
     folder, checked against ``target``; its weights cast to ``dtype`` when given."""
     return _load_dflash_family(folder, target, dtype, (DFlash2Args, DFlash2, DFlash2Drafter))
 
@@ -295,8 +300,8 @@ def _other_type(config: object, kind: str) -> str | None:
 
 
 def load_dspark(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """A :class:`~redrafter_mlx.core.dspark.DSparkDrafter` from an mlx-vlm / DeepSeek folder:
-    DFlash's loader with DSpark's args, module (its Markov head) and source (its tree)."""
+    """A :class:`~redrafter_mlx.core.drafters.dspark.DSparkDrafter` from an mlx-vlm / DeepSeek
+    folder: DFlash's loader with DSpark's args, module (its Markov head) and source (its tree)."""
     return _load_dflash_family(folder, target, dtype, (DSparkArgs, DSpark, DSparkDrafter))
 
 
@@ -318,8 +323,8 @@ def _is_gemma4_assistant(config: dict) -> bool:
 
 
 def load_gemma4_assistant(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """An :class:`~redrafter_mlx.core.gemma4_assistant.AssistantDrafter` from an HF / mlx-vlm
-    ``gemma4_assistant`` folder, checked against ``target`` (a Gemma 4)."""
+    """An :class:`~redrafter_mlx.core.drafters.gemma4_assistant.AssistantDrafter` from an HF /
+    mlx-vlm ``gemma4_assistant`` folder, checked against ``target`` (a Gemma 4)."""
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
@@ -381,7 +386,7 @@ def _is_nemotron_mtp(config: dict) -> bool:
 
 
 def load_nemotron_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """A :class:`~redrafter_mlx.core.nemotron_mtp.NemotronMTPDrafter` from a Nemotron-H
+    """A :class:`~redrafter_mlx.core.drafters.nemotron_mtp.NemotronMTPDrafter` from a Nemotron-H
     checkpoint's ``mtp.*`` tensors or mlx-vlm's split ``nemotron_h_mtp`` folder, checked
     against ``target``."""
     folder = Path(folder)
@@ -416,7 +421,7 @@ def load_nemotron_mtp(folder: Path | str, target: nn.Module, dtype: mx.Dtype | N
 
 
 def load_eagle3(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
-    """An :class:`~redrafter_mlx.core.eagle3.Eagle3Drafter` from a speculators / SGLang /
+    """An :class:`~redrafter_mlx.core.drafters.eagle3.Eagle3Drafter` from a speculators / SGLang /
     mlx-vlm folder, checked against ``target``; its weights cast to ``dtype`` when given."""
     folder = Path(folder)
     config_file = folder / "config.json"

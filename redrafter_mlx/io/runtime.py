@@ -14,16 +14,16 @@ from pathlib import Path
 import mlx.nn as nn
 
 from redrafter_mlx.backend.plan import build_decoder, plan_for
-from redrafter_mlx.core.accept import make_sampler
 from redrafter_mlx.core.atomic import os_error_text
-from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.drafting import Source
+from redrafter_mlx.core.decode.accept import make_sampler
+from redrafter_mlx.core.decode.decoder import Decoder
+from redrafter_mlx.core.decode.llm import compute_dtype
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import Source
+from redrafter_mlx.core.decode.step import Decoding
 from redrafter_mlx.core.errors import ConfigError, LoadError, ReDrafterError
-from redrafter_mlx.core.llm import compute_dtype
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.step import Decoding
 from redrafter_mlx.io import catalogue
 from redrafter_mlx.io.drafters import DrafterChoice, find_drafter
 from redrafter_mlx.io.embedded import default_model_path

@@ -5,7 +5,7 @@ parallel, ``PipelineMixin``: rank r runs a contiguous stage of layers, rank 0 th
 to the lazily loaded model before its weights are read, so each rank reads only its share.
 
 The drafter and everything else are whole on every rank. The verify forward is the generic
-one (``core/llm.py``'s ``Forward`` runs the model's own sharded layers and pipeline); the CPU
+one (``core/decode/llm.py``'s ``Forward`` runs the model's own sharded layers and pipeline); the CPU
 plan's fused Llama forward knows nothing of sharded layers and is not used.
 """
 
@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from redrafter_mlx.backend.plan import plan_for
-from redrafter_mlx.core.distributed import LeadDecoder, Orders, meet
 from redrafter_mlx.core.errors import ConfigError, ReDrafterError
+from redrafter_mlx.core.serving.distributed import LeadDecoder, Orders, meet
 from redrafter_mlx.io import runtime as rt
 
 SHARDINGS = ("tensor", "pipeline")

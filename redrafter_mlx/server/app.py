@@ -33,8 +33,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from redrafter_mlx.core.decode.stream import StepResponse
 from redrafter_mlx.core.errors import ContextFull, ReDrafterError
-from redrafter_mlx.core.service import (
+from redrafter_mlx.core.serving.service import (
     Engine,
     GenerationService,
     Job,
@@ -43,7 +44,6 @@ from redrafter_mlx.core.service import (
     Started,
     Stopping,
 )
-from redrafter_mlx.core.stream import StepResponse
 from redrafter_mlx.server import anthropic as anthropic_api
 from redrafter_mlx.server import openai
 from redrafter_mlx.server import protocol as api

@@ -2,7 +2,7 @@
 HTTP and no model.
 
 A request body (JSON already decoded) becomes a :class:`Call`: the service's
-:class:`~redrafter_mlx.core.service.Request` plus what the response needs. What cannot be
+:class:`~redrafter_mlx.core.serving.service.Request` plus what the response needs. What cannot be
 served is an :class:`ApiError` carrying the status, ``type``, ``param`` and ``code`` that
 OpenAI's API uses, so that clients show the message instead of failing on the format.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 
-from redrafter_mlx.core.service import Request, Started
+from redrafter_mlx.core.serving.service import Request, Started
 from redrafter_mlx.server import protocol as h
 from redrafter_mlx.server.protocol import ApiError, Call, Limits, parse_json  # noqa: F401 (API)
 

@@ -4,8 +4,9 @@ small types, no HTTP and no model.
 - :class:`ApiError`: a refused request (status, ``type``, ``param``, ``code``); each API
   writes it in its own error shape.
 - :class:`Limits` and the field checks: a request body's fields -> the service's
-  :class:`~redrafter_mlx.core.service.Request`.
-- Tools: the tools offered and the tool choice -> a :class:`~redrafter_mlx.core.service.Chat`
+  :class:`~redrafter_mlx.core.serving.service.Request`.
+- Tools: the tools offered and the tool choice -> a
+:class:`~redrafter_mlx.core.serving.service.Chat`
   prompt (a forced call starts the answer with the call's opening tag).
 - :class:`Answer`: the service's steps -> the answer's text, its tool calls (split out with
   mlx-lm's tool parser of the model's family) and its tokens' log-probs, as they stream.
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from redrafter_mlx.core.decode.step import TopLogprobs
+from redrafter_mlx.core.decode.stream import GenerationStats, StepResponse
 from redrafter_mlx.core.errors import ConfigError
-from redrafter_mlx.core.service import Chat, Request, Sampling, Started
-from redrafter_mlx.core.step import TopLogprobs
-from redrafter_mlx.core.stream import GenerationStats, StepResponse
+from redrafter_mlx.core.serving.service import Chat, Request, Sampling, Started
 from redrafter_mlx.io.templates import ToolFormat, check_text
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from redrafter_mlx.core.service import Request, Started
+from redrafter_mlx.core.serving.service import Request, Started
 from redrafter_mlx.server import protocol as h
 from redrafter_mlx.server.protocol import ApiError, Call, Limits
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from redrafter_mlx.core.atomic import staged_dir, write_text
-from redrafter_mlx.core.drafter import save_drafter
+from redrafter_mlx.core.drafters.redrafter import save_drafter
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.training.trainer import Trainer
 

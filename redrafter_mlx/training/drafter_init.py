@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from redrafter_mlx.core.drafter import Drafter, load_drafter, random_drafter
+from redrafter_mlx.core.decode.llm import target_dims
+from redrafter_mlx.core.drafters.redrafter import Drafter, load_drafter, random_drafter
 from redrafter_mlx.core.errors import DrafterError, TrainError
-from redrafter_mlx.core.llm import target_dims
 from redrafter_mlx.training.options import TrainOptions
 
 

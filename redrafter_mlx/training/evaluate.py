@@ -4,7 +4,7 @@
 the number of tokens the speculative steps emitted divided by the number of steps (the prefill's
 first token is not counted), pooled over prompts (total tokens / total steps), and per prompt
 category when the prompts have one. A shape with K > 0 lookup beams also verifies up to K
-prompt-lookup beams per step (:mod:`redrafter_mlx.core.lookup`). Each row counts the accepted
+prompt-lookup beams per step (:mod:`redrafter_mlx.core.decode.lookup`). Each row counts the accepted
 drafted tokens by source: the drafter's beams, the lookup beams, or both (a beam of each held
 them). No timing.
 
@@ -34,20 +34,21 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.backend.plan import build_decoder
-from redrafter_mlx.core import atomic, llm
-from redrafter_mlx.core.accept import accepted_lengths, greedy
-from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.draft import BeamDrafter, check_width, expand, narrow, start
-from redrafter_mlx.core.drafter import Drafter, tap_features
+from redrafter_mlx.core import atomic
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.accept import accepted_lengths, greedy
+from redrafter_mlx.core.decode.decoder import Decoder
+from redrafter_mlx.core.decode.lookup import NgramIndex
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.speculative import accepted_source
+from redrafter_mlx.core.decode.step import Decoding, Step
+from redrafter_mlx.core.decode.stops import through_stop
+from redrafter_mlx.core.decode.stream import SOURCES
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter, check_width, expand, narrow, start
+from redrafter_mlx.core.drafters.redrafter import Drafter, tap_features
 from redrafter_mlx.core.errors import ConfigError
-from redrafter_mlx.core.lookup import NgramIndex
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.speculative import accepted_source
-from redrafter_mlx.core.step import Decoding, Step
-from redrafter_mlx.core.stops import through_stop
-from redrafter_mlx.core.stream import SOURCES
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template
 
@@ -288,11 +289,12 @@ def beams_everywhere(
     """The drafter's beam search from every position of a path at once.
 
     ``contexts (T, H)``, ``pendings (T,)`` -> for d = 1..depth, ``(beams (T, W, d + 1), drafted
-    tokens' log-probs (T, W, d))`` (numpy): :func:`redrafter_mlx.core.draft.beam_search`'s
-    search (:func:`~redrafter_mlx.core.draft.start`, then
-    :func:`~redrafter_mlx.core.draft.expand` with ``max(W, search_width)`` beams, then
-    :func:`~redrafter_mlx.core.draft.narrow` to W) batched over the T positions. A length-L
-    search is the depth L - 1 entry.
+    tokens' log-probs (T, W, d))`` (numpy):
+    :func:`redrafter_mlx.core.drafters.beam_search.beam_search`'s search
+    (:func:`~redrafter_mlx.core.drafters.beam_search.start`, then
+    :func:`~redrafter_mlx.core.drafters.beam_search.expand` with ``max(W, search_width)`` beams,
+    then :func:`~redrafter_mlx.core.drafters.beam_search.narrow` to W) batched over the T
+    positions. A length-L search is the depth L - 1 entry.
     """
     kept = max(width, search_width)
     search = start(drafter, contexts, pendings, kept)
@@ -385,7 +387,8 @@ def path_hidden(forward: llm.Forward, ids: list[int], drafter=None) -> mx.array:
     """The target's final-norm hidden (n, H) over a whole path of n token ids, one uncompiled
     forward (path lengths vary: nothing to compile); for a layered ``drafter`` (one with
     ``taps``) the context it drafts from instead: that hidden fused with the tapped layers of
-    the same forward, as decoding fuses them (``core/draft.BeamDrafter.draft``)."""
+    the same forward, as decoding fuses them (``core/drafters/beam_search.py:
+    BeamDrafter.draft``)."""
     n, sequence = len(ids), llm.new_sequence(forward.model)
     mask = llm.chain_mask(0, n)
     taps = dict.fromkeys(getattr(drafter, "taps", ()))

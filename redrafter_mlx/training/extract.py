@@ -24,9 +24,9 @@ import mlx.core as mx
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn
 
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.accept import log_softmax
 from redrafter_mlx.core.atomic import write_text
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.accept import log_softmax
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.io.load import eos_ids
 from redrafter_mlx.io.templates import apply_chat_template

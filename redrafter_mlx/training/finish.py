@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from redrafter_mlx.backend.plan import plan_for
-from redrafter_mlx.core.drafter import load_drafter
-from redrafter_mlx.core.llm import compute_dtype
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.llm import compute_dtype
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.redrafter import load_drafter
 from redrafter_mlx.io.card import record_card_facts, write_card
 from redrafter_mlx.io.drafters import ModelIdentity, register, write_target_file
 from redrafter_mlx.io.prompts import load_conversations

@@ -16,7 +16,7 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redrafter_mlx.core.atomic import write_text
-from redrafter_mlx.core.drafter import save_drafter
+from redrafter_mlx.core.drafters.redrafter import save_drafter
 from redrafter_mlx.core.errors import TrainError
 from redrafter_mlx.training import progress
 from redrafter_mlx.training.cache import Cache, join_docs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from redrafter_mlx.core.accept import log_softmax
+from redrafter_mlx.core.decode.accept import log_softmax
 
 
 def unrolled_features(drafter, context: mx.array, embeds: mx.array) -> mx.array:

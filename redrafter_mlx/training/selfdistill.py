@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
-from redrafter_mlx.core import llm
+from redrafter_mlx.core.decode import llm
 from redrafter_mlx.training.taps import features as tap_arrays
 from redrafter_mlx.training.taps import tapped
 

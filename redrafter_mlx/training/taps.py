@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.drafter import tap_features
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.drafters.redrafter import tap_features
 
 
 @contextmanager
@@ -33,6 +33,6 @@ def tapped(model, layers: tuple[int, ...]) -> Iterator[dict[int, list[mx.array]]
 
 def features(got: dict[int, list[mx.array]], layers: tuple[int, ...]) -> mx.array:
     """What :func:`tapped` collected, forwards joined along T -> ``(B, T, n H)`` float16
-    (:func:`~redrafter_mlx.core.drafter.tap_features`, as decoding computes them)."""
+    (:func:`~redrafter_mlx.core.drafters.redrafter.tap_features`, as decoding computes them)."""
     outputs = [mx.concatenate(got[i], axis=1) for i in layers]
     return tap_features(outputs).astype(mx.float16)

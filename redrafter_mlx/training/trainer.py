@@ -16,10 +16,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from redrafter_mlx.core.accept import log_softmax
-from redrafter_mlx.core.drafter import lm_head_rows
+from redrafter_mlx.core.decode.accept import log_softmax
+from redrafter_mlx.core.decode.llm import embedding, target_dims
+from redrafter_mlx.core.drafters.redrafter import lm_head_rows
 from redrafter_mlx.core.errors import TrainError
-from redrafter_mlx.core.llm import embedding, target_dims
 from redrafter_mlx.training.drafter_init import initial_drafter
 from redrafter_mlx.training.examples import Examples
 from redrafter_mlx.training.loss import loss_fn, unrolled_logits

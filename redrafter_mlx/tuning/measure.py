@@ -30,16 +30,16 @@ import numpy as np
 
 from redrafter_mlx.backend.cpu.blas import blas_in_use, smallrows_loaded, smallrows_off
 from redrafter_mlx.backend.plan import GENERIC_PLAN
-from redrafter_mlx.core import llm
-from redrafter_mlx.core.decode import Decoder
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.sequence import Sequence
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
-from redrafter_mlx.core.speculative import TreeState, drafted_state
-from redrafter_mlx.core.step import PHASES, Decoding, PhaseTimer
-from redrafter_mlx.core.stream import SOURCES, tokens_per_step
-from redrafter_mlx.core.tree import pack_beams, verified_size
+from redrafter_mlx.core.decode import llm
+from redrafter_mlx.core.decode.decoder import Decoder
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.sequence import Sequence
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.speculative import TreeState, drafted_state
+from redrafter_mlx.core.decode.step import PHASES, Decoding, PhaseTimer
+from redrafter_mlx.core.decode.stream import SOURCES, tokens_per_step
+from redrafter_mlx.core.decode.tree import pack_beams, verified_size
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io.runtime import Runtime, decoding, encode_chat
 from redrafter_mlx.tuning.device import backend, cpu_model, device_name
 

@@ -17,17 +17,17 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
-from redrafter_mlx.core.accept import is_greedy
-from redrafter_mlx.core.adaptive import Adaptive
 from redrafter_mlx.core.atomic import write_text
-from redrafter_mlx.core.decode import Decoding
-from redrafter_mlx.core.draft import check_width
-from redrafter_mlx.core.drafting import new_part
+from redrafter_mlx.core.decode.accept import is_greedy
+from redrafter_mlx.core.decode.adaptive import Adaptive
+from redrafter_mlx.core.decode.decoder import Decoding
+from redrafter_mlx.core.decode.llm import compute_dtype
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import SHAPE_FIELDS, BeamShape
+from redrafter_mlx.core.decode.source import new_part
+from redrafter_mlx.core.drafters.beam_search import check_width
 from redrafter_mlx.core.errors import ConfigError
-from redrafter_mlx.core.llm import compute_dtype
-from redrafter_mlx.core.mode import Mode
 from redrafter_mlx.core.paths import cache_dir
-from redrafter_mlx.core.shape import SHAPE_FIELDS, BeamShape
 from redrafter_mlx.tuning.device import chip_info
 
 PROFILE_VERSION = 2
@@ -347,7 +347,7 @@ def follow_context(session, runtime, source: str, *, temp: float = 0.0) -> Conte
     a shape no flag chose (:func:`context_bands`). Returns the bands it follows (None: one
     decoding for every answer). With the plan's default bands, where they decode plainly the
     session's answers also try the default shape and keep the faster, step block by step
-    block (:mod:`~redrafter_mlx.core.adaptive`), where the session and its drafter allow."""
+    block (:mod:`~redrafter_mlx.core.decode.adaptive`), where the session and its drafter allow."""
     if not session.decoding.mode.speculative:
         return None
     bands = context_bands(runtime, session.decoding.shape, source, temp=temp)

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io import runtime as rt
 from redrafter_mlx.tuning.device import chip_info
 from redrafter_mlx.tuning.measure import AUTOREGRESSIVE, REDRAFTER, Method, measure, time_steps

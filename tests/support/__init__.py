@@ -116,10 +116,10 @@ def decoder_for(model, drafter=None, plan=None, max_context=None):
 
 def decoding_of(drafter=None, shape=None, sampler=None, *, autoregressive=False):
     """The :class:`Decoding` of a run with ``drafter`` (or None) at ``shape``."""
-    from redrafter_mlx.core.accept import greedy
-    from redrafter_mlx.core.mode import Mode
-    from redrafter_mlx.core.shape import BeamShape
-    from redrafter_mlx.core.step import Decoding
+    from redrafter_mlx.core.decode.accept import greedy
+    from redrafter_mlx.core.decode.mode import Mode
+    from redrafter_mlx.core.decode.shape import BeamShape
+    from redrafter_mlx.core.decode.step import Decoding
 
     shape = BeamShape() if shape is None else shape
     autoregressive = autoregressive or (drafter is None and not shape.lookup)
@@ -140,7 +140,7 @@ def run_steps(
     autoregressive=False,
 ):
     """The decode loop's steps (the prefill's first token first) for ``prompt``."""
-    from redrafter_mlx.core.stream import decode_steps
+    from redrafter_mlx.core.decode.stream import decode_steps
 
     decoder = decoder_for(model, drafter, plan, max_context)
     decoding = decoding_of(drafter, shape, sampler, autoregressive=autoregressive)
@@ -171,7 +171,7 @@ def chat_session(
     """A chat over ``model`` (autoregressive without a drafter unless the shape has lookup
     beams), warmed up as the command's is."""
     from redrafter_mlx.cli.chat import ChatSession
-    from redrafter_mlx.core.session import Session
+    from redrafter_mlx.core.serving.session import Session
 
     decoder = decoder_for(model, drafter, plan, max_context)
     decoding = decoding_of(drafter, shape, autoregressive=autoregressive)

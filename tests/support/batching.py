@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from redrafter_mlx.core.batch import Member, batch_step
+from redrafter_mlx.core.serving.batch import Member, batch_step
 
 
 def alone(decoder, decoding, prompt: list[int], n: int) -> list[int]:

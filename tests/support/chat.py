@@ -4,7 +4,7 @@ role tokens, and a chat session over a tiny target built with them."""
 from __future__ import annotations
 
 from redrafter_mlx.cli.chat import ChatSession
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.shape import BeamShape
 from support import chat_session
 
 EOS, USER, ASSISTANT, SYSTEM = 1, 2, 3, 4

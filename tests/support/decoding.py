@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from redrafter_mlx.core import llm
+from redrafter_mlx.core.decode import llm
 from redrafter_mlx.core.errors import ContextFull
 from support import decoder_for, run_steps
 

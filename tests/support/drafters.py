@@ -9,8 +9,8 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.core.accept import make_sampler
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.accept import make_sampler
+from redrafter_mlx.core.decode.shape import BeamShape
 from support import decoder_for, decoding_of, run_steps, shared_data
 from support.decoding import take
 from support.families import model_folder

@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 
 from redrafter_mlx.backend.plan import CPU_PLAN, GENERIC_PLAN
 from redrafter_mlx.cli import main
-from redrafter_mlx.core.drafting import SearchSource
+from redrafter_mlx.core.decode.source import SearchSource
 from redrafter_mlx.io.demo import FAMILIES as DEMO_FAMILIES
 from redrafter_mlx.io.demo import GATED_DELTA
 from support import run_steps

@@ -18,11 +18,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from redrafter_mlx.backend.cpu import blas
-from redrafter_mlx.core.draft import BeamDrafter
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.service import Engine, GenerationService
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter
+from redrafter_mlx.core.serving.service import Engine, GenerationService
+from redrafter_mlx.core.serving.session import Session
 from support import decoder_for, decoding_of, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import argparse
 import resource
 import sys
 
-from redrafter_mlx.core.service import QueueFull
+from redrafter_mlx.core.serving.service import QueueFull
 from redrafter_mlx.server import anthropic, openai, responses
 from redrafter_mlx.server import app as server_app
 from redrafter_mlx.server import protocol as api

@@ -22,12 +22,12 @@ reexec_with_blas()
 import mlx.core as mx  # noqa: E402
 
 from redrafter_mlx.backend.plan import build_decoder  # noqa: E402
-from redrafter_mlx.core import llm  # noqa: E402
-from redrafter_mlx.core.accept import greedy  # noqa: E402
-from redrafter_mlx.core.batch import Member, batch_step  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.shape import BeamShape  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode import llm  # noqa: E402
+from redrafter_mlx.core.decode.accept import greedy  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.shape import BeamShape  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
+from redrafter_mlx.core.serving.batch import Member, batch_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hybrid_verify_cost import SIZE, STAND_INS, build_config  # noqa: E402

@@ -18,8 +18,8 @@ from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 reexec_with_blas()  # before MLX is imported: OpenBLAS and the small-row kernel
 
 from redrafter_mlx.cli import serve  # noqa: E402
-from redrafter_mlx.core import scheduler  # noqa: E402
-from redrafter_mlx.core.service import GenerationService, Request  # noqa: E402
+from redrafter_mlx.core.serving import scheduler  # noqa: E402
+from redrafter_mlx.core.serving.service import GenerationService, Request  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -19,7 +19,7 @@ reexec_with_blas()
 
 from redrafter_mlx.backend import plan  # noqa: E402
 from redrafter_mlx.cli import serve  # noqa: E402
-from redrafter_mlx.core.service import GenerationService, Request  # noqa: E402
+from redrafter_mlx.core.serving.service import GenerationService, Request  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

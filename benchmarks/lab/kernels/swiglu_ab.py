@@ -15,11 +15,11 @@ from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 reexec_with_blas()
 
 from redrafter_mlx.backend.cpu import fused  # noqa: E402
-from redrafter_mlx.core.accept import greedy  # noqa: E402
-from redrafter_mlx.core.batch import Member, batch_step  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.scheduler import warm_up  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode.accept import greedy  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
+from redrafter_mlx.core.serving.batch import Member, batch_step  # noqa: E402
+from redrafter_mlx.core.serving.scheduler import warm_up  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 

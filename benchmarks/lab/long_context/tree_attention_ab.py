@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.backend.cpu import fused
-from redrafter_mlx.core.tree import pack_beams, tree_mask
+from redrafter_mlx.core.decode.tree import pack_beams, tree_mask
 
 
 def per_head(queries, keys, values, scale: float, mask) -> mx.array:

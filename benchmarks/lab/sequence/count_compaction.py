@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from redrafter_mlx import generate, load  # first: it preloads the CPU kernels
-from redrafter_mlx.core import speculative
+from redrafter_mlx.core.decode import speculative
 
 PROMPTS = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "specbench_dev.jsonl"
 

@@ -8,9 +8,9 @@ import time
 
 import redrafter_mlx  # noqa: F401  (BLAS first)
 from redrafter_mlx.backend.cpu import fused
-from redrafter_mlx.core.mode import Mode
-from redrafter_mlx.core.session import Session
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.mode import Mode
+from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.serving.session import Session
 from redrafter_mlx.io import runtime as rt
 
 PROMPT = [{"role": "user", "content": "Write a short story about a dragon who learns to cook."}]

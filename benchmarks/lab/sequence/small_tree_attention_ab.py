@@ -16,11 +16,11 @@ from redrafter_mlx.backend.cpu.blas import reexec_with_blas
 reexec_with_blas()
 
 from redrafter_mlx.backend.cpu import fused  # noqa: E402
-from redrafter_mlx.core.accept import greedy  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.session import Session  # noqa: E402
-from redrafter_mlx.core.shape import BeamShape  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode.accept import greedy  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.shape import BeamShape  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
+from redrafter_mlx.core.serving.session import Session  # noqa: E402
 from redrafter_mlx.io import runtime as rt  # noqa: E402
 from redrafter_mlx.tuning.measure import time_steps  # noqa: E402
 

@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from step_overhead import PROMPT, stand_in  # noqa: E402
 
 from redrafter_mlx.backend.plan import build_decoder  # noqa: E402
-from redrafter_mlx.core import speculative  # noqa: E402
-from redrafter_mlx.core.draft import BeamDrafter  # noqa: E402
-from redrafter_mlx.core.drafter import random_drafter  # noqa: E402
-from redrafter_mlx.core.mode import Mode  # noqa: E402
-from redrafter_mlx.core.session import Session  # noqa: E402
-from redrafter_mlx.core.shape import BeamShape  # noqa: E402
-from redrafter_mlx.core.step import Decoding  # noqa: E402
+from redrafter_mlx.core.decode import speculative  # noqa: E402
+from redrafter_mlx.core.decode.mode import Mode  # noqa: E402
+from redrafter_mlx.core.decode.shape import BeamShape  # noqa: E402
+from redrafter_mlx.core.decode.step import Decoding  # noqa: E402
+from redrafter_mlx.core.drafters.beam_search import BeamDrafter  # noqa: E402
+from redrafter_mlx.core.drafters.redrafter import random_drafter  # noqa: E402
+from redrafter_mlx.core.serving.session import Session  # noqa: E402
 from redrafter_mlx.tuning.measure import probe  # noqa: E402
 
 

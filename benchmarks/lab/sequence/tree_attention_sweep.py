@@ -17,7 +17,7 @@ reexec_with_blas()
 import mlx.core as mx  # noqa: E402
 
 from redrafter_mlx.backend.cpu import fused  # noqa: E402
-from redrafter_mlx.core.llm import chain_mask  # noqa: E402
+from redrafter_mlx.core.decode.llm import chain_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

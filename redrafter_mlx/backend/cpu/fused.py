@@ -1,7 +1,7 @@
 """The CPU plan's verify forward: plain Llama/Qwen2 blocks as compiled halves around attention,
 with fused projections, RoPE from shared cos/sin tables, grouped attention and the CPU kernels
 (:mod:`~redrafter_mlx.backend.cpu.kernels`). Numerically it is the generic forward
-(:class:`redrafter_mlx.core.llm.Forward`) to float32 rounding; only how it runs differs.
+(:class:`redrafter_mlx.core.decode.llm.Forward`) to float32 rounding; only how it runs differs.
 
 Legend: T new tokens, S cached tokens, H hidden size, D head dim.
 
@@ -21,11 +21,11 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
 from redrafter_mlx.backend.cpu.kernels import TREE_HEAD_SIZES, TREE_ROWS, CpuKernels, cpu_kernels
-from redrafter_mlx.core.joint import JointView
-from redrafter_mlx.core.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.sequence import View
-from redrafter_mlx.core.tree import verified_size
+from redrafter_mlx.core.decode.joint import JointView
+from redrafter_mlx.core.decode.llm import Forward, TokenRope, chain_mask, compute_dtype, inner_model
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.sequence import View
+from redrafter_mlx.core.decode.tree import verified_size
 
 GENERIC = Plan()
 
@@ -387,7 +387,7 @@ class FusedForward(Forward):
         return self._layers(tokens, view.positions, small, attend, view.record)
 
     def run_joint(self, tokens: mx.array, joint: JointView, compiled: bool) -> mx.array:
-        """The joint forward (:mod:`~redrafter_mlx.core.joint`): the compiled halves once
+        """The joint forward (:mod:`~redrafter_mlx.core.decode.joint`): the compiled halves once
         over all N rows (padded to the plan's next tree size, a shape traced at warm-up),
         attention per segment against its own sequence's cache, as that sequence's own
         forward runs it -> hidden ``(N, H)``."""

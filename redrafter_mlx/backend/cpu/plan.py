@@ -1,17 +1,17 @@
-"""The CPU backend's plan (:class:`redrafter_mlx.core.plan.Plan`), chosen by measurement on
+"""The CPU backend's plan (:class:`redrafter_mlx.core.decode.plan.Plan`), chosen by measurement on
 2-core x86-64 machines with OpenBLAS (benchmarks/README.md and benchmarks/HISTORY.md)."""
 
 from __future__ import annotations
 
-from redrafter_mlx.core.plan import Plan
-from redrafter_mlx.core.shape import BeamShape
+from redrafter_mlx.core.decode.plan import Plan
+from redrafter_mlx.core.decode.shape import BeamShape
 
 # Why each field: 2-3-row projections cost less transposed; RoPE angles per call cost more
 # than one shared table; grouped matmuls (and our kernels) beat SDPA's CPU fallback;
 # evaluating every 2 layers overlaps graph building; padding a tree to the next listed size
 # reuses compiled blocks. A drafter pass costs more than a host read here (early stop), and
 # MLX's CPU float16 matmuls are slow (a float32 drafter). Past ``plain_from`` cached tokens a
-# tree's attention may cost more than it saves: the adaptive rule (core/adaptive.py) keeps
+# tree's attention may cost more than it saves: the adaptive rule (core/decode/adaptive.py) keeps
 # whichever of the tree and plain steps measures faster. A batch's products turn
 # compute-bound past a few rows, so a batch verifies at most ``batch_rows`` rows. The field's
 # drafter types take the RNN's shape (their steps cost as its do, tree size for tree size), but
