@@ -3,6 +3,7 @@ behind them are in tests/support."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import mlx.core as mx
@@ -24,6 +25,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+# A test still running after this long is stuck, not slow (the slowest take about two minutes):
+# every thread's stack goes to stderr and the session ends, so CI fails in minutes with the place
+# it stuck rather than at its own limit with nothing said. faulthandler's watchdog is a C thread:
+# it fires even while a native call holds the GIL.
+STUCK_AFTER_S = float(os.environ.get("REDRAFTER_TEST_STUCK_AFTER", "900"))
+
+
+REAL_STDERR = pytest.StashKey()
+
+
+def pytest_configure(config):
+    """The session's real stderr, kept while no capture is active (during a test, fd 2 is
+    pytest's capture file, which a process that exits mid-test never shows)."""
+    config.stash[REAL_STDERR] = os.fdopen(os.dup(2), "w")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(STUCK_AFTER_S, exit=True, file=item.config.stash[REAL_STDERR])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session", autouse=True)
