@@ -41,6 +41,7 @@ from redrafter_mlx.core.decode.decoder import Decoder
 from redrafter_mlx.core.decode.lookup import NgramIndex
 from redrafter_mlx.core.decode.mode import Mode
 from redrafter_mlx.core.decode.shape import BeamShape
+from redrafter_mlx.core.decode.source import taps_of
 from redrafter_mlx.core.decode.speculative import accepted_source
 from redrafter_mlx.core.decode.step import Decoding, Step
 from redrafter_mlx.core.decode.stops import through_stop
@@ -391,7 +392,7 @@ def path_hidden(forward: llm.Forward, ids: list[int], drafter=None) -> mx.array:
     BeamDrafter.draft``)."""
     n, sequence = len(ids), llm.new_sequence(forward.model)
     mask = llm.chain_mask(0, n)
-    taps = dict.fromkeys(getattr(drafter, "taps", ()))
+    taps = dict.fromkeys(taps_of(drafter))
     hidden = forward(mx.array(ids), mx.arange(n), mask, sequence, compiled=False, taps=taps)
     if not taps:
         return hidden

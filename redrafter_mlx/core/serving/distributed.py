@@ -40,7 +40,7 @@ from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.core.decode.step import Decoding, PhaseTimer
 from redrafter_mlx.core.decode.stream import StepResponse
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.serving.session import Answer, Session
+from redrafter_mlx.core.serving.session import AnswerSpec, Session
 
 
 class PeerFailed(ReDrafterError):
@@ -207,7 +207,7 @@ class MirroredSession(Session):
     def answer(
         self,
         ids: list[int],
-        answer: Answer,
+        answer: AnswerSpec,
         *,
         timer: PhaseTimer | None = None,
         cancelled=None,  # not asked: the other ranks could not stop with rank 0

@@ -24,7 +24,7 @@ from redrafter_mlx.core.errors import Cancelled
 
 
 @dataclass(frozen=True)
-class Answer:
+class AnswerSpec:
     """What one answer is asked for: its token budget, stop strings and decoding."""
 
     max_tokens: int
@@ -129,13 +129,13 @@ class Session:
         if adaptive is not None:
             decoding = adaptive.decoding(len(ids))
         decoding = decoding or self.decoding_at(len(ids))
-        answer = Answer(max_tokens, tuple(stop_strings), decoding, adaptive)
+        answer = AnswerSpec(max_tokens, tuple(stop_strings), decoding, adaptive)
         return self.answer(ids, answer, timer=timer, cancelled=cancelled)
 
     def answer(
         self,
         ids: list[int],
-        answer: Answer,
+        answer: AnswerSpec,
         *,
         timer: PhaseTimer | None = None,
         cancelled: Callable[[], bool] | None = None,
