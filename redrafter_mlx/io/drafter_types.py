@@ -49,7 +49,7 @@ TYPES = {
     "speculators:peagle": DrafterType("P-EAGLE", "peagle"),
     "speculators:dflash": DrafterType("DFlash (speculators)", "dflash"),
     "speculators:dflash2": DrafterType("DFlash2 (speculators)", "dflash2"),
-    "speculators:dspark": DrafterType("DSpark (speculators)", None),
+    "speculators:dspark": DrafterType("DSpark (speculators)", "dspark"),
     "speculators:eagle": DrafterType("EAGLE (speculators)", None),
     "speculators:mtp": DrafterType("MTP (speculators)", None),
 }

@@ -301,7 +301,8 @@ def _other_type(config: object, kind: str) -> str | None:
 
 def load_dspark(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
     """A :class:`~redrafter_mlx.core.drafters.dspark.DSparkDrafter` from an mlx-vlm / DeepSeek
-    folder: DFlash's loader with DSpark's args, module (its Markov head) and source (its tree)."""
+    or speculators (``dspark``) folder: DFlash's loader with DSpark's args, module (its Markov
+    head) and source (its tree)."""
     return _load_dflash_family(folder, target, dtype, (DSparkArgs, DSpark, DSparkDrafter))
 
 
