@@ -445,9 +445,33 @@ def test_a_folder_of_a_type_not_loaded_is_refused_naming_its_type(tmp_path, qwen
         create_drafter(folder, qwen3)
     line = str(refused.value)
     assert "\n" not in line
-    assert line == f"{folder}: {name} drafter: not supported yet ({line.split('(')[-1]}"
-    assert repr(key.split(":")[-1]) in line
+    source = "speculators_model_type" if key.startswith("speculators:") else "type"
+    said = f"{folder}: {name} drafter: not supported yet ({source} {key.split(':')[-1]!r})"
+    why = drafter_types.TYPES[key].why
+    assert line == (f"{said}: {why}" if why else said)
     assert drafter_kind(folder) == key
+
+
+@pytest.mark.parametrize(
+    "config,why",
+    [
+        ({"model_type": "glm4_moe_lite_mtp"}, "mlx-vlm 0.7.10 has only a splitter for GLM-4"),
+        ({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}, "glm4_moe / glm4_moe_lite"),
+        ({"model_type": "glm4_moe_lite", "num_nextn_predict_layers": 1}, "drop the head's"),
+        ({"model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1}, "MLA attention with a"),
+        ({"model_type": "glm_moe_dsa_mtp"}, "sparse indexer, each with its own cache"),
+        ({"model_type": "glm5_next_mtp"}, "mlx-lm 0.32 has no glm5_next target"),
+    ],
+)
+def test_a_glm_mtp_head_is_refused_in_one_line_saying_why(tmp_path, qwen3, config, why):
+    """They were refused as not supported, with no reason (docs/drafters.md, Limits)."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config | {"hidden_size": HIDDEN}))
+    with pytest.raises(DrafterError) as refused:
+        create_drafter(folder, qwen3)
+    line = str(refused.value)
+    assert "\n" not in line and "not supported yet (type " in line and why in line
 
 
 def test_a_checkpoint_with_its_own_nextn_mtp_head_is_refused_naming_it(tmp_path, qwen3):
