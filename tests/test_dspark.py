@@ -579,7 +579,7 @@ def test_the_batching_service_answers_as_the_serial_one(tmp_path, qwen3, make):
     assert answers == expected
 
 
-@pytest.mark.parametrize("key", ["gemma4_unified_assistant", "gemma4_dflash", "speculators:eagle"])
+@pytest.mark.parametrize("key", ["gemma4_unified_assistant", "laguna", "speculators:eagle"])
 def test_generate_with_a_folder_of_a_type_not_loaded_says_which_in_one_line(tmp_path, capsys, key):
     """The folder's own sizes (a Gemma 4 assistant's are not the target's) were compared
     first: the line named sizes, not the type."""

@@ -45,8 +45,7 @@ TYPES = {
     "dspark": DrafterType("DSpark", "dspark"),
     "qwen3_dspark": DrafterType("DSpark", "dspark"),
     "dflash2": DrafterType("DFlash2", "dflash2"),
-    # sliding layers load (DFlash's), but Gemma's embedding scale is untested on them
-    "gemma4_dflash": DrafterType("Gemma 4 DFlash", None),
+    "gemma4_dflash": DrafterType("Gemma 4 DFlash", "dflash"),
     "laguna": DrafterType("Laguna DFlash", None),
     "gemma4_dspark": DrafterType("Gemma 4 DSpark", None),
     "deepseek_v4_dspark": DrafterType("DeepSeek-V4 DSpark", None),

@@ -45,6 +45,7 @@ from redrafter_mlx.core.drafters.beam_search import best
 from redrafter_mlx.core.errors import DrafterError
 
 MODEL_TYPE = "dflash"
+GEMMA4_MASK = 4  # Gemma's <mask>: mlx-vlm's default for z-lab's Gemma 4 DFlash configs
 
 
 @dataclass
@@ -188,6 +189,8 @@ def _fields(config: dict, dflash: dict) -> dict:
     rope = dict(checked.section(config, "rope_parameters"))
     theta = rope.pop("rope_theta", checked.given(config, "rope_theta", 10000.0))
     mask_token = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask_token is None and config.get("model_type") == "gemma4":
+        mask_token = GEMMA4_MASK
     softcap = dflash.get("final_logit_softcapping", config.get("final_logit_softcapping"))
     return {
         "hidden_size": hidden,
@@ -282,6 +285,20 @@ class Layer(nn.Module):
     def __call__(self, x, rope, offset, keys, values, mask):
         h = x + self.self_attn(self.input_layernorm(x), rope, offset, keys, values, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Scaled(nn.Module):
+    """``embed`` (token ids ``(L,)`` -> ``(L, H)``) times ``scale``: a target's input as its
+    own forward makes it (Gemma's ``embed_scale``, ``sqrt(H)``). A DFlash-family block starts
+    from it, as mlx-vlm binds these drafters and as z-lab's reference embeds (HF's Gemma
+    embedding scales itself); kept out of the drafter's parameters (``_target``)."""
+
+    def __init__(self, embed: nn.Module, scale: float):
+        super().__init__()
+        self._embed, self.scale = embed, scale
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self._embed(tokens) * self.scale
 
 
 class DFlash(nn.Module):
