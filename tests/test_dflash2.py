@@ -320,10 +320,12 @@ def test_a_speculators_dflash_this_runtime_cannot_run_is_refused(
         create_drafter(folder, qwen3)
 
 
-def test_a_speculators_dspark_is_refused_by_name(tmp_path, qwen3):
-    """Not read as DFlash (nor left to ReDrafter's loader) when no DSpark loader claims it."""
+def test_a_speculators_dspark_is_not_read_as_dflash(tmp_path, qwen3):
+    """Its method names DSpark's loader (tests/test_dspark.py), which asks for the Markov head
+    a DFlash folder lacks: not read as DFlash, nor left to ReDrafter's loader."""
     folder = open_spec(dflash_folder(tmp_path / "s"), "dspark")
-    with pytest.raises(DrafterError, match=r"DSpark \(speculators\) drafter: not supported"):
+    assert drafter_kind(folder) == "dspark"
+    with pytest.raises(DrafterError, match=r"DSpark weights: .*markov_head"):
         create_drafter(folder, qwen3)
 
 

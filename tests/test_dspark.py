@@ -147,6 +147,95 @@ def test_logits_and_proposals_equal_mlx_vlms_over_two_rounds(tmp_path, qwen3, an
     )
 
 
+def speculators_dspark(folder: Path, layout: str, target) -> Path:
+    """``folder``'s DSpark (mlx-vlm's layout) rewritten as speculators 0.9.0 saves one:
+    ``speculators_model_type: dspark`` with the layer sizes under ``transformer_layer_config``
+    (``"speculators"``), or its Open Spec Config (``"open-spec"``: the sizes at the top level,
+    the rest under ``speculative_config``); ``block_size`` the block's rows (anchor and
+    masks), the target layers as HF hidden-state indices; the frozen ``embed_tokens`` and
+    ``lm_head`` copies of the target's saved with the weights."""
+    from redrafter_mlx.core.decode.llm import embedding
+
+    config = json.loads((folder / "config.json").read_text())
+    dflash = config.pop("dflash_config")
+    anchored, proposals = dflash["sample_from_anchor"], dflash["block_size"]
+    del config["architectures"], dflash["projector_type"], dflash["block_size"]
+    ids = [i + 1 for i in dflash.pop("target_layer_ids")]
+    own = {**dflash, "markov_head_type": "vanilla", "confidence_head_with_markov": True}
+    if layout == "speculators":
+        config = {
+            "speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+            "transformer_layer_config": config, "draft_vocab_size": config["vocab_size"],
+            "block_size": proposals + (not anchored), "aux_hidden_state_layer_ids": ids, **own,
+        }  # fmt: skip
+    else:
+        spec = {"method": "dspark", "speculative_tokens": proposals, "target_layer_ids": ids,
+                "target_layer_start_idx": 1, **own}  # fmt: skip
+        config |= {"architectures": ["DSparkDraftModel"], "speculative_config": spec}
+    tensors = dict(mx.load(str(folder / "model.safetensors")))
+    tensors["embed_tokens.weight"] = tensors["lm_head.weight"] = embedding(target).weight
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["speculators", "open-spec"])
+@pytest.mark.parametrize("anchored", [True, False], ids=["anchored", "masked-first"])
+def test_speculators_dspark_drafts_as_mlx_vlms_layout_of_the_same_weights(
+    tmp_path, qwen3, layout, anchored
+):
+    """It was refused (``DSpark (speculators) drafter: not supported yet``): its block counts
+    rows, not proposals, and its anchor's row proposes by default."""
+    zlab = load_dspark(dspark_folder(tmp_path / "z", anchored=anchored, confidence=True), qwen3)
+    folder = dspark_folder(tmp_path / "s", anchored=anchored, confidence=True)
+    folder = speculators_dspark(folder, layout, qwen3)
+    assert drafter_kind(folder) == "dspark"
+    theirs = create_drafter(folder, qwen3)
+    assert theirs.kind == "dspark" and theirs.taps == zlab.taps == (0, 1)
+    assert theirs.module.args.proposals == zlab.module.args.proposals == 5
+    assert theirs.module.block_length == zlab.module.block_length == 5 + (not anchored)
+    rng = np.random.default_rng(5)
+    context = [mx.array(rng.normal(0, 1, (6, HIDDEN)).astype(np.float32)) for _ in zlab.taps]
+    prompt, reading = [4, 8, 15, 16, 23, 42], Reading.after_prompt(mx.zeros((HIDDEN,)), mx.array(9))
+    ours, want = fed(theirs, context, prompt), fed(zlab, context, prompt)
+    np.testing.assert_allclose(
+        np.array(theirs.logits(ours, reading)), np.array(zlab.logits(want, reading)), atol=1e-5
+    )
+    got = theirs.draft(ours, reading, width=6, length=5)
+    expected = zlab.draft(want, reading, width=6, length=5)
+    assert got[0].tolist() == expected[0].tolist()
+    np.testing.assert_allclose(np.array(got[1]), np.array(expected[1]), atol=1e-5)
+
+
+@PLANS
+@pytest.mark.parametrize("anchored", [True, False], ids=["anchored", "masked-first"])
+def test_greedy_with_a_speculators_dspark_equals_autoregressive(tmp_path, qwen3, plan, anchored):
+    folder = dspark_folder(tmp_path / "d", anchored=anchored)
+    drafter = create_drafter(speculators_dspark(folder, "speculators", qwen3), qwen3)
+    prompt = [5, 17, 33, 2, 41, 8]
+    expected = take(run_steps(qwen3, prompt, plan=plan), 40)[0]
+    assert take(run_steps(qwen3, prompt, drafter, BeamShape(6, 5), plan=plan), 40)[0] == expected
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"markov_head_type": "rnn"}, "DSpark drafters with markov_head_type are not supported"),
+        ({"markov_rank": 0}, "markov_rank 0"),
+        ({"draft_vocab_size": 64}, r"a draft vocabulary of 64 \(not the target's 97\)"),
+    ],
+)
+def test_a_speculators_dspark_this_runtime_cannot_run_is_a_one_line_error(
+    tmp_path, qwen3, edit, message
+):
+    """speculators' gated / rnn Markov heads and a head disabled (rank 0), as mlx-vlm's."""
+    folder = speculators_dspark(dspark_folder(tmp_path / "d"), "speculators", qwen3)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | edit))
+    with pytest.raises(DrafterError, match=f"config.json: not a DSpark config: .*{message}"):
+        create_drafter(folder, qwen3)
+
+
 def test_the_tree_is_the_most_probable_prefixes_under_the_markov_chain():
     """Brute force over every prefix of 3 tokens: a top-N node's parent is in its depth's top
     N, so the width-N search finds them, though a depth's marginals depend on the path."""
@@ -210,10 +299,15 @@ def test_greedy_with_sliding_dspark_layers_equals_autoregressive(tmp_path, qwen3
 
 @pytest.mark.parametrize(
     "key,kind",
-    [("dflash2", "dflash2"), ("speculators:dflash", "dflash"), ("speculators:dflash2", "dflash2")],
+    [
+        ("dflash2", "dflash2"),
+        ("speculators:dflash", "dflash"),
+        ("speculators:dflash2", "dflash2"),
+        ("speculators:dspark", "dspark"),
+    ],
 )
 def test_types_that_now_load_are_routed_to_their_loader(tmp_path, key, kind):
-    """DFlash2 and speculators' DFlash layouts load (core/drafters/dflash2.py,
+    """DFlash2 and speculators' DFlash / DSpark layouts load (core/drafters/dflash2.py,
     core/drafters/dflash.py: flattened): their rows name their loader, so a folder declaring them
     is not refused."""
     assert drafter_types.TYPES[key].kind == kind
@@ -351,9 +445,33 @@ def test_a_folder_of_a_type_not_loaded_is_refused_naming_its_type(tmp_path, qwen
         create_drafter(folder, qwen3)
     line = str(refused.value)
     assert "\n" not in line
-    assert line == f"{folder}: {name} drafter: not supported yet ({line.split('(')[-1]}"
-    assert repr(key.split(":")[-1]) in line
+    source = "speculators_model_type" if key.startswith("speculators:") else "type"
+    said = f"{folder}: {name} drafter: not supported yet ({source} {key.split(':')[-1]!r})"
+    why = drafter_types.TYPES[key].why
+    assert line == (f"{said}: {why}" if why else said)
     assert drafter_kind(folder) == key
+
+
+@pytest.mark.parametrize(
+    "config,why",
+    [
+        ({"model_type": "glm4_moe_lite_mtp"}, "mlx-vlm 0.7.10 has only a splitter for GLM-4"),
+        ({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}, "glm4_moe / glm4_moe_lite"),
+        ({"model_type": "glm4_moe_lite", "num_nextn_predict_layers": 1}, "drop the head's"),
+        ({"model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1}, "MLA attention with a"),
+        ({"model_type": "glm_moe_dsa_mtp"}, "sparse indexer, each with its own cache"),
+        ({"model_type": "glm5_next_mtp"}, "mlx-lm 0.32 has no glm5_next target"),
+    ],
+)
+def test_a_glm_mtp_head_is_refused_in_one_line_saying_why(tmp_path, qwen3, config, why):
+    """They were refused as not supported, with no reason (docs/drafters.md, Limits)."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config | {"hidden_size": HIDDEN}))
+    with pytest.raises(DrafterError) as refused:
+        create_drafter(folder, qwen3)
+    line = str(refused.value)
+    assert "\n" not in line and "not supported yet (type " in line and why in line
 
 
 def test_a_checkpoint_with_its_own_nextn_mtp_head_is_refused_naming_it(tmp_path, qwen3):
@@ -461,7 +579,7 @@ def test_the_batching_service_answers_as_the_serial_one(tmp_path, qwen3, make):
     assert answers == expected
 
 
-@pytest.mark.parametrize("key", ["gemma4_unified_assistant", "gemma4_dflash", "speculators:dspark"])
+@pytest.mark.parametrize("key", ["gemma4_unified_assistant", "laguna", "speculators:eagle"])
 def test_generate_with_a_folder_of_a_type_not_loaded_says_which_in_one_line(tmp_path, capsys, key):
     """The folder's own sizes (a Gemma 4 assistant's are not the target's) were compared
     first: the line named sizes, not the type."""

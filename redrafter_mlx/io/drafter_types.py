@@ -15,10 +15,26 @@ from typing import NamedTuple
 
 
 class DrafterType(NamedTuple):
-    """A type's name in words and the kind of the loader that takes it (None: none yet)."""
+    """A type's name in words, the kind of the loader that takes it (None: none yet) and,
+    for a type none takes, why (empty: not built yet)."""
 
     name: str
     kind: str | None
+    why: str = ""
+
+
+# Why GLM's MTP heads are not loaded (docs/drafters.md, Limits)
+GLM4_MTP = (
+    "no model to test it against (mlx-vlm 0.7.10 has only a splitter for GLM-4 heads, and"
+    " mlx-lm 0.32's glm4_moe / glm4_moe_lite drop the head's weights)"
+)
+GLM5_MTP = (
+    "its layer is GLM-5's MLA attention with a sparse indexer, each with its own cache along"
+    " the accepted tokens, which no drafter here keeps yet"
+)
+GLM5_NEXT = "mlx-lm 0.32 has no glm5_next target to draft for"
+# a model's own checkpoint declaring next-token-prediction layers: why its head is not loaded
+NEXTN_WHY = {"glm4_moe": GLM4_MTP, "glm4_moe_lite": GLM4_MTP, "glm_moe_dsa": GLM5_MTP}
 
 
 # type (mlx-vlm's model_type, or "speculators:" + speculators_model_type) -> DrafterType
@@ -29,8 +45,7 @@ TYPES = {
     "dspark": DrafterType("DSpark", "dspark"),
     "qwen3_dspark": DrafterType("DSpark", "dspark"),
     "dflash2": DrafterType("DFlash2", "dflash2"),
-    # sliding layers load (DFlash's), but Gemma's embedding scale is untested on them
-    "gemma4_dflash": DrafterType("Gemma 4 DFlash", None),
+    "gemma4_dflash": DrafterType("Gemma 4 DFlash", "dflash"),
     "laguna": DrafterType("Laguna DFlash", None),
     "gemma4_dspark": DrafterType("Gemma 4 DSpark", None),
     "deepseek_v4_dspark": DrafterType("DeepSeek-V4 DSpark", None),
@@ -39,9 +54,9 @@ TYPES = {
     "gemma4_unified_assistant": DrafterType("Gemma 4 unified assistant MTP", None),
     "deepseek_v4_mtp": DrafterType("DeepSeek-V4 MTP", None),
     "nemotron_h_mtp": DrafterType("Nemotron-H MTP", "nemotron_h_mtp"),
-    "glm4_moe_lite_mtp": DrafterType("GLM-4 MoE Lite MTP", None),
-    "glm5_next_mtp": DrafterType("GLM-5 Next MTP", None),
-    "glm_moe_dsa_mtp": DrafterType("GLM MoE DSA MTP", None),
+    "glm4_moe_lite_mtp": DrafterType("GLM-4 MoE Lite MTP", None, GLM4_MTP),
+    "glm5_next_mtp": DrafterType("GLM-5 Next MTP", None, GLM5_NEXT),
+    "glm_moe_dsa_mtp": DrafterType("GLM MoE DSA MTP", None, GLM5_MTP),
     "hy_v4_mtp": DrafterType("Hunyuan V4 MTP", None),
     "inkling_mtp": DrafterType("Inkling MTP", None),
     "qwen4_exp_mtp": DrafterType("Qwen4 MTP", None),
@@ -49,7 +64,7 @@ TYPES = {
     "speculators:peagle": DrafterType("P-EAGLE", "peagle"),
     "speculators:dflash": DrafterType("DFlash (speculators)", "dflash"),
     "speculators:dflash2": DrafterType("DFlash2 (speculators)", "dflash2"),
-    "speculators:dspark": DrafterType("DSpark (speculators)", None),
+    "speculators:dspark": DrafterType("DSpark (speculators)", "dspark"),
     "speculators:eagle": DrafterType("EAGLE (speculators)", None),
     "speculators:mtp": DrafterType("MTP (speculators)", None),
 }
@@ -80,7 +95,8 @@ def declared(config: dict) -> tuple[str, DrafterType] | None:
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         if "nemotron_h" in (key, text.get("model_type")):  # Nemotron-H's: a loader takes it
             return "nemotron_h_mtp", TYPES["nemotron_h_mtp"]
-        return str(key), DrafterType(f"{key} MTP head (num_nextn_predict_layers)", None)
+        why = NEXTN_WHY.get(str(key), "")
+        return str(key), DrafterType(f"{key} MTP head (num_nextn_predict_layers)", None, why)
     return None
 
 
@@ -123,6 +139,8 @@ def _mlx_vlm_type(config: dict) -> str | None:
 
 
 def refusal(key: str, kind: DrafterType) -> str:
-    """The one line a folder of a type no loader takes is refused with."""
+    """The one line a folder of a type no loader takes is refused with (and why, when
+    known)."""
     source = "speculators_model_type" if key.startswith("speculators:") else "type"
-    return f"{kind.name} drafter: not supported yet ({source} {key.split(':')[-1]!r})"
+    line = f"{kind.name} drafter: not supported yet ({source} {key.split(':')[-1]!r})"
+    return f"{line}: {kind.why}" if kind.why else line

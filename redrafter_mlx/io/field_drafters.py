@@ -39,7 +39,7 @@ from redrafter_mlx.core.decode.llm import (
 from redrafter_mlx.core.decode.source import Source
 from redrafter_mlx.core.drafters import checked
 from redrafter_mlx.core.drafters.beam_search import BeamDrafter
-from redrafter_mlx.core.drafters.dflash import DFlash, DFlashArgs, DFlashDrafter
+from redrafter_mlx.core.drafters.dflash import DFlash, DFlashArgs, DFlashDrafter, Scaled
 from redrafter_mlx.core.drafters.dflash2 import DFlash2, DFlash2Args, DFlash2Drafter
 from redrafter_mlx.core.drafters.dspark import MODEL_TYPE as DSPARK
 from redrafter_mlx.core.drafters.dspark import DSpark, DSparkArgs, DSparkDrafter
@@ -281,7 +281,12 @@ def _load_dflash_family(folder, target: nn.Module, dtype, classes: tuple):
     if problem := _dflash_misfit(args, target):
         raise DrafterError(f"{folder}: {module_class.name} drafter {problem}")
     module = module_class(args)
-    _named(folder, module.load, _weights(folder), embedding(target), partial(head_linear, target))
+    embed = embedding(target)
+    # the block's input is the target's as its forward makes it (mlx-vlm's bind): Gemma's
+    # scaled by sqrt(H); a checkpoint's own embedding replaces it, unscaled (as mlx-vlm's)
+    if (scale := float(getattr(inner_model(target), "embed_scale", 1.0))) != 1.0:
+        embed = Scaled(embed, scale)
+    _named(folder, module.load, _weights(folder), embed, partial(head_linear, target))
     if dtype is not None:
         module.set_dtype(dtype)
     mx.eval(module.parameters())
@@ -301,7 +306,8 @@ def _other_type(config: object, kind: str) -> str | None:
 
 def load_dspark(folder: Path | str, target: nn.Module, dtype: mx.Dtype | None = None):
     """A :class:`~redrafter_mlx.core.drafters.dspark.DSparkDrafter` from an mlx-vlm / DeepSeek
-    folder: DFlash's loader with DSpark's args, module (its Markov head) and source (its tree)."""
+    or speculators (``dspark``) folder: DFlash's loader with DSpark's args, module (its Markov
+    head) and source (its tree)."""
     return _load_dflash_family(folder, target, dtype, (DSparkArgs, DSpark, DSparkDrafter))
 
 

@@ -310,7 +310,8 @@ class Wrapped(nn.Module):
 
 
 class Tap(Wrapped):
-    """A layer whose output ``(1, T, H)`` is also handed to ``record(index, output)``."""
+    """A layer whose output ``(1, T, H)`` is also handed to ``record(index, output)`` (of a
+    layer returning more, its hidden states: Gemma 4's return ``(h, kvs, offset)``)."""
 
     def __init__(self, layer: nn.Module, index: int, record):
         super().__init__(layer)
@@ -319,7 +320,7 @@ class Tap(Wrapped):
     def __call__(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
         index, record = self._tap
-        record(index, out)
+        record(index, out[0] if isinstance(out, tuple) else out)
         return out
 
 

@@ -45,6 +45,7 @@ from redrafter_mlx.core.drafters.beam_search import best
 from redrafter_mlx.core.errors import DrafterError
 
 MODEL_TYPE = "dflash"
+GEMMA4_MASK = 4  # Gemma's <mask>: mlx-vlm's default for z-lab's Gemma 4 DFlash configs
 
 
 @dataclass
@@ -106,6 +107,11 @@ def parsed(config: object, name: str, extra=None) -> dict:
         raise DrafterError(f"not a {name} config: {e!r} missing or malformed") from None
     except DrafterError as e:
         raise DrafterError(f"not a {name} config: {e}") from None
+    if "sample_from_anchor" not in fields and flat.get("sample_from_anchor"):  # DSpark's only
+        raise DrafterError(
+            f"not a {name} config: blocks drafted from the anchor (sample_from_anchor) are not"
+            " supported"
+        )
     if dflash.get("causal"):
         raise DrafterError(f"{name} drafter: causal draft blocks are not supported")
     return fields
@@ -125,11 +131,15 @@ def flattened(config: dict) -> tuple[dict, dict]:
 def _speculators(config: dict) -> tuple[dict, dict]:
     """speculators' own layout: the sizes under ``transformer_layer_config``, the target
     layers as ``aux_hidden_state_layer_ids`` (Hugging Face hidden-state indices, as EAGLE-3's:
-    index ``i`` is layer ``i - 1``'s output)."""
+    index ``i`` is layer ``i - 1``'s output), ``block_size`` the block's rows (the anchor and
+    its masks: ``block_size`` proposals when the anchor's row proposes too, else one fewer)."""
     layer = checked.section(config, "transformer_layer_config")
     outer = {k: v for k, v in config.items() if k != "transformer_layer_config" and v is not None}
     ids = checked.indices("aux_hidden_state_layer_ids", config["aux_hidden_state_layer_ids"])
-    return _from_speculators({**layer, **outer}, ids, 1)
+    flat = {**layer, **outer}
+    if "block_size" in flat and _anchored(flat):  # every row of its block proposes (DSpark's)
+        flat["block_size"] = checked.integer("block_size", flat["block_size"]) + 1
+    return _from_speculators(flat, ids, 1)
 
 
 def _open_spec(config: dict, spec: dict) -> tuple[dict, dict]:
@@ -151,13 +161,20 @@ def _from_speculators(flat: dict, ids: list[int], start: int) -> tuple[dict, dic
     vocab, draft = flat.get("vocab_size"), flat.get("draft_vocab_size")
     if draft is not None and draft != vocab:
         raise DrafterError(f"a draft vocabulary of {draft} (not the target's {vocab})")
-    if checked.flag("sample_from_anchor", flat.get("sample_from_anchor", False)):
-        raise DrafterError("blocks drafted from the anchor (sample_from_anchor) are not supported")
+    _anchored(flat)
     non_causal = checked.flag(
         "sliding_window_non_causal", flat.get("sliding_window_non_causal", False)
     )
     flat = {**flat, "target_layer_ids": [max(i - start, 0) for i in ids]}
-    return flat | {"causal_sliding": not non_causal}, {}
+    # its block size now counts the pending token and the proposals, as mlx-vlm's DSpark
+    # configs say with dspark_bonus_anchor (core/drafters/dspark.py)
+    return flat | {"causal_sliding": not non_causal, "dspark_bonus_anchor": True}, {}
+
+
+def _anchored(flat: dict) -> bool:
+    """Whether a speculators block's anchor row scores the first proposal
+    (``sample_from_anchor``: DSpark's default; DFlash's parse refuses it, :func:`parsed`)."""
+    return checked.flag("sample_from_anchor", flat.get("sample_from_anchor", False))
 
 
 def _fields(config: dict, dflash: dict) -> dict:
@@ -172,6 +189,8 @@ def _fields(config: dict, dflash: dict) -> dict:
     rope = dict(checked.section(config, "rope_parameters"))
     theta = rope.pop("rope_theta", checked.given(config, "rope_theta", 10000.0))
     mask_token = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask_token is None and config.get("model_type") == "gemma4":
+        mask_token = GEMMA4_MASK
     softcap = dflash.get("final_logit_softcapping", config.get("final_logit_softcapping"))
     return {
         "hidden_size": hidden,
@@ -266,6 +285,20 @@ class Layer(nn.Module):
     def __call__(self, x, rope, offset, keys, values, mask):
         h = x + self.self_attn(self.input_layernorm(x), rope, offset, keys, values, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Scaled(nn.Module):
+    """``embed`` (token ids ``(L,)`` -> ``(L, H)``) times ``scale``: a target's input as its
+    own forward makes it (Gemma's ``embed_scale``, ``sqrt(H)``). A DFlash-family block starts
+    from it, as mlx-vlm binds these drafters and as z-lab's reference embeds (HF's Gemma
+    embedding scales itself); kept out of the drafter's parameters (``_target``)."""
+
+    def __init__(self, embed: nn.Module, scale: float):
+        super().__init__()
+        self._embed, self.scale = embed, scale
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self._embed(tokens) * self.scale
 
 
 class DFlash(nn.Module):

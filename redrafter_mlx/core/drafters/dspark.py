@@ -43,16 +43,18 @@ class DSparkArgs(DFlashArgs):
 
     @classmethod
     def from_dict(cls, config: dict) -> DSparkArgs:
-        """From a DSpark ``config.json``: DFlash's fields (either layout, sliding layers
-        included, :func:`~redrafter_mlx.core.drafters.dflash.parsed`), then DSpark's own.
+        """From a DSpark ``config.json``: DFlash's fields (mlx-vlm's layout or speculators'
+        own ``dspark`` ones, sliding layers included,
+        :func:`~redrafter_mlx.core.drafters.dflash.parsed`), then DSpark's own.
         DrafterError (one line) for what this runtime cannot run."""
         return cls(**parsed(config, DSpark.name, _own_fields))
 
 
 def _own_fields(flat: dict, dflash: dict) -> dict:
     """DSpark's fields from ``dflash_config`` (else the top level), read as mlx-vlm 0.7.10's
-    ``DSparkConfig.from_dict`` reads them (its ``block_size`` counted as here); KeyError for
-    a missing one, DrafterError for what this runtime cannot run."""
+    ``DSparkConfig.from_dict`` reads them (its ``block_size`` counted as here; speculators'
+    layouts arrive counted so, ``dspark_bonus_anchor``); KeyError for a missing one,
+    DrafterError for what this runtime cannot run."""
 
     def given(name, default):
         return dflash.get(name, flat.get(name, default))
