@@ -255,16 +255,32 @@ def test_auto_offline_falls_back_to_discovery_and_says_what_it_would_fetch(
     assert answer["tokens"]  # it still answers, with lookup beams
 
 
-def test_auto_skips_types_not_loaded_yet_with_a_line(demo, hub, capsys, tmp_path):
+def test_auto_skips_types_not_loaded_yet_with_a_line(demo, hub, capsys, tmp_path, monkeypatch):
+    """Every published type in the shipped catalogue loads now; a catalogue entry marked
+    unsupported, or of a type with no loader, is skipped with its reason and never fetched."""
     server = hub({})
-    # DFlash2 (Qwen3.8-27B's) loads now; both of Gemma 4 12B's drafters are still skipped
+    listed = {
+        "models": [
+            {
+                "target": "google/gemma-4-12B-it",
+                "drafters": [
+                    {"repo": "x/held", "type": "dflash", "unsupported": "held back: a reason",
+                     "source": "test"},
+                    {"repo": "x/new-kind", "type": "laguna", "source": "test"},
+                ],
+            }
+        ]
+    }  # fmt: skip
+    (tmp_path / "catalogue.json").write_text(json.dumps(listed))
+    shipped = catalogue.read_catalogue
+    monkeypatch.setattr(catalogue, "read_catalogue", lambda: shipped(tmp_path / "catalogue.json"))
     model = named_copy(demo["model"], tmp_path / "g12", "google/gemma-4-12B-it")
     main(["generate", "--model", str(model), "--drafter", "auto", "--prompt", "Hi",
           "--max-tokens", "4"])  # fmt: skip
     err = capsys.readouterr().err
-    assert "z-lab/gemma4-12B-it-DFlash (DFlash): Gemma 4 DFlash (gemma4_dflash): " in err
-    assert "google/gemma-4-12B-it-assistant (" in err
-    assert "no catalogue drafter for gemma-4-12B-it fits" in err
+    assert "x/held (DFlash): held back: a reason" in err
+    assert "x/new-kind (" in err and "not loaded yet" in err
+    assert "no catalogue drafter for google/gemma-4-12B-it fits" in err
     assert server.requests == []  # nothing fetched for a type it cannot load
 
 
