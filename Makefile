@@ -109,11 +109,13 @@ generate: setup
 	$(VENV)/bin/redrafter-mlx generate $(ARGS)
 
 # The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
-# specialisation: REDRAFTER_CPU_TUNING=0). The chi-square tests of sampled answers (marker
-# `distribution`, minutes each) run after make test in .ci/run, on both plans, as the `soak`
-# tests do; `make test ARGS=...` runs only what ARGS names.
-EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
-	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py tests/test_sequence.py \
+# specialisation: REDRAFTER_CPU_TUNING=0): the files whose decoders take the plan this process
+# runs (plan_for: the CLI, load_runtime, the API); test_llm, test_decode, test_lookup,
+# test_sequence and test_switch name their plans (both, where it matters) and would run the
+# same code twice. The chi-square tests of sampled answers (marker `distribution`, minutes
+# each) run after make test in .ci/run, on both plans, as the `soak` tests do;
+# `make test ARGS=...` runs only what ARGS names.
+EXACTNESS := tests/test_generate.py tests/test_families.py tests/test_e2e.py \
 	tests/test_eagle3.py tests/test_dflash.py tests/test_mtp.py
 
 test: setup test-deps

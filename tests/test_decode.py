@@ -18,6 +18,7 @@ from support.decoding import (
     assert_drawn_from,
     autoregressive,
     first_three_token_probs,
+    remembered_answers,
     take,
 )
 
@@ -59,6 +60,13 @@ def beam_drafter(target, drafter):
     return BeamDrafter(drafter, target.model.embed_tokens)
 
 
+@pytest.fixture(scope="module")
+def target_answer(target):
+    """``target``'s greedy autoregressive answers, each decoded once (hypothesis draws 4
+    prompts for its 30 examples; the oracle's 8 cases share one answer)."""
+    return remembered_answers(target)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     width=st.integers(1, 16),
@@ -69,11 +77,11 @@ def beam_drafter(target, drafter):
     search_width=st.sampled_from([0, 0, 8, 24]),
 )
 def test_greedy_equals_autoregressive(
-    target, beam_drafter, width, length, seed, plan, min_prob, search_width
+    target, target_answer, beam_drafter, width, length, seed, plan, min_prob, search_width
 ):
     """On the generic plan (what Metal and CUDA run), with padded trees and on the CPU plan."""
     prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 64, size=6)]
-    expected = autoregressive(target, prompt, 48)
+    expected = list(target_answer(tuple(prompt), 48))
     got = speculative(
         target,
         beam_drafter,
@@ -90,14 +98,16 @@ def test_greedy_equals_autoregressive(
 
 @pytest.mark.parametrize("length", [700, 2100])
 @pytest.mark.parametrize("plan", [GENERIC_PLAN, CPU_PLAN])
-def test_greedy_equals_autoregressive_after_a_long_prompt(target, beam_drafter, plan, length):
+def test_greedy_equals_autoregressive_after_a_long_prompt(
+    target, target_answer, beam_drafter, plan, length
+):
     """After 700 and 2,100 prompt tokens (two and five prefill chunks on the CPU plan; every
     tree attends to the whole cached prefix unmasked there, and to itself under its mask;
     2,100 is past the CPU plan's ``plain_from``, where a profile's or a flag's shape still
     speculates) greedy output with drafted and lookup beams is the autoregressive output,
     and so is the plan's own plain decoding."""
     prompt = [int(t) for t in np.random.default_rng(9).integers(0, 64, size=length)]
-    expected = autoregressive(target, prompt, 32)
+    expected = list(target_answer(tuple(prompt), 32))
     steps = run_steps(target, prompt, beam_drafter, BeamShape(2, 3, lookup=1), plan=plan)
     assert take(steps, 32)[0] == expected
     assert take(run_steps(target, prompt, plan=plan), 32)[0] == expected
@@ -151,8 +161,8 @@ class OracleDrafter(SearchSource):
 
 @pytest.mark.parametrize("width,length", [(1, 2), (3, 4), (5, 6), (16, 5)])
 @pytest.mark.parametrize("plan", [GENERIC_PLAN, Plan(tree_sizes=PADDED)])
-def test_oracle_drafter_gets_full_beams(target, width, length, plan):
-    expected = autoregressive(target, PROMPT, 200)
+def test_oracle_drafter_gets_full_beams(target, target_answer, width, length, plan):
+    expected = list(target_answer(tuple(PROMPT), 200))
     oracle = OracleDrafter(expected, target.args.vocab_size)
     n = 1 + 10 * length
     got, steps = speculative(target, oracle, PROMPT, n, width, length, plan=plan)

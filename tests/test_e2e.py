@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from support import decoder_for, decoding_of
 
+from redrafter_mlx.backend.plan import plan_for
 from redrafter_mlx.core.decode.accept import greedy
 from redrafter_mlx.core.decode.shape import BeamShape
 from redrafter_mlx.core.drafters.beam_search import BeamDrafter
@@ -43,8 +44,11 @@ def chat_ids(tokenizer, text):
 
 
 def generate_tokens(model, tokenizer, ids, n, drafter=None, shape=None):
+    """On the plan this process runs: the CPU plan, or with ``REDRAFTER_CPU_TUNING=0`` (make
+    test's second pass) the generic one Metal and CUDA run."""
     decoding = decoding_of(drafter, shape or BeamShape(1, 2), autoregressive=not drafter)
-    session = Session(decoder_for(model, drafter), tokenizer, decoding, warm=False)
+    decoder = decoder_for(model, drafter, plan_for())
+    session = Session(decoder, tokenizer, decoding, warm=False)
     out = []
     for r in session.generate(ids, max_tokens=n):
         out += r.tokens
@@ -73,14 +77,21 @@ def _drafters(model):
     return found
 
 
+@pytest.fixture(scope="module")
+def autoregressive(smollm):
+    """Each of ``PROMPTS[1:]``'s chat ids and greedy autoregressive answer (48 tokens), decoded
+    once for every shape and drafter compared with it."""
+    model, tokenizer = smollm
+    ids = [chat_ids(tokenizer, text) for text in PROMPTS[1:]]
+    return [(i, generate_tokens(model, tokenizer, i, 48)[0]) for i in ids]
+
+
 @pytest.mark.parametrize("shape", [BeamShape(1, 5), BeamShape(3, 4)])
-def test_redrafter_equals_autoregressive(smollm, shape):
+def test_redrafter_equals_autoregressive(smollm, autoregressive, shape):
     model, tokenizer = smollm
     for name, drafter in _drafters(model):
         bd = BeamDrafter(drafter, model.model.embed_tokens)
-        for text in PROMPTS[1:]:
-            ids = chat_ids(tokenizer, text)
-            expected, _ = generate_tokens(model, tokenizer, ids, 48)
+        for ids, expected in autoregressive:
             got, stats = generate_tokens(model, tokenizer, ids, 48, bd, shape)
             assert got == expected, name
             assert stats.syncs_per_step == 1

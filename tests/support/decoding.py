@@ -4,6 +4,8 @@ of the first three tokens with a chi-square check of drawn counts against it."""
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -26,6 +28,18 @@ def take(steps, n):
 
 def autoregressive(model, prompt, n):
     return take(run_steps(model, prompt), n)[0]
+
+
+def remembered_answers(model):
+    """``answer(prompt, n)``: ``model``'s greedy autoregressive answer of ``n`` tokens to
+    ``prompt`` (a tuple), decoded once per prompt and length; for a module fixture whose tests
+    compare many shapes and plans with the same few answers."""
+
+    @functools.cache
+    def answer(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+        return tuple(autoregressive(model, list(prompt), n))
+
+    return answer
 
 
 PADDED = (4, 8, 16, 32, 64, 128)  # pads most trees: exactness must not depend on padding
