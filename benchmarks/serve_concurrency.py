@@ -14,8 +14,17 @@ others idle. With ``--repetitions R`` each level runs R rounds per server, inter
 order rotating), and a server's figures at a level are the medians of its R rounds (each
 round's own under ``"runs"``): this machine's speed drifts 10-20 % within minutes.
 
+``--prompt-tokens N`` sends long prompts instead of MT-Bench: request ``i`` summarises its own
+slice of the docs (``README.md``, ``docs/*.md``: held-out text), about N tokens each, so no
+two requests share a prefix a prompt cache could reuse. ``--baseline DIR`` adds our batching
+server run from another checkout (e.g. ``git archive`` of an older commit unpacked in DIR),
+interleaved with the rest; ``--servers`` picks which servers run.
+
     PYTHONPATH=. .venv/bin/python benchmarks/serve_concurrency.py \\
         --out benchmarks/results/serve_concurrency.json
+    REDRAFTER_CPU_TUNING=0 PYTHONPATH=. .venv/bin/python benchmarks/serve_concurrency.py \\
+        --clients 4 --requests 8 --prompt-tokens 1800 --servers ours-batched mlx-lm \\
+        --mlx-lm-decode-concurrency 4 --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -40,10 +50,12 @@ from redrafter_mlx.io.embedded import default_model_path  # noqa: E402
 from redrafter_mlx.io.prompts import load_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+MLX_LM, BASELINE = "mlx-lm", "ours-baseline"
 
 
-def start(name: str, command: list[str]) -> tuple[subprocess.Popen, int]:
-    """Start a server on a free port (``{port}`` in ``command``); wait until it answers."""
+def start(name: str, command: list[str], checkout: Path = ROOT) -> tuple[subprocess.Popen, int]:
+    """Start a server on a free port (``{port}`` in ``command``), running the code of
+    ``checkout``; wait until it answers."""
     import socket
 
     with socket.socket() as s:
@@ -52,7 +64,8 @@ def start(name: str, command: list[str]) -> tuple[subprocess.Popen, int]:
     log = Path(tempfile.mkdtemp(prefix=f"concurrency-{name}-")) / "server.log"
     command = [c.replace("{port}", str(port)) for c in command]
     with open(log, "w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=stderr, stderr=stderr)
+        env = os.environ | {"PYTHONPATH": str(checkout)}
+        process = subprocess.Popen(command, cwd=checkout, env=env, stdout=stderr, stderr=stderr)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -69,8 +82,24 @@ def start(name: str, command: list[str]) -> tuple[subprocess.Popen, int]:
     raise SystemExit(f"{name} did not start")
 
 
+def long_prompts(count: int, length: int, model: str) -> list[str]:
+    """``count`` requests of about ``length`` tokens each: a summary asked of a slice of the
+    docs, each request its own slice (starts spread over the text when it is too short for
+    ``count`` disjoint ones)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model))
+    text = "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < length + count:
+        raise SystemExit(f"the docs hold {len(ids)} tokens: too few for --prompt-tokens {length}")
+    step = min(length, (len(ids) - length) // max(count - 1, 1))
+    ask = "\n\nSummarise the text above in five short bullet points."
+    return [tokenizer.decode(ids[i * step : i * step + length]) + ask for i in range(count)]
+
+
 def _ready(name: str, log: Path) -> bool:
-    return name == "mlx-lm" or bool(re.search(r"serving the OpenAI API at", log.read_text()))
+    return name == MLX_LM or bool(re.search(r"serving the OpenAI API at", log.read_text()))
 
 
 def ask(port: int, prompt: str, max_tokens: int) -> dict:
@@ -195,18 +224,32 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8, help="our batching server's")
     parser.add_argument("--repetitions", type=int, default=1, help="rounds per server and level")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="long prompts (0: MT-Bench)")
+    names = ["ours-batched", "ours-serial", MLX_LM]
+    parser.add_argument("--servers", nargs="+", choices=names, default=names)
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout's batching")
+    parser.add_argument("--mlx-lm-decode-concurrency", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = str(default_model_path())
     ours = [sys.executable, "-m", "redrafter_mlx", "serve", "--port", "{port}"]
     ours += ["--queue-size", "32", "--max-tokens", str(args.max_tokens)]
+    mlx_lm = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", "{port}"]
+    if args.mlx_lm_decode_concurrency:
+        mlx_lm += ["--decode-concurrency", str(args.mlx_lm_decode_concurrency)]
     commands = {
-        "ours-batched": ours + ["--max-batch", str(args.max_batch)],
-        "ours-serial": ours + ["--max-batch", "1"],
-        "mlx-lm": [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", "{port}"],
+        "ours-batched": (ours + ["--max-batch", str(args.max_batch)], ROOT),
+        "ours-serial": (ours + ["--max-batch", "1"], ROOT),
+        MLX_LM: (mlx_lm, ROOT),
     }
-    prompts = [turns[0] for turns in load_prompts(None, args.requests, 1)]
-    servers = {name: start(name, command) for name, command in commands.items()}
+    commands = {name: commands[name] for name in args.servers}
+    if args.baseline:
+        commands[BASELINE] = (ours + ["--max-batch", str(args.max_batch)], args.baseline.resolve())
+    if args.prompt_tokens:
+        prompts = long_prompts(args.requests, args.prompt_tokens, model)
+    else:
+        prompts = [turns[0] for turns in load_prompts(None, args.requests, 1)]
+    servers = {name: start(name, *command) for name, command in commands.items()}
     for _, port in servers.values():  # a first request may build what a server builds lazily
         ask(port, "Hello", 8)
     runs: dict[str, dict[int, list[dict]]] = {name: {} for name in servers}

@@ -10,16 +10,22 @@ is bound by. Attention stays each sequence's own: each segment of rows writes it
 own sequence (through that sequence's :class:`~redrafter_mlx.core.decode.sequence.View`) and sees
 only that sequence's cache and tree.
 
-The generic forward runs the model's own modules over :class:`JointLayerCache`, which hands
-every layer the segments' caches side by side ``(1, K, sum(S_i + T_i), D)`` and a block mask
-(a segment's rows see only its own block): MLX's fused attention then does all segments in
-one call. The CPU plan's forward attends each segment against its own sequence's cache alone
-(``backend.cpu.fused.FusedForward.run_joint``), all segments of a layer in one kernel call.
+The generic forward runs the model's own modules over :class:`JointLayerCache`: each segment's
+rows attend its own sequence's cache ``(1, K, S_i + T_i, D)`` under its own mask, one fused
+attention call per segment (:func:`route_attention` points the model's attention modules at
+:meth:`JointLayerCache.attend`), so no cache is copied and no row scores another sequence's
+keys. An attention module that computes attention itself gets what mlx-lm's caches give:
+the segments' caches side by side ``(1, K, sum(S_i + T_i), D)`` and a block mask (a segment's
+rows see only its own block), built lazily, so they cost nothing where the routed attention
+runs instead. The CPU plan's forward attends each segment against its own sequence's cache
+alone (``backend.cpu.fused.FusedForward.run_joint``), all segments of a layer in one kernel
+call.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -63,6 +69,8 @@ class JointView:
         self.bounds = list(zip(starts[:-1], starts[1:], strict=True))
         self.positions = mx.concatenate([v.positions for v in self.views])
         self.taps = frozenset().union(*(v.taps for v in self.views))
+        self._masks: dict[tuple, list[mx.array | None]] = {}
+        self._blocks: list[tuple[mx.array, tuple[int, int] | None]] = []
 
     @functools.cached_property
     def tree_levels(self) -> list[Levels] | None:
@@ -104,63 +112,142 @@ class JointView:
         """Each segment's cached tokens ``S_i``."""
         return [v.offset for v in self.views]
 
-    def block_mask(self) -> mx.array:
-        """``(N, sum(S_i + T_i))`` boolean: each segment's own mask on its own block."""
+    def masks(self, window: tuple[int, int] | None) -> list[mx.array | None]:
+        """Each segment's mask ``(T_i, S_i + T_i)`` (None: sees its whole cache), narrowed
+        by position on a sliding-window layer (``window`` ``(size, keep)``: a key is seen
+        when ``pos(q) - pos(k) < size``, or among the sequence's first ``keep`` tokens)."""
+        key = window or (None, 0)
+        if key not in self._masks:
+            views = self.views
+            self._masks[key] = [_windowed(v.mask, v.offset, v.positions, window) for v in views]
+        return self._masks[key]
+
+    def block_mask(self, window: tuple[int, int] | None = None) -> mx.array:
+        """``(N, sum(S_i + T_i))`` boolean: each segment's :meth:`masks` on its own block,
+        for attention that is not routed per segment (lazy: unused, never computed)."""
         widths = [s + b - a for s, (a, b) in zip(self.cached(), self.bounds, strict=True)]
-        total = sum(widths)
-        rows, left = [], 0
-        for view, width, (start, stop) in zip(self.views, widths, self.bounds, strict=True):
-            own = view.mask
+        total, rows, left = sum(widths), [], 0
+        for own, width, (start, stop) in zip(self.masks(window), widths, self.bounds, strict=True):
             if own is None:
                 own = mx.ones((stop - start, width), mx.bool_)
             before = mx.zeros((stop - start, left), mx.bool_)
             after = mx.zeros((stop - start, total - left - width), mx.bool_)
             rows.append(mx.concatenate([before, own, after], axis=1))
             left += width
-        return mx.concatenate(rows, axis=0)
+        block = mx.concatenate(rows, axis=0)
+        self._blocks.append((block, window))
+        return block
 
-    def key_positions(self) -> mx.array:
-        """The positions of the joint keys ``(sum(S_i + T_i),)``, segment after segment."""
-        parts = []
-        for s, view in zip(self.cached(), self.views, strict=True):
-            parts += [mx.arange(s, dtype=mx.int32), view.positions]
-        return mx.concatenate(parts)
+    def window_of(self, mask) -> tuple[bool, tuple[int, int] | None]:
+        """Whether ``mask`` is a block mask of this forward, and the window it was made for."""
+        for block, window in self._blocks:
+            if mask is block:
+                return True, window
+        return False, None
+
+
+def _windowed(mask, cached: int, positions: mx.array, window) -> mx.array | None:
+    """One segment's ``mask (T, S + T)`` (or None) narrowed to ``window`` ``(size, keep)``;
+    cached tokens sit at positions ``0 .. S - 1``."""
+    if window is None or window[0] is None:
+        return mask
+    size, keep = window
+    key_positions = mx.concatenate([mx.arange(cached, dtype=mx.int32), positions])
+    seen = positions[:, None] - key_positions[None] < size
+    if keep:  # the first ``keep`` tokens of the sequence stay visible
+        seen = seen | (mx.arange(key_positions.shape[0]) < keep)[None]
+    return seen if mask is None else seen & mask
 
 
 class JointLayerCache:
     """One attention layer's cache over a :class:`JointView`, as mlx-lm's attention modules
     use a cache: ``offset`` the N tokens' positions (for
-    :class:`~redrafter_mlx.core.decode.llm.TokenRope`), ``update_and_fetch`` writes each segment's
-    K/V into its sequence and returns the segments' caches side by side, ``make_mask`` the
-    block mask (narrowed by position on sliding-window layers)."""
+    :class:`~redrafter_mlx.core.decode.llm.TokenRope`), ``update_and_fetch`` writes each
+    segment's K/V into its sequence, ``attend`` runs each segment's attention on its own
+    cache; an unrouted module gets the caches side by side and a block mask instead
+    (``make_mask``, narrowed by position on sliding-window layers)."""
 
-    def __init__(self, joint: JointView, layer: int, window=None, mask: mx.array | None = None):
+    def __init__(self, joint: JointView, layer: int, window=None):
         self.joint, self.layer, self.window = joint, layer, window
         self.offset = joint.positions
-        self.mask = mask
+        self._own: list[tuple[mx.array, mx.array]] = []
+        self._fetched: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        out_keys, out_values = [], []
-        for view, k, v in zip(
-            self.joint.views, self.joint.split(keys, 2), self.joint.split(values, 2), strict=True
-        ):
-            k, v = view.write(self.layer, k, v)
-            out_keys.append(k)
-            out_values.append(v)
-        return mx.concatenate(out_keys, axis=2), mx.concatenate(out_values, axis=2)
+        self._own = [
+            view.write(self.layer, k, v)
+            for view, k, v in zip(
+                self.joint.views,
+                self.joint.split(keys, 2),
+                self.joint.split(values, 2),
+                strict=True,
+            )
+        ]
+        # lazy: copied only if the module attends them itself (see ``attend``)
+        self._fetched = (
+            mx.concatenate([k for k, _ in self._own], axis=2),
+            mx.concatenate([v for _, v in self._own], axis=2),
+        )
+        return self._fetched
 
     def make_mask(self, n: int, *, window_size: int | None = None, **_) -> mx.array:
-        size, keep = (window_size, 0) if window_size else (self.window or (None, 0))
-        if size is None:
-            return self.mask
-        key_positions = self.joint.key_positions()
-        seen = self.offset[:, None] - key_positions[None] < size
-        if keep:  # the first ``keep`` tokens of each sequence stay visible
-            cached, bounds = self.joint.cached(), self.joint.bounds
-            firsts = [mx.arange(s + b - a) < keep for s, (a, b) in zip(cached, bounds, strict=True)]
-            seen = seen | mx.concatenate(firsts)[None]
-            return seen & self.mask
-        return seen & self.mask
+        window = (window_size, 0) if window_size else self.window
+        return self.joint.block_mask(window)
+
+    def attend(self, queries, keys, values, *, scale: float, mask, **kwargs) -> mx.array:
+        """Attention of the joint rows ``queries (1, heads, N, D)`` -> ``(1, heads, N, D)``:
+        each segment's rows on its own cache under its own mask, where ``keys``, ``values``
+        and ``mask`` are what this cache handed out; otherwise over what the module passes."""
+        routed, window = self.joint.window_of(mask)
+        fetched = self._fetched
+        if not routed or fetched is None or keys is not fetched[0] or values is not fetched[1]:
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask, **kwargs
+            )
+        parts = zip(self.joint.split(queries, 2), self._own, self.joint.masks(window), strict=True)
+        return mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m, **kwargs)
+                for q, (k, v), m in parts
+            ],
+            axis=2,
+        )
+
+
+ATTENTION_NAME = "scaled_dot_product_attention"  # mlx-lm's attention, by its modules' name
+
+
+def route_attention(model) -> None:
+    """Point every attention module of ``model`` (a copy: its modules' classes change) that
+    calls mlx-lm's ``scaled_dot_product_attention`` at :func:`_attention`, which hands a
+    :class:`JointLayerCache`'s attention to :meth:`JointLayerCache.attend` and any other
+    cache's to mlx-lm's own function."""
+    for _, module in model.named_modules():
+        call = type(module).__call__
+        code = getattr(call, "__code__", None)
+        if code is not None and ATTENTION_NAME in code.co_names:
+            if callable(call.__globals__.get(ATTENTION_NAME)):
+                module.__class__ = _routed(type(module))
+
+
+@functools.cache
+def _routed(cls: type) -> type:
+    """``cls`` with its ``__call__`` reading :data:`ATTENTION_NAME` as the routed attention:
+    the same code over a copy of its module's globals (mlx-lm's modules stay as they are)."""
+    call = cls.__call__
+    scope = dict(call.__globals__)
+    scope[ATTENTION_NAME] = functools.partial(_attention, scope[ATTENTION_NAME])
+    routed = types.FunctionType(
+        call.__code__, scope, call.__name__, call.__defaults__, call.__closure__
+    )
+    routed.__kwdefaults__ = call.__kwdefaults__
+    return type(cls.__name__, (cls,), {"__call__": routed, "__module__": cls.__module__})
+
+
+def _attention(original, queries, keys, values, cache, scale, mask, **kwargs) -> mx.array:
+    if isinstance(cache, JointLayerCache):
+        return cache.attend(queries, keys, values, scale=scale, mask=mask, **kwargs)
+    return original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
 
 
 class JointStateSlot(StateSlot):

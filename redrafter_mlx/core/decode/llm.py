@@ -35,7 +35,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 from mlx_lm.models.cache import KVCache as MlxKVCache
 
-from redrafter_mlx.core.decode.joint import JointLayerCache, JointStateSlot, JointView, Segment
+from redrafter_mlx.core.decode.joint import (
+    JointLayerCache,
+    JointStateSlot,
+    JointView,
+    Segment,
+    route_attention,
+)
 from redrafter_mlx.core.decode.recurrent import StateSlot, wrap_mixers
 from redrafter_mlx.core.decode.sequence import Sequence, View
 from redrafter_mlx.core.decode.tree import Tree
@@ -173,6 +179,7 @@ class Forward:
 
     def __init__(self, model: nn.Module, *, dispatch_every: int = 0):
         self.model = _with_token_rope(structural_copy(model))
+        route_attention(inner_model(self.model))  # a joint forward attends per sequence
         self.layout = cache_layout(model)
         layers = inner_model(self.model).layers
         if slot_counts(self.layout)[1]:
@@ -250,14 +257,13 @@ class Forward:
         """The joint forward itself -> hidden ``(N, H)`` (what a device's plan replaces): the
         model's own modules over :class:`~redrafter_mlx.core.decode.joint.JointLayerCache`."""
         del compiled
-        mask = joint.block_mask()
 
         def layer_cache(slot):
             if isinstance(slot, list):
                 return CacheList(*(layer_cache(s) for s in slot))
             if isinstance(slot, RecurrentSlot):
                 return JointStateSlot(joint, slot.index, slot.size)
-            return JointLayerCache(joint, slot.index, slot.window, mask)
+            return JointLayerCache(joint, slot.index, slot.window)
 
         return self._layers(tokens, [layer_cache(slot) for slot in self.layout], joint)
 
