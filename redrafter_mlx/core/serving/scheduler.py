@@ -32,14 +32,7 @@ from redrafter_mlx.core.decode.llm import chain_mask
 from redrafter_mlx.core.decode.step import Step
 from redrafter_mlx.core.decode.stream import StepResponse, responses
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.serving.batch import (
-    Member,
-    batch_step,
-    current_key,
-    fitted,
-    key_value,
-    root_alone,
-)
+from redrafter_mlx.core.serving.batch import Member, batch_step, current_key, fitted, key_value
 from redrafter_mlx.core.serving.prompt_cache import session_bytes
 from redrafter_mlx.core.serving.session import Session
 
@@ -288,10 +281,9 @@ def warm_up(decoder, decodings=(), max_batch: int = 2) -> None:
     decodings = list(decodings)
     if plan.batch_rows is not None:
         fits = {fitted(d, plan.batch_rows // b) for d in decodings for b in range(2, max_batch + 1)}
-        for decoding in fits - set(decodings):
-            if not root_alone(decoding):  # a tree (a root alone runs the one-token forward)
-                decoder.warm_up(decoding)
-                decodings.append(decoding)
+        for decoding in fits - {None, *decodings}:  # None: a root alone (a one-token forward)
+            decoder.warm_up(decoding)
+            decodings.append(decoding)
 
 
 def answer_together(
