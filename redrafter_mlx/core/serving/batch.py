@@ -105,12 +105,12 @@ def batch_step(decoder: Decoder, members: list[Member]) -> list[Step | BaseExcep
             results[i] = e
             continue
         if step.by_itself:
-            results[i] = step.alone(decoder)
+            results[i] = step.alone()
         else:
             together[i] = step
     if len(together) == 1:  # a batch of one: the single-sequence step
         ((i, step),) = together.items()
-        results[i] = step.alone(decoder)
+        results[i] = step.alone()
     elif together:
         results.update(zip(together, step_together(decoder, list(together.values())), strict=True))
     return [results[i] for i in range(len(members))]
@@ -198,24 +198,23 @@ class MemberStep:
     """
 
     by_itself = False
+    segment: Segment | None = None
+    values: tuple[mx.array, ...] = ()
+    evaluated: tuple[mx.array, ...] = ()
 
-    def __init__(self, decoder: Decoder, member: Member, segment: Segment | None):
-        self.decoder, self.member, self.state, self.segment = decoder, member, member.state, segment
-        self.values: tuple[mx.array, ...] = ()
-        self.evaluated: tuple[mx.array, ...] = ()
+    def __init__(self, decoder: Decoder, member: Member):
+        self.decoder, self.member, self.state = decoder, member, member.state
 
     @staticmethod
     def plan(decoder: Decoder, member: Member) -> MemberStep:
-        """``member``'s step, its segment packed (ContextFull when its context has no room;
-        SpentState when its state was stepped already)."""
+        """``member``'s step of its kind, its segment packed (ContextFull when its context
+        has no room; SpentState when its state was stepped already)."""
         state = member.state
         if state.version != state.sequence.version:
             raise SpentState("a batch member's state was stepped already")
         if not isinstance(state, speculative.TreeState):
-            return ChainStep.planned(decoder, member)
-        if member.root_alone:
-            return RootStep.planned(decoder, member)
-        return TreeStep.planned(decoder, member)
+            return ChainStep(decoder, member)
+        return RootStep(decoder, member) if member.root_alone else TreeStep(decoder, member)
 
     def conclude(self, hidden: mx.array, logits: mx.array) -> None:
         """After the forward (``hidden (T, H)``, ``logits (T, V)``: this member's rows), in
@@ -234,10 +233,10 @@ class MemberStep:
         self.member.state, step = self._finish(read)
         return step
 
-    def alone(self, decoder: Decoder) -> Step:
+    def alone(self) -> Step:
         """The three phases with a forward of this member's segment alone."""
-        count = self.segment.count
-        compiled = decoder.compiles(count, self.state.decoding)
+        decoder = self.decoder
+        compiled = decoder.compiles(self.segment.count, self.state.decoding)
         hidden = decoder.forward.segment(self.segment, compiled=compiled)
         self.conclude(hidden, decoder.forward.lm_head(hidden))
         read = host_read(*self.values, evaluated=self.evaluated)
@@ -253,14 +252,11 @@ class MemberStep:
 class TreeStep(MemberStep):
     """A tree member's step: :func:`speculative.speculative_step`'s phases."""
 
-    @classmethod
-    def planned(cls, decoder: Decoder, member: Member) -> TreeStep:
-        state = member.state
-        state.timer.start()
-        tree = speculative.plan_tree(decoder, state)
-        step = cls(decoder, member, tree.segment(state.sequence, _taps(decoder)))
-        step.tree = tree
-        return step
+    def __init__(self, decoder: Decoder, member: Member):
+        super().__init__(decoder, member)
+        self.state.timer.start()
+        self.tree = speculative.plan_tree(decoder, self.state)
+        self.segment = self.tree.segment(self.state.sequence, _taps(decoder))
 
     def _conclude(self, hidden, logits):
         state, taps = self.state, self.segment.taps or {}
@@ -284,13 +280,12 @@ class RootStep(MemberStep):
     tree's acceptance chooses it with nothing drafted; the next state has no drafted beams (a
     bigger fit verifies its lookup beams, or its root, once, then drafts again)."""
 
-    @classmethod
-    def planned(cls, decoder: Decoder, member: Member) -> RootStep:
-        state = member.state
-        sequence = state.sequence
+    def __init__(self, decoder: Decoder, member: Member):
+        super().__init__(decoder, member)
+        sequence = self.state.sequence
         decoder.check_room(sequence, 1)  # ContextFull as the tree's step raises it
-        token, positions = mx.array([state.pending], mx.int32), mx.array([sequence.offset])
-        return cls(decoder, member, Segment(sequence, token, positions, None, taps=_taps(decoder)))
+        token, positions = mx.array([self.state.pending], mx.int32), mx.array([sequence.offset])
+        self.segment = Segment(sequence, token, positions, None, taps=_taps(decoder))
 
     def _conclude(self, hidden, logits):
         decoding = self.state.decoding
@@ -320,23 +315,19 @@ class ChainStep(MemberStep):
     token's forward runs while the pending one is read); at the context's end it steps by
     itself (the single step's rule for its last token)."""
 
-    @classmethod
-    def planned(cls, decoder: Decoder, member: Member) -> ChainStep:
-        state = member.state
-        sequence = state.sequence
-        step = cls(decoder, member, None)
-        if not decoder.has_room(sequence, 1) or state.pending is None:
-            step.by_itself = True
-        else:
+    def __init__(self, decoder: Decoder, member: Member):
+        super().__init__(decoder, member)
+        state, sequence = self.state, self.state.sequence
+        self.by_itself = not decoder.has_room(sequence, 1) or state.pending is None
+        if not self.by_itself:
             positions = mx.array([sequence.offset])
-            step.segment = Segment(sequence, state.pending, positions, None)
-        return step
+            self.segment = Segment(sequence, state.pending, positions, None)
 
-    def alone(self, decoder: Decoder) -> Step:
+    def alone(self) -> Step:
         if self.member.key is not None and not self.by_itself:
-            return super().alone(decoder)  # its key read with its token: one read
+            return super().alone()  # its key read with its token: one read
         self.member.seed()
-        self.member.state, step = decoder.step(self.state)
+        self.member.state, step = self.decoder.step(self.state)
         if self.member.key is not None:
             self.member.key = key_value(np.array(current_key()))  # the context's end: once
         return step
