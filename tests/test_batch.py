@@ -81,10 +81,26 @@ def test_a_tree_with_no_room_but_its_root_steps_plainly(target, drafter):
         decoding_of(beams, BeamShape(1, 2)),
         decoding_of(None, BeamShape(1, 3, lookup=2)),
     ):
-        root_alone = batch.fitted(decoding, 1)
-        assert not root_alone.mode.drafted and not root_alone.shape.lookup
+        assert batch.fitted(decoding, 1) is None  # its root alone: no tree decoding at all
     chain = decoding_of(None, BeamShape(1, 2), autoregressive=True)
     assert batch.fitted(chain, 1) is chain
+
+
+@pytest.mark.parametrize(
+    "shape", [BeamShape(2, 4, lookup=2), BeamShape(1, 3, lookup=1), BeamShape(1, 3, lookup=2)]
+)
+@pytest.mark.parametrize("drafted", [True, False], ids=["drafted", "lookup"])
+def test_every_fit_is_a_decoding_the_decoder_runs(target, drafter, shape, drafted):
+    """A fit is a decision the decoder accepts (lookup alone fitted to no lookup beam used to
+    be a decoding ``Decoder.check`` refuses): a tree it checks, or None, the root alone."""
+    beams = BeamDrafter(drafter, target.model.embed_tokens) if drafted else None
+    decoder = decoder_for(target, beams, GENERIC_PLAN)
+    decoding = decoding_of(beams, shape)
+    fits = [batch.fitted(decoding, rows) for rows in range(1, 16)]
+    assert None in fits and decoding in fits
+    for fit in fits:
+        if fit is not None:
+            decoder.check(fit)
 
 
 def test_a_bounded_batch_shares_its_rows_and_a_member_alone_gets_its_tree_back(target, drafter):
@@ -146,11 +162,15 @@ def test_members_fitted_to_their_root_alone_step_as_one_token_then_draft_again(
         for answer, step in zip(answers, batch.batch_step(decoder, members), strict=True):
             assert step.tree_size == 1
             answer += step.tokens
+        for member in members:  # the fit is recorded on the member, its state still runs
+            assert member.root_alone and member.decoding == decoding
+            decoder.check(member.state.decoding)
     assert not trees and len(drafts) == searched
     for _ in range(6):
         (step,) = batch.batch_step(decoder, members[:1])
         answers[0] += step.tokens
     assert trees and len(drafts) > searched  # alone: its own trees again
+    assert not members[0].root_alone and members[0].state.decoding == decoding
     for answer, full in zip(answers, expected, strict=True):
         assert answer == full[: len(answer)]
 

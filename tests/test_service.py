@@ -26,6 +26,7 @@ from redrafter_mlx.core.serving.service import (
     Sampling,
     Stopping,
 )
+from redrafter_mlx.core.serving.session import Session
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -83,8 +84,8 @@ def test_a_failure_mid_answer_reaches_its_caller_and_the_next_starts_from_a_clea
     service = tiny_service(target)
     run(service.submit(Request(PROMPT, max_tokens=4)))
     broken = service.submit(Request(PROMPT + [10], max_tokens=4, stop_strings=(5,)))
-    with pytest.raises(TypeError):
-        broken.start(timeout=30)
+    with pytest.raises(TypeError):  # at its first step (its prompt is in: it has started)
+        run(broken, timeout=30)
     assert broken.outcome == "failed"
     job = service.submit(Request(PROMPT + [10], max_tokens=4))
     assert job.start(timeout=30).cached_tokens == 0
@@ -246,3 +247,55 @@ def test_ending_answers_gives_each_running_one_its_last_step_and_refuses_the_res
     finally:
         release.set()
         service.close()
+
+
+class WholeSession(Session):
+    """A session whose answers run whole (as a sharded lead's: its other ranks run each answer
+    to its end), recording each answer's begin and end."""
+
+    whole_answers = True
+    log: list = []
+
+    def begin(self, ids, answer):
+        self.log.append(("begin", len(ids)))
+        return super().begin(ids, answer)
+
+    def end(self, clean: bool) -> None:
+        self.log.append(("end", clean, self.sequence.offset))
+
+
+def test_an_answer_that_runs_whole_goes_on_to_its_end_after_its_caller_leaves(target):
+    """A whole answer (a sharded lead's) whose caller leaves after its first step is answered no
+    more, yet runs on to its token budget, as the other ranks run it, before the next request
+    (one at a time) begins; every answer begun is ended once."""
+
+    class WholeEngine(Engine):
+        def new_session(self) -> Session:
+            decoding = self.decoding_for(Sampling())
+            return WholeSession(self.decoder, self.tokenizer, decoding, warm=False)
+
+    def setup() -> Engine:
+        shape = BeamShape(2, 3)
+        tokenizer = toy_tokenizer()
+        return WholeEngine(decoder_for(target), tokenizer, list, Mode.AUTOREGRESSIVE, shape, shape)
+
+    WholeSession.log = []
+    service = GenerationService(setup)
+    service.start()
+    try:
+        run(service.submit(Request(PROMPT, max_tokens=12)))
+        gone = threading.Event()
+        job = service.submit(Request(PROMPT, max_tokens=12), client_gone=gone.is_set)
+        job.start(timeout=30)
+        steps = job.steps(timeout=30)
+        next(steps)
+        gone.set()
+        assert len(list(steps)) < 11 and job.outcome == "cancelled"
+        tokens, _ = run(service.submit(Request(PROMPT + [3], max_tokens=4)))
+        assert tokens == reference_tokens(target, PROMPT + [3], 4)
+    finally:
+        service.close()
+    whole = WholeSession.log[1]
+    assert WholeSession.log[:4] == [("begin", 5), whole, ("begin", 5), whole]
+    assert whole == ("end", True, len(PROMPT) + 12) and WholeSession.log[4][0] == "begin"
+    assert WholeSession.log[5][:2] == ("end", True)

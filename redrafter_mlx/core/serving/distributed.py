@@ -194,6 +194,7 @@ class MirroredSession(Session):
     run to its end (the others do not know it was stopped)."""
 
     can_adapt = False  # a mode chosen by rank 0's timings would not be the others' steps
+    whole_answers = True  # the other ranks run each answer to its end
 
     def __init__(self, decoder: LeadDecoder, tokenizer, decoding: Decoding, **options):
         self.orders = decoder.orders
@@ -212,17 +213,7 @@ class MirroredSession(Session):
         timer: PhaseTimer | None = None,
         cancelled=None,  # not asked: the other ranks could not stop with rank 0
     ) -> Iterator[StepResponse]:
-        order = {
-            "op": "generate",
-            "session": self.key,
-            "live": self.orders.live(),
-            "ids": list(ids),
-            "max_tokens": answer.max_tokens,
-            "stop_strings": list(answer.stop_strings),
-            "decoding": decoding_order(answer.decoding),
-            "random": random_state(),
-        }
-        self.orders.send(order)
+        self._order(ids, answer)
         with self.orders.running():
             steps = super().answer(ids, answer, timer=timer)
             for response in steps:
@@ -232,6 +223,31 @@ class MirroredSession(Session):
                     for _ in steps:
                         pass
                     raise
+
+    def begin(self, ids: list[int], answer: Answer) -> list[int]:
+        """The other ranks ordered to run this answer (from MLX's generator as it is now),
+        then :meth:`Session.begin`; the lead is busy until :meth:`end`."""
+        self._order(ids, answer)
+        self.orders.busy = True
+        return super().begin(ids, answer)
+
+    def end(self, clean: bool) -> None:
+        if clean:  # after a bug the others may be mid-forward: the lead stays busy
+            self.orders.busy = False
+
+    def _order(self, ids: list[int], answer: Answer) -> None:
+        self.orders.send(
+            {
+                "op": "generate",
+                "session": self.key,
+                "live": self.orders.live(),
+                "ids": list(ids),
+                "max_tokens": answer.max_tokens,
+                "stop_strings": list(answer.stop_strings),
+                "decoding": decoding_order(answer.decoding),
+                "random": random_state(),
+            }
+        )
 
     def steps(self, ids, *, decoding=None):
         raise NotImplementedError("a sharded session answers with generate() only")

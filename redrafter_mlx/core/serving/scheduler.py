@@ -1,4 +1,5 @@
-"""Continuous batching for the service's worker: the requests being answered step together.
+"""Continuous batching for the service's worker: the requests being answered step together
+(one request alone is a batch of one, stepped as a single sequence is).
 
 A request joins between batch steps: its prompt is prefilled one chunk per turn of the loop
 (a long prompt does not stall the others), from its conversation's cached prefix (the prompt
@@ -13,7 +14,9 @@ next step with a last response, and requests still reading their prompts fail wi
 :class:`Stopping`.
 
 A seeded request keeps its own random key (it draws what it would draw alone); unseeded ones
-share MLX's generator.
+share MLX's generator. A session whose answers run whole (``Session.whole_answers``: a sharded
+lead's, whose other ranks run each answer to its end) is answered to its end even when its
+caller leaves or the service ends the answers: the caller is answered no more, the steps go on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -32,16 +35,9 @@ from redrafter_mlx.core.decode.llm import chain_mask
 from redrafter_mlx.core.decode.step import Step
 from redrafter_mlx.core.decode.stream import StepResponse, responses
 from redrafter_mlx.core.errors import ReDrafterError
-from redrafter_mlx.core.serving.batch import (
-    Member,
-    batch_step,
-    current_key,
-    fitted,
-    key_value,
-    root_alone,
-)
+from redrafter_mlx.core.serving.batch import Member, batch_step, current_key, fitted, key_value
 from redrafter_mlx.core.serving.prompt_cache import session_bytes
-from redrafter_mlx.core.serving.session import Session
+from redrafter_mlx.core.serving.session import Answer, Session
 
 
 class Stopping(RuntimeError):
@@ -82,6 +78,26 @@ class Feed:
         self._items.clear()
 
 
+@dataclass(frozen=True)
+class Detached:
+    """The job of a whole answer (``Session.whole_answers``) whose caller was answered for
+    the last time: the answer runs on to its end, nobody reads it."""
+
+    request: object
+
+    def cancelled(self) -> bool:
+        return False
+
+    def put(self, event) -> None:
+        pass
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+    def finish(self, outcome: str) -> None:
+        pass
+
+
 @dataclass
 class Entry:
     """A request in the batch: its job, prompt ids, session, prefill (until it joins the
@@ -94,6 +110,7 @@ class Entry:
     key: int | None
     fed: int  # prompt tokens fed (the rest came from the cache)
     began: float = field(default_factory=time.perf_counter)
+    asked: int = -1  # the loop's turn its job was last asked whether it is cancelled
     member: Member | None = None
     feed: Feed = field(default_factory=Feed)
     responses: Iterator[StepResponse] | None = None
@@ -110,6 +127,7 @@ class Scheduler:
         self.joining: list[Entry] = []
         self.active: list[Entry] = []
         self.closing = False
+        self.turn = 0  # turns of the loop so far
 
     @property
     def entries(self) -> list[Entry]:
@@ -122,6 +140,7 @@ class Scheduler:
                 self._admit()
                 self._prefill_chunk()
                 self._step()
+                self.turn += 1
                 self.service._running = self.entries[0].job if self.entries else None
 
     # -- joining
@@ -164,14 +183,24 @@ class Scheduler:
             ids = service.encode(request.prompt)
             busy = [e.session for e in self.entries]
             session = service.prompt_cache.take(ids, busy)
-            new = session.prepare(ids)
         except Exception as e:  # the request's fault (ReDrafterError) or a bug: say so
             job.fail(e)
             return None
         service.session = session
         decoding = service.engine.decoding_for(request.sampling, request.top_logprobs, len(ids))
+        key = request.sampling.seed
+        if session.whole_answers:  # the answer's own generator from here: no key to keep
+            if key is not None:
+                mx.random.seed(key)
+            key = None
+        answer = Answer(request.max_tokens, request.stop_strings, decoding)
+        try:
+            new = session.begin(ids, answer)
+        except Exception as e:  # e.g. another rank gone
+            job.fail(e)
+            return None
         prefill = session.decoder.prefilling(session.sequence, new, decoding)
-        return Entry(job, ids, session, prefill, request.sampling.seed, len(new))
+        return Entry(job, ids, session, prefill, key, len(new), asked=self.turn)
 
     def _prefill_chunk(self) -> None:
         """Feed one prompt chunk of the first joining request; once its prompt is in, it
@@ -179,8 +208,10 @@ class Scheduler:
         if not self.joining:
             return
         entry = self.joining[0]
-        if entry.job.cancelled():
-            return self._leave(entry, "cancelled")
+        if entry.asked != self.turn and entry.job.cancelled():  # (asked as it was taken up)
+            self._drop(entry, lambda job: job.finish("cancelled"))
+            if entry not in self.joining:
+                return
         if entry.key is not None:
             mx.random.seed(entry.key)
         try:
@@ -220,10 +251,10 @@ class Scheduler:
         """One batch step of every answering request still wanted."""
         if self.service.ending:  # the answering ones end with this step's responses
             for entry in list(self.joining):
-                self._fail(entry, stopping())
+                self._drop(entry, lambda job: job.fail(stopping()))
         for entry in list(self.active):
             if entry.job.cancelled():  # checked before each step: the next one is not run
-                self._leave(entry, "cancelled")
+                self._drop(entry, lambda job: job.finish("cancelled"))
         if not self.active:
             return
         active = list(self.active)
@@ -247,29 +278,44 @@ class Scheduler:
         except Exception as e:
             entry.session.reset()
             return self._fail(entry, e)
-        if response.finish_reason is None and self.service.ending:
-            response = ended(response)
-        entry.job.put(response)
         if response.finish_reason is not None:
+            entry.job.put(response)
             self._leave(entry, "finished")
+        elif self.service.ending:
+            entry.job.put(ended(response))
+            self._drop(entry, lambda job: job.finish("finished"))
+        else:
+            entry.job.put(response)
 
     # -- leaving
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
-        self._remove(entry)
+        """The answer ended with ``error`` (its fault, e.g. a full context, or a bug)."""
+        self._remove(entry, clean=isinstance(error, ReDrafterError))
         entry.job.fail(error)
 
     def _leave(self, entry: Entry, outcome: str) -> None:
         self._remove(entry)
         entry.job.finish(outcome)
 
-    def _remove(self, entry: Entry) -> None:
+    def _drop(self, entry: Entry, end: Callable) -> None:
+        """The caller is answered no more (it left, or the service is ending): ``end`` its
+        job; the answer ends too, unless it runs whole (it then goes on to its end)."""
+        if not entry.session.whole_answers:
+            self._remove(entry)
+            end(entry.job)
+        elif not isinstance(entry.job, Detached):
+            end(entry.job)
+            entry.job = Detached(entry.job.request)
+
+    def _remove(self, entry: Entry, clean: bool = True) -> None:
         for group in (self.joining, self.active):
             if entry in group:
                 group.remove(entry)
         if entry.responses is not None:
             entry.responses.close()
         entry.prefill.close()
+        entry.session.end(clean)
         self.service.prompt_cache.trim()
 
 
@@ -288,10 +334,9 @@ def warm_up(decoder, decodings=(), max_batch: int = 2) -> None:
     decodings = list(decodings)
     if plan.batch_rows is not None:
         fits = {fitted(d, plan.batch_rows // b) for d in decodings for b in range(2, max_batch + 1)}
-        for decoding in fits - set(decodings):
-            if not root_alone(decoding):  # a tree (a root alone runs the one-token forward)
-                decoder.warm_up(decoding)
-                decodings.append(decoding)
+        for decoding in fits - {None, *decodings}:  # None: a root alone (a one-token forward)
+            decoder.warm_up(decoding)
+            decodings.append(decoding)
 
 
 def answer_together(

@@ -1,5 +1,6 @@
-"""Generation for many callers: a worker thread that owns the model and answers one request at
-a time or up to ``max_batch`` together (:mod:`~redrafter_mlx.core.serving.scheduler`), a bounded
+"""Generation for many callers: a worker thread that owns the model and answers up to
+``max_batch`` requests together (:mod:`~redrafter_mlx.core.serving.scheduler`; one alone is a
+batch of one, stepped as a single sequence is), a bounded
 queue of requests in arrival order, and a :class:`PromptCache` of sessions (one KV cache per
 conversation, least recently used dropped first) so that a request extending any of the
 conversations held (a client resending its history plus a new message) reuses its cache.
@@ -23,8 +24,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from redrafter_mlx.core.decode.accept import is_greedy, make_sampler
 from redrafter_mlx.core.decode.decoder import Decoder
 from redrafter_mlx.core.decode.mode import Mode
@@ -34,7 +33,8 @@ from redrafter_mlx.core.decode.stream import StepResponse
 from redrafter_mlx.core.errors import ConfigError, ContextFull, ReDrafterError
 from redrafter_mlx.core.serving.distributed import LeadDecoder, session_for
 from redrafter_mlx.core.serving.prompt_cache import PromptCache, check_bounds
-from redrafter_mlx.core.serving.scheduler import Scheduler, Stopping, ended, stopping
+from redrafter_mlx.core.serving.scheduler import Scheduler, stopping
+from redrafter_mlx.core.serving.scheduler import Stopping as Stopping  # the server catches it
 from redrafter_mlx.core.serving.scheduler import warm_up as warm_up_batches
 from redrafter_mlx.core.serving.session import Session
 
@@ -231,9 +231,9 @@ class Job:
 
 
 class GenerationService:
-    """Serves :class:`Request`\\ s in arrival order on one worker thread: one at a time
-    (``max_batch`` 1), or up to ``max_batch`` at once, stepped together
-    (:mod:`~redrafter_mlx.core.serving.scheduler`: continuous batching), a request joining only
+    """Serves :class:`Request`\\ s in arrival order on one worker thread, up to ``max_batch``
+    at once, stepped together (:mod:`~redrafter_mlx.core.serving.scheduler`: continuous
+    batching; ``max_batch`` 1: one at a time, a batch of one), a request joining only
     while the answering ones' KV caches hold less than ``max_batch_bytes`` (None: no bound).
 
     ``setup`` builds the :class:`Engine` on the worker (load the model there); it takes
@@ -362,8 +362,8 @@ class GenerationService:
         try:
             self.engine = self._setup()
             if isinstance(self.engine.decoder, LeadDecoder):
-                # the other ranks mirror one session's answer at a time (no batch step, nor
-                # its warm-up, which they would never join)
+                # the other ranks mirror one session's answer at a time (a batch of one: the
+                # single-sequence step; no batch warm-up, which they would never join)
                 self.max_batch = 1
             self.engine.warm_up()
             if self.max_batch > 1:
@@ -374,65 +374,7 @@ class GenerationService:
             return
         finally:
             self._ready.set()
-        if self.max_batch > 1:
-            Scheduler(self, self.max_batch, self.max_batch_bytes).run()
-            return
-        while (job := self._queue.get()) is not None:
-            self._running = job
-            try:
-                self._serve(job)
-            finally:
-                self._running = None
-
-    def _serve(self, job: Job) -> None:
-        if job.cancelled():  # its caller left while it waited
-            return job.finish("cancelled")
-        try:
-            if self.ending:
-                raise stopping()
-            outcome = self._generate(job)
-        except (ReDrafterError, Stopping) as e:  # its own fault (a prompt too long), or stopping
-            return job.fail(e)
-        except Exception as e:  # a bug: say so to the caller, keep serving from a clean cache
-            if self.session is not None:
-                self.session.reset()
-            return job.fail(e)
-        job.finish(outcome)
-
-    def _generate(self, job: Job) -> str:
-        """Run ``job`` to its end; "finished" or "cancelled". Once the service is ending, the
-        answer ends at its next step, or with Stopping if it is still reading its prompt."""
-        engine, request = self.engine, job.request
-        ids = self.encode(request.prompt)
-        self.session = self.prompt_cache.take(ids)
-        if request.sampling.seed is not None:
-            mx.random.seed(request.sampling.seed)
-        steps = self.session.generate(
-            ids,
-            max_tokens=request.max_tokens,
-            stop_strings=request.stop_strings,
-            decoding=engine.decoding_for(request.sampling, request.top_logprobs, len(ids)),
-            cancelled=lambda: job.cancelled() or self.ending,
-        )
-        started = False
-        try:
-            for step in steps:
-                if not started:  # the prompt is in the cache: say how much was reused
-                    job._put(self.started(ids, request, self.session))
-                    started = True
-                if step.finish_reason is None and self.ending:
-                    step = ended(step)
-                job._put(step)
-                if step.finish_reason is not None:
-                    return "finished"
-                if job.cancelled():  # checked before each step: the next one is not run
-                    return "cancelled"
-            if not started and self.ending and not job.cancelled():
-                raise stopping()
-            return "cancelled" if job.cancelled() else "finished"
-        finally:
-            steps.close()
-            self.prompt_cache.trim()
+        Scheduler(self, self.max_batch, self.max_batch_bytes).run()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt``; ConfigError when it is empty, cannot be templated, or

@@ -42,6 +42,8 @@ class Session:
     """
 
     can_adapt = True  # whether :attr:`adaptive` may choose each step's mode here
+    # whether an answer, once begun (:meth:`begin`), runs to its end when its caller leaves
+    whole_answers = False
 
     def __init__(
         self,
@@ -110,6 +112,15 @@ class Session:
         answer)."""
         self.reused, self.reread = self.sequence.reuse_prefix(ids)
         return ids[self.reused :]
+
+    def begin(self, ids: list[int], answer: Answer) -> list[int]:
+        """Begin answering the prompt ``ids`` elsewhere (a batch steps it): :meth:`prepare`'s
+        tokens to feed. Each answer begun is ended with :meth:`end`."""
+        return self.prepare(ids)
+
+    def end(self, clean: bool) -> None:
+        """The answer begun last has ended; ``clean``: at its end, or at an error every copy
+        of this session meets (a full context), not at a bug."""
 
     def generate(
         self,
