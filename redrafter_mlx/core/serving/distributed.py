@@ -224,7 +224,7 @@ class MirroredSession(Session):
                         pass
                     raise
 
-    def begin(self, ids: list[int], answer: Answer) -> list[int]:
+    def begin(self, ids: list[int], answer: AnswerSpec) -> list[int]:
         """The other ranks ordered to run this answer (from MLX's generator as it is now),
         then :meth:`Session.begin`; the lead is busy until :meth:`end`."""
         self._order(ids, answer)
@@ -235,7 +235,7 @@ class MirroredSession(Session):
         if clean:  # after a bug the others may be mid-forward: the lead stays busy
             self.orders.busy = False
 
-    def _order(self, ids: list[int], answer: Answer) -> None:
+    def _order(self, ids: list[int], answer: AnswerSpec) -> None:
         self.orders.send(
             {
                 "op": "generate",

@@ -113,7 +113,7 @@ class Session:
         self.reused, self.reread = self.sequence.reuse_prefix(ids)
         return ids[self.reused :]
 
-    def begin(self, ids: list[int], answer: Answer) -> list[int]:
+    def begin(self, ids: list[int], answer: AnswerSpec) -> list[int]:
         """Begin answering the prompt ``ids`` elsewhere (a batch steps it): :meth:`prepare`'s
         tokens to feed. Each answer begun is ended with :meth:`end`."""
         return self.prepare(ids)
