@@ -203,6 +203,38 @@ def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
         ]
 
 
+def test_the_verify_forward_reaches_the_device_before_acceptance_is_built(
+    target, beam_drafter, monkeypatch
+):
+    """A tree step's graph waits for the last step's read, so it cannot be pipelined whole: the
+    generic plan hands the verify forward's logits ``(T, V)`` to the device (``async_eval``)
+    before Python builds the acceptance and the next draft, which then cost the device no
+    wait. Answers stay those of plain decoding."""
+    steps = run_steps(target, PROMPT, beam_drafter, BeamShape(2, 4))
+    next(steps)  # the prefill's token
+    dispatched, at_accept = [], []
+    vocab = target.args.vocab_size
+
+    def spy(*arrays):
+        dispatched.append(any(a.ndim == 2 and a.shape[1] == vocab for a in arrays))
+        return real_async_eval(*arrays)
+
+    def accepting(*args, **kwargs):
+        at_accept.append(any(dispatched))
+        return real_accept(*args, **kwargs)
+
+    real_async_eval, real_accept = mx.async_eval, tree_step.accept
+    monkeypatch.setattr(mx, "async_eval", spy)
+    monkeypatch.setattr(tree_step, "accept", accepting)
+    for _ in range(3):
+        dispatched.clear()
+        next(steps)
+    assert at_accept == [True] * 3
+    monkeypatch.undo()
+    expected = autoregressive(target, PROMPT, 24)
+    assert speculative(target, beam_drafter, PROMPT, 24, 2, 4)[0] == expected
+
+
 def test_compiled_and_eager_beam_search_agree(target, drafter):
     context = mx.random.normal((target.args.hidden_size,))
     pending = mx.array(7)

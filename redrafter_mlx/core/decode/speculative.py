@@ -152,6 +152,8 @@ def verify_forward(decoder, state: TreeState, planned: PlannedTree):
     taps = dict.fromkeys(taps_of(decoder.drafter))
     hidden = decoder.forward.segment(planned.segment(state.sequence, taps), compiled=compiled)
     logits = decoder.forward.lm_head(hidden)
+    if decoder.plan.async_layers:  # the device verifies while Python builds accept and draft
+        mx.async_eval(logits)
     state.timer.mark("verify", logits)
     return hidden, taps, logits
 
