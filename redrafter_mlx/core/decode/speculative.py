@@ -99,6 +99,8 @@ def speculative_step(decoder, state: TreeState) -> tuple[TreeState, Step]:
     planned = plan_tree(decoder, state)
     hidden, taps, logits = verify_forward(decoder, state, planned)
     outcome = conclude(decoder, state, planned, hidden, taps, logits)
+    if decoder.plan.async_layers:  # dispatched while the device verifies, not at the read
+        mx.async_eval(*outcome.values, *outcome.evaluated)
     read = host_read(*outcome.values, evaluated=outcome.evaluated)
     state.timer.mark("draft")
     return finish(state, planned, outcome, read)
