@@ -213,6 +213,44 @@ def test_early_stopped_drafts_count_their_reads(target, beam_drafter):
         ]
 
 
+def test_a_tree_step_reaches_the_device_before_its_read(target, beam_drafter, monkeypatch):
+    """A tree step's graph waits for the last step's read, so it cannot be pipelined whole: the
+    generic plan hands the verify forward's logits ``(T, V)`` to the device (``async_eval``)
+    before Python builds the acceptance and the next draft, and those before the step's read,
+    so the read only waits. Answers stay those of plain decoding."""
+    steps = run_steps(target, PROMPT, beam_drafter, BeamShape(2, 4))
+    next(steps)  # the prefill's token
+    events = []
+    vocab = target.args.vocab_size
+
+    def dispatching(*arrays):
+        verified = any(a.ndim == 2 and a.shape[1] == vocab for a in arrays)
+        events.append("logits" if verified else "dispatch")
+        return real_async_eval(*arrays)
+
+    def accepting(*args, **kwargs):
+        events.append("accept")
+        return real_accept(*args, **kwargs)
+
+    def reading(*args, **kwargs):
+        events.append("read")
+        return real_read(*args, **kwargs)
+
+    real_async_eval, real_accept, real_read = mx.async_eval, tree_step.accept, tree_step.host_read
+    monkeypatch.setattr(mx, "async_eval", dispatching)
+    monkeypatch.setattr(tree_step, "accept", accepting)
+    monkeypatch.setattr(tree_step, "host_read", reading)
+    for _ in range(3):
+        events.clear()
+        next(steps)
+        accepted, read = events.index("accept"), events.index("read")
+        assert "logits" in events[:accepted]
+        assert "dispatch" in events[accepted:read]
+    monkeypatch.undo()
+    expected = autoregressive(target, PROMPT, 24)
+    assert speculative(target, beam_drafter, PROMPT, 24, 2, 4)[0] == expected
+
+
 def test_compiled_and_eager_beam_search_agree(target, drafter):
     context = mx.random.normal((target.args.hidden_size,))
     pending = mx.array(7)

@@ -221,3 +221,15 @@ def test_fused_projections_keep_module_weights():
             np.testing.assert_array_equal(after[name], value)
     assert _mlx_lm_greedy(forward.model, PREFIX, 16) == _mlx_lm_greedy(model, PREFIX, 16)
     assert _ours_greedy(model, PREFIX, 16) == _mlx_lm_greedy(model, PREFIX, 16)
+
+
+def test_the_generic_forward_dispatches_its_first_layer_at_once():
+    """The device starts after one layer's graph (not ``every`` layers': the wait a tree step
+    exposes), then every ``every``-th layer; never the last, whose output the caller hands
+    over."""
+    assert llm.dispatched_layers(30, 5) == [0, 4, 9, 14, 19, 24]
+    assert llm.dispatched_layers(6, 2) == [0, 1, 3]
+    assert llm.dispatched_layers(1, 5) == []
+    model = tiny_llama(layers=4)
+    layers = llm.inner_model(llm.Forward(model, dispatch_every=2).model).layers
+    assert [isinstance(x, llm.Dispatched) for x in layers] == [True, True, False, False]

@@ -185,10 +185,10 @@ class Forward:
         if slot_counts(self.layout)[1]:
             for layer in layers:
                 wrap_mixers(layer)
-        # the device starts on the first layers while Python builds the rest (a tree step's
+        # the device starts on the first layer while Python builds the rest (a tree step's
         # graph is not known before the last step's read, so it cannot be pipelined whole)
         if dispatch_every > 0:
-            for i in range(dispatch_every - 1, len(layers) - 1, dispatch_every):
+            for i in dispatched_layers(len(layers), dispatch_every):
                 layers[i] = Dispatched(layers[i])
         self._view: View | JointView | None = None  # the running forward's (for its taps)
 
@@ -296,6 +296,13 @@ class Forward:
 def forward(model: nn.Module, tokens, positions, mask, sequence: Sequence) -> mx.array:
     """One generic :class:`Forward` call (builds the forward each time: for one-off uses)."""
     return Forward(model)(tokens, positions, mask, sequence)
+
+
+def dispatched_layers(count: int, every: int) -> list[int]:
+    """The layers of ``count`` whose output goes to the device as soon as it is built: the
+    first (the device waits for no more than one layer's graph building) and every
+    ``every``-th after it, but the last (the forward's caller hands it over)."""
+    return sorted({0, *range(every - 1, count - 1, every)} - {count - 1})
 
 
 class Wrapped(nn.Module):

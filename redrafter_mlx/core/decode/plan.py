@@ -48,10 +48,11 @@ class Plan:
     # With grouped attention, attention by primitives of our own (``backend.cpu.kernels``, built on
     # first use; MLX ops where they cannot be built).
     cpu_kernels: bool = False
-    # Hand the graph to MLX every this many layers (``mx.async_eval``) while Python builds the
-    # rest; 0: never. A tree step's graph depends on the last step's read, so it cannot be
-    # pipelined whole as a one-token step is: without this the device waited for all of its
-    # host work (benchmarks/README.md, "Per-step ledger for a Mac").
+    # Hand the graph to MLX after the first layer and every this many layers (``mx.async_eval``)
+    # while Python builds the rest, and a tree step's verify forward, then its acceptance and
+    # next draft, before its read; 0: never. A tree step's graph depends on the last step's
+    # read, so it cannot be pipelined whole as a one-token step is: without this the device
+    # waited for all of its host work (benchmarks/README.md, "Per-step ledger for a Mac").
     async_layers: int = 5
     # Forwards of up to this many tokens run compiled per-layer blocks (traced once per T).
     compiled_max_rows: int = 32

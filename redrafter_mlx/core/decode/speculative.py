@@ -99,6 +99,8 @@ def speculative_step(decoder, state: TreeState) -> tuple[TreeState, Step]:
     planned = plan_tree(decoder, state)
     hidden, taps, logits = verify_forward(decoder, state, planned)
     outcome = conclude(decoder, state, planned, hidden, taps, logits)
+    if decoder.plan.async_layers:  # dispatched while the device verifies, not at the read
+        mx.async_eval(*outcome.values, *outcome.evaluated)
     read = host_read(*outcome.values, evaluated=outcome.evaluated)
     state.timer.mark("draft")
     return finish(state, planned, outcome, read)
@@ -152,6 +154,8 @@ def verify_forward(decoder, state: TreeState, planned: PlannedTree):
     taps = dict.fromkeys(taps_of(decoder.drafter))
     hidden = decoder.forward.segment(planned.segment(state.sequence, taps), compiled=compiled)
     logits = decoder.forward.lm_head(hidden)
+    if decoder.plan.async_layers:  # the device verifies while Python builds accept and draft
+        mx.async_eval(logits)
     state.timer.mark("verify", logits)
     return hidden, taps, logits
 
