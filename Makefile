@@ -114,7 +114,7 @@ generate: setup
 # tests do; `make test ARGS=...` runs only what ARGS names.
 EXACTNESS := tests/test_llm.py tests/test_decode.py tests/test_generate.py tests/test_families.py \
 	tests/test_switch.py tests/test_e2e.py tests/test_lookup.py tests/test_sequence.py \
-	tests/test_eagle3.py tests/test_dflash.py tests/test_mtp.py
+	tests/test_eagle3.py tests/test_dflash.py tests/test_mtp.py tests/test_quantized.py
 
 test: setup test-deps
 	$(RUN) $(PY) -m pytest -q $(if $(ARGS),$(ARGS),-m "not distribution")
