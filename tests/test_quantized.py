@@ -109,14 +109,14 @@ def tree_and_steps(model: nn.Module, plan: str, trees: int = 3) -> tuple[np.ndar
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_a_quantized_tree_verify_rounds_as_one_token_steps_on_the_cpu(target, plan):
     if mx.default_device() != mx.cpu:
-        pytest.skip("bitwise on the CPU only: a GPU's qmm and qmv round differently")
+        pytest.skip("asserted on the CPU: a GPU's qmm (T rows) and qmv (one) may round apart")
     verified, stepped = tree_and_steps(target, plan)
     assert np.array_equal(verified, stepped)
 
 
 def test_a_float_tree_verify_differs_from_one_token_steps_by_float_error():
-    """The contrast that shows the bitwise test can fail: float32 projections go through BLAS,
-    which blocks a T-row product otherwise than a one-row one."""
+    """The contrast that shows the bitwise test can fail: the same attention with float32
+    projections (BLAS, whose T-row and one-row products sum in different orders)."""
     verified, stepped = tree_and_steps(quantized(None), "generic")
     assert not np.array_equal(verified, stepped)
     np.testing.assert_allclose(verified, stepped, atol=1e-4, rtol=1e-4)
