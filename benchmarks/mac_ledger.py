@@ -246,6 +246,17 @@ def step_bytes(row: dict, context: list[int], unit: Sizes, parts: dict) -> tuple
     return weights, kv
 
 
+def head_rows_bytes(drafter: nn.Module) -> int:
+    """Bytes of the LM-head rows a ReDrafter drafter scores each depth with (``head ==
+    "target"``): its own copy of the target's rows for the draft vocabulary, dequantized into
+    the drafter's dtype by ``bind_target``, so a quantized target's head does not shrink them."""
+    args = drafter.args
+    if args.head != "target":
+        return 0
+    rows = args.draft_vocab_size or args.vocab_size
+    return rows * args.hidden_size * drafter.lm_head[-1].weight.dtype.size
+
+
 def drafter_parts(target, drafters: dict, lm_draft, num_draft: int) -> dict:
     """Per drafter: (own weight bytes, LM-head bytes each pass scores with, its K/V bytes per
     cached token, whether it passes once per drafted depth)."""
@@ -255,11 +266,7 @@ def drafter_parts(target, drafters: dict, lm_draft, num_draft: int) -> dict:
     parts = {}
     rnn = drafters.get("rnn")
     if rnn is not None:
-        args = rnn.drafter.args
-        head = 0
-        if args.head == "target":
-            head = unit.head * (args.draft_vocab_size or args.vocab_size) // args.vocab_size
-        parts["rnn"] = (param_bytes(rnn.drafter, shared), head, 0, True)
+        parts["rnn"] = (param_bytes(rnn.drafter, shared), head_rows_bytes(rnn.drafter), 0, True)
     itemsize = compute_dtype(target).size
     if "eagle3" in drafters:
         a = drafters["eagle3"].module.args
@@ -438,17 +445,24 @@ def load(precision: str):
     from field_drafters import random_drafters
 
     from redrafter_mlx.backend.plan import GENERIC_PLAN
+    from redrafter_mlx.core.decode.llm import embedding
+    from redrafter_mlx.core.drafters.beam_search import BeamDrafter
     from redrafter_mlx.io import runtime as rt
     from redrafter_mlx.io.prompts import load_prompts
 
     runtime = rt.load_runtime(None, None, need_drafter=True, plan=GENERIC_PLAN)
     target, bits = runtime.model, None if precision == "float" else int(precision[1:])
+    rnn = runtime.drafter
     if bits:
         nn.quantize(target, group_size=64, bits=bits)
         mx.eval(target.parameters())
+        # bound again, as loading a quantized folder binds it: the quantized embedding, and
+        # head rows from the quantized head
+        rnn.drafter.bind_target(target)
+        rnn = BeamDrafter(rnn.drafter, embedding(target))
     stand_ins = random_drafters(target)
     drafters = {
-        "rnn": runtime.drafter,
+        "rnn": rnn,
         "eagle3": stand_ins["eagle3"],
         "dflash": stand_ins["dflash"],
         "lm_draft": stand_in_draft(target, 4, bits),

@@ -144,3 +144,20 @@ def test_a_float16_row_is_derived_from_a_float32_one(entries):
         assert (e16["kernels"], e16["exposed_ms"]) == (e32["kernels"], e32["exposed_ms"])
         for chip in ml.CHIPS:  # half the bytes: never slower
             assert e16["predicted_tokens_per_s"][chip] >= e32["predicted_tokens_per_s"][chip]
+
+
+def test_a_quantized_targets_drafter_reads_head_rows_in_its_own_dtype():
+    """A ``head: "target"`` drafter scores with its own copy of the target's head rows, made
+    float by ``bind_target``: quantizing the target does not shrink what each depth reads."""
+    import mlx.nn as nn
+    from support import tiny_llama
+
+    from redrafter_mlx.core.drafters.redrafter import random_drafter
+
+    target = tiny_llama(seed=2)
+    nn.quantize(target, group_size=32, bits=4)
+    drafter = random_drafter(64, 64, head="target")
+    drafter.bind_target(target)
+    rnn = BeamDrafter(drafter, target.model.embed_tokens)
+    parts = ml.drafter_parts(target, {"rnn": rnn}, ml.stand_in_draft(target, 1), ml.NUM_DRAFT)
+    assert parts["rnn"][1] == drafter._target_rows.nbytes == 64 * 64 * 4
