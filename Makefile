@@ -111,8 +111,8 @@ generate: setup
 # The exactness tests run a second time on the code path Metal and CUDA run (no CPU-only
 # specialisation: REDRAFTER_CPU_TUNING=0): the files whose decoders take the plan this process
 # runs (plan_for: the CLI, load_runtime, the API); test_llm, test_decode, test_lookup,
-# test_sequence, test_switch and test_quantized name their plans (both, where it matters) and would run the
-# same code twice. The chi-square tests of sampled answers (marker `distribution`, minutes
+# test_sequence, test_switch and test_quantized name their plans (both, where it matters)
+# and would run the same code twice. The chi-square tests of sampled answers (marker `distribution`, minutes
 # each) run after make test in .ci/run, on both plans, as the `soak` tests do;
 # `make test ARGS=...` runs only what ARGS names.
 EXACTNESS := tests/test_generate.py tests/test_families.py tests/test_e2e.py \
