@@ -37,7 +37,7 @@ from redrafter_mlx.core.decode.stream import StepResponse, responses
 from redrafter_mlx.core.errors import ReDrafterError
 from redrafter_mlx.core.serving.batch import Member, batch_step, current_key, fitted, key_value
 from redrafter_mlx.core.serving.prompt_cache import session_bytes
-from redrafter_mlx.core.serving.session import Answer, Session
+from redrafter_mlx.core.serving.session import AnswerSpec, Session
 
 
 class Stopping(RuntimeError):
@@ -193,7 +193,7 @@ class Scheduler:
             if key is not None:
                 mx.random.seed(key)
             key = None
-        answer = Answer(request.max_tokens, request.stop_strings, decoding)
+        answer = AnswerSpec(request.max_tokens, request.stop_strings, decoding)
         try:
             new = session.begin(ids, answer)
         except Exception as e:  # e.g. another rank gone
