@@ -30,8 +30,8 @@ pytestmark = pytest.mark.coding_agents
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = {  # npm package -> its command
-    "@anthropic-ai/claude-code@2.1.328": "claude",
-    "@openai/codex@0.169.0": "codex",
+    "@anthropic-ai/claude-code@2.1.337": "claude",
+    "@openai/codex@0.171.0": "codex",
     "opencode-ai@1.18.33": "opencode",
     "@qwen-code/qwen-code@0.24.4": "qwen",
     "@continuedev/cli@1.5.47": "cn",
