@@ -1,10 +1,11 @@
 """The coding agents people point at a local server, as their users install them (npm, pinned
 versions), each run once non-interactively against `redrafter-mlx serve` on a tiny random
 model with a tools chat template and a 128k context (tests/support/tool_model.py): Claude Code
-(Anthropic's Messages API), Codex CLI (OpenAI's Responses API) and opencode (chat
-completions). A run passes when the server answered every request with a 200 and no client
-left mid-answer: the model's noise ends by length (the agent's own output limit for Claude
-Code and Codex, which then say so and exit 1).
+(Anthropic's Messages API), Codex CLI (OpenAI's Responses API), opencode, Qwen Code and
+Continue's `cn` (chat completions). A run passes when the server answered every request with
+a 200 and no client left mid-answer: the model's noise ends by length (the agent's own output
+limit for Claude Code and Codex, which then say so and exit 1; Qwen Code's and cn's cap from
+their settings).
 
 Marked ``coding_agents`` and skipped unless ``-m`` names it: .ci/run runs them after
 `make test` (npm installs take a minute the first time, into ``$REDRAFTER_NPM_CACHE`` or
@@ -29,11 +30,16 @@ pytestmark = pytest.mark.coding_agents
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = {  # npm package -> its command
-    "@anthropic-ai/claude-code@2.1.328": "claude",
-    "@openai/codex@0.169.0": "codex",
+    "@anthropic-ai/claude-code@2.1.337": "claude",
+    "@openai/codex@0.171.0": "codex",
     "opencode-ai@1.18.33": "opencode",
+    "@qwen-code/qwen-code@0.24.4": "qwen",
+    "@continuedev/cli@1.5.47": "cn",
 }
 OUTPUT_TOKENS = 48  # each answer's budget: noise until then
+# Qwen Code's and cn's caps in their settings: not the server's default, so seen in its log
+QWEN_MAX_TOKENS = 40
+CN_MAX_TOKENS = 36
 RUN_SECONDS = 600
 
 
@@ -122,6 +128,12 @@ def served(log: Path, path: str, since: int) -> list[str]:
     return statuses + trouble
 
 
+def answered(log: Path, since: int) -> list[tuple[str, str]]:
+    """(tokens, finish reason) of each chat completion the log shows after ``since``."""
+    line = r"chat: \d+ prompt tokens \(\d+ cached\), (\d+) tokens, .*, (\w+)$"
+    return re.findall(line, log.read_text()[since:], re.MULTILINE)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_claude_code_answers_through_the_messages_api(bin_dir, family, request, tmp_path):
     """On an attention model and a hybrid (whose recurrent state is kept only at some
@@ -189,3 +201,58 @@ def test_opencode_answers_through_chat_completions(bin_dir, server, tmp_path):
     results = served(log, "/v1/chat/completions", since)
     assert results and set(results) == {"200"}, (results, done.stdout, done.stderr)
     assert done.returncode == 0, (done.stdout, done.stderr)
+
+
+def test_qwen_code_answers_through_chat_completions_within_its_cap(bin_dir, server, tmp_path):
+    """Qwen Code as docs/serving.md sets it up: its output cap in ~/.qwen/settings.json
+    (without it every request asks for 32,768 tokens), the server on its command line."""
+    url, log = server
+    since = len(log.read_text())
+    home = tmp_path / "home"
+    settings = {
+        "model": {
+            "generationConfig": {
+                "contextWindowSize": 131072,
+                "samplingParams": {"max_tokens": QWEN_MAX_TOKENS},
+            }
+        }
+    }
+    (home / ".qwen").mkdir(parents=True)
+    (home / ".qwen" / "settings.json").write_text(json.dumps(settings))
+    command = [str(bin_dir / "qwen"), "--auth-type", "openai", "--openai-base-url", f"{url}/v1"]
+    command += ["--openai-api-key", "none", "--model", "qwen3-4b", "Say hello."]
+    done = run_client(command, home, {}, tmp_path / "work")
+    results = served(log, "/v1/chat/completions", since)
+    assert results and set(results) == {"200"}, (results, done.stdout, done.stderr)
+    # a random model's greedy noise here is newlines only: Qwen Code retries, then says so
+    empty = "Model stream ended with empty response text"
+    assert done.returncode == 0 or empty in done.stderr, (done.stdout, done.stderr)
+    # each answer is noise up to the cap it asked for: the settings' max_tokens, not 32,768
+    answers = answered(log, since)
+    assert answers and all(int(n) <= QWEN_MAX_TOKENS for n, _ in answers), answers
+    assert (str(QWEN_MAX_TOKENS), "length") in answers, answers
+
+
+def test_continue_cli_answers_through_chat_completions_within_its_cap(bin_dir, server, tmp_path):
+    """Continue's `cn` as docs/serving.md sets it up: a config file naming the server, with
+    its output cap (``maxTokens``) and context."""
+    url, log = server
+    since = len(log.read_text())
+    home = tmp_path / "home"
+    config = home / ".continue" / "redrafter.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text(
+        "name: redrafter-mlx serve\nversion: 0.0.1\nschema: v1\nmodels:\n"
+        "  - name: qwen3-4b\n    provider: openai\n    model: qwen3-4b\n"
+        f"    apiBase: {url}/v1\n    apiKey: none\n    roles: [chat, edit, apply]\n"
+        "    defaultCompletionOptions:\n      contextLength: 131072\n"
+        f"      maxTokens: {CN_MAX_TOKENS}\n"
+    )
+    command = [str(bin_dir / "cn"), "--config", str(config), "-p", "Say hello."]
+    done = run_client(command, home, {}, tmp_path / "work")
+    results = served(log, "/v1/chat/completions", since)
+    assert results and set(results) == {"200"}, (results, done.stdout, done.stderr)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    answers = answered(log, since)
+    assert answers and all(int(n) <= CN_MAX_TOKENS for n, _ in answers), answers
+    assert (str(CN_MAX_TOKENS), "length") in answers, answers
