@@ -232,15 +232,7 @@ class Forward:
         """The forward itself, through ``view`` (what a device's plan replaces). The generic
         forward runs eagerly whatever ``compiled`` says: its shapes vary per call."""
         del compiled
-
-        def layer_cache(slot):
-            if isinstance(slot, list):
-                return CacheList(*(layer_cache(s) for s in slot))
-            if isinstance(slot, RecurrentSlot):
-                return StateSlot(view, slot.index, slot.size)
-            return TreeLayerCache(view, slot.index, slot.window)
-
-        return self._layers(tokens, [layer_cache(slot) for slot in self.layout], view)
+        return self._layers(tokens, self._caches(view, TreeLayerCache, StateSlot), view)
 
     def joint(self, segments: list[Segment], *, compiled: bool = True) -> list[mx.array]:
         """One forward over several sequences' new tokens (:mod:`~redrafter_mlx.core.decode.joint`)
@@ -257,15 +249,21 @@ class Forward:
         """The joint forward itself -> hidden ``(N, H)`` (what a device's plan replaces): the
         model's own modules over :class:`~redrafter_mlx.core.decode.joint.JointLayerCache`."""
         del compiled
+        return self._layers(tokens, self._caches(joint, JointLayerCache, JointStateSlot), joint)
+
+    def _caches(self, view, attention, recurrent) -> list:
+        """Each layer's cache over ``view``: ``attention(view, index, window)`` for an
+        attention layer, ``recurrent(view, index, size)`` for a recurrent one (a list of
+        both for a layer with several)."""
 
         def layer_cache(slot):
             if isinstance(slot, list):
                 return CacheList(*(layer_cache(s) for s in slot))
             if isinstance(slot, RecurrentSlot):
-                return JointStateSlot(joint, slot.index, slot.size)
-            return JointLayerCache(joint, slot.index, slot.window)
+                return recurrent(view, slot.index, slot.size)
+            return attention(view, slot.index, slot.window)
 
-        return self._layers(tokens, [layer_cache(slot) for slot in self.layout], joint)
+        return [layer_cache(slot) for slot in self.layout]
 
     def _layers(self, tokens: mx.array, caches: list, view) -> mx.array:
         """The model's layers over ``tokens (T,)`` with each layer's cache, its taps recorded
